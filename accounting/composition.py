@@ -1,0 +1,66 @@
+"""Records of measurements (DpEvent-like) and their composition into release totals.
+
+Totals are always recomputed from the measurement records, never stored separately:
+the manifest's totals and `dprelease verify` both call `compose`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Literal
+
+from .conversions import zcdp_to_epsilon
+from .mechanisms import DiscreteGaussian, DiscreteLaplace, Mechanism
+from .sensitivity import CountSensitivity
+
+Definition = Literal["pure", "approx", "zcdp"]
+
+
+@dataclass(frozen=True)
+class MeasurementEvent:
+    """One noisy count vector released: which mechanism, on what sensitivity, for what budget.
+
+    `allocated` is the share of the release budget given to this measurement
+    (epsilon for pure DP, rho for zCDP/approx); `loss` is what the calibrated mechanism
+    actually spends, always <= allocated.
+    """
+
+    table: str
+    mechanism: Mechanism
+    sensitivity: CountSensitivity
+    allocated: Fraction
+
+    @property
+    def loss(self) -> Fraction:
+        return self.mechanism.privacy_loss(self.sensitivity)
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Composed privacy loss of a set of measurements under the release's definition."""
+
+    definition: Definition
+    pure_epsilon: Fraction | None
+    rho: Fraction | None
+    epsilon_at_delta: float | None
+    delta: float | None
+    allocated_sum: Fraction
+
+
+def compose(events: list[MeasurementEvent], definition: Definition, delta: float | None) -> Totals:
+    """Basic composition for pure DP (epsilons add) or additive zCDP (rhos add).
+
+    For zCDP/approx the composed rho is also reported as (epsilon, delta) with the
+    CKS20 conversion. Raises if events mix mechanism families (check first, then sum).
+    """
+    allocated = sum((e.allocated for e in events), Fraction(0))
+    if definition == "pure":
+        if any(not isinstance(e.mechanism, DiscreteLaplace) for e in events):
+            raise ValueError("pure-DP composition requires discrete Laplace measurements")
+        eps = sum((e.loss for e in events), Fraction(0))
+        return Totals(definition, eps, None, None, None, allocated)
+    if any(not isinstance(e.mechanism, DiscreteGaussian) for e in events):
+        raise ValueError("zCDP composition requires discrete Gaussian measurements")
+    rho = sum((e.loss for e in events), Fraction(0))
+    eps = zcdp_to_epsilon(float(rho), delta) if delta is not None else None
+    return Totals(definition, None, rho, eps, delta, allocated)

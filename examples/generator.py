@@ -1,0 +1,123 @@
+"""A synthetic census-like person file: nested geography, households, age, sex, race, ethnicity.
+
+The geography is fixed (seeded) and public: state (2 chars) > county (5) > tract (11),
+with uneven numbers of counties and tracts and uneven populations. Persons are generated
+in household groups and written to Parquet (or CSV) in chunks, so memory stays flat for
+any row count. A small share of dirty values (nulls, out-of-domain codes) exercises the
+spec's invalid-value policies.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+GEOGRAPHY_SEED = 20260101
+SEXES = ["F", "M"]
+RACES = ["White", "Black", "AIAN", "Asian", "NHPI", "Other", "Two or more"]
+RACE_SHARES = [0.60, 0.13, 0.013, 0.06, 0.002, 0.085, 0.11]
+ETHNICITIES = ["Hispanic", "Not Hispanic"]
+HOUSEHOLD_SIZES = np.arange(1, 8)
+HOUSEHOLD_SHARES = np.array([0.28, 0.35, 0.15, 0.12, 0.06, 0.025, 0.015])
+CHUNK_ROWS = 1_000_000
+
+
+def demo_geography() -> list[str]:
+    """The demo's public tract codes (about 3,000), identical on every call."""
+    rng = np.random.default_rng(GEOGRAPHY_SEED)
+    tracts = []
+    for state in range(1, 9):
+        for county in range(1, int(rng.integers(4, 31)) + 1):
+            for tract in range(1, int(rng.integers(2, 41)) + 1):
+                tracts.append(f"{state * 3:02d}{county * 2 - 1:03d}{tract * 100:06d}")
+    return tracts
+
+
+def _age_weights() -> np.ndarray:
+    ages = np.arange(116)
+    weights = np.where(ages < 60, 1.0, np.exp(-(ages - 60) / 12.0))
+    return weights / weights.sum()
+
+
+def _households(rng: np.random.Generator, n_rows: int) -> np.ndarray:
+    """Household size per household, summing to n_rows."""
+    expected = int(n_rows / 2.4) + 10
+    sizes = rng.choice(HOUSEHOLD_SIZES, size=expected, p=HOUSEHOLD_SHARES)
+    while sizes.sum() < n_rows:
+        sizes = np.concatenate((sizes, rng.choice(HOUSEHOLD_SIZES, size=expected, p=HOUSEHOLD_SHARES)))
+    cumulative = np.cumsum(sizes)
+    last = int(np.searchsorted(cumulative, n_rows))
+    sizes = sizes[: last + 1].copy()
+    sizes[-1] -= int(cumulative[last] - n_rows)
+    return sizes[sizes > 0]
+
+
+def _chunk(rng, start_person, start_household, n_rows, tracts, tract_weights, dirty_rate) -> pa.Table:
+    sizes = _households(rng, n_rows)
+    household = np.repeat(np.arange(sizes.size, dtype=np.int64) + start_household, sizes)
+    tract_of_household = rng.choice(len(tracts), size=sizes.size, p=tract_weights)
+    geo_index = np.repeat(tract_of_household, sizes).astype(np.int32)
+    ethnicity_of_household = (rng.random(sizes.size) > 0.18).astype(np.int32)
+    race_of_household = rng.choice(len(RACES), size=sizes.size, p=RACE_SHARES).astype(np.int32)
+    age = rng.choice(116, size=n_rows, p=_age_weights()).astype(np.float64)
+    dirty = rng.random(n_rows) < dirty_rate
+    age[dirty & (rng.random(n_rows) < 0.5)] = np.nan
+    geo_dictionary = pa.array(tracts + ["99999999999"])
+    geo_index = np.where(dirty & (rng.random(n_rows) < 0.3), len(tracts), geo_index).astype(np.int32)
+    race_index = np.repeat(race_of_household, sizes)
+    race_index = np.where(dirty & (rng.random(n_rows) < 0.3), len(RACES), race_index).astype(np.int32)
+    return pa.table({
+        "person_id": pa.array(np.arange(n_rows, dtype=np.int64) + start_person),
+        "household_id": pa.array(household),
+        "geo": pa.DictionaryArray.from_arrays(pa.array(geo_index), geo_dictionary),
+        "age": pa.array(age, from_pandas=True).cast(pa.int64()),
+        "sex": pa.DictionaryArray.from_arrays(pa.array(rng.integers(0, 2, n_rows).astype(np.int32)), pa.array(SEXES)),
+        "race": pa.DictionaryArray.from_arrays(pa.array(race_index), pa.array(RACES + ["Unknown"])),
+        "ethnicity": pa.DictionaryArray.from_arrays(
+            pa.array(np.repeat(ethnicity_of_household, sizes)), pa.array(ETHNICITIES)),
+    })
+
+
+def write_demo_data(out: Path, rows: int, seed: int = 1, dirty_rate: float = 0.001) -> tuple[Path, Path]:
+    """Write `rows` persons to `out` (a .parquet/.csv file, or a directory for persons.parquet)
+    and the geography domain file `geography.txt` beside it. Returns both paths."""
+    out = Path(out)
+    if out.suffix not in (".parquet", ".csv"):
+        out = out / "persons.parquet"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tracts = demo_geography()
+    geo_rng = np.random.default_rng(GEOGRAPHY_SEED + 1)
+    weights = geo_rng.lognormal(0.0, 0.6, len(tracts))
+    weights /= weights.sum()
+    rng = np.random.default_rng(seed)
+    domain_file = out.parent / "geography.txt"
+    domain_file.write_text("".join(t + "\n" for t in tracts))
+    writer = None
+    person = household = 0
+    try:
+        for start in range(0, rows, CHUNK_ROWS):
+            n = min(CHUNK_ROWS, rows - start)
+            table = _chunk(rng, person, household, n, tracts, weights, dirty_rate)
+            person += n
+            household = int(table.column("household_id")[-1].as_py()) + 1 if n else household
+            if out.suffix == ".csv":
+                table = table.cast(pa.schema([(f.name, pa.string() if pa.types.is_dictionary(f.type) else f.type)
+                                              for f in table.schema]))
+                if writer is None:
+                    writer = pacsv.CSVWriter(str(out), table.schema)
+            elif writer is None:
+                writer = pq.ParquetWriter(str(out), table.schema, compression="zstd")
+            writer.write_table(table)
+        if writer is None:
+            empty = _chunk(rng, 0, 0, 0, tracts, weights, dirty_rate) if rows == 0 else None
+            if out.suffix == ".csv":
+                pacsv.write_csv(empty, str(out))
+            else:
+                pq.write_table(empty, str(out))
+    finally:
+        if writer is not None:
+            writer.close()
+    return out, domain_file

@@ -1,0 +1,175 @@
+"""The `dprelease` command line. Exit codes: 0 ok, 2 bad spec/arguments, 3 budget refused, 1 other."""
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from dprelease.accounting.errors import DPReleaseError
+
+console = Console(width=None if sys.stdout.isatty() else 120)
+errors = Console(stderr=True)
+STAGES = {"read": "Reading and encoding input files", "noise": "Drawing noise (cell ranges)",
+          "write": "Writing tables"}
+
+
+def _fail(error: DPReleaseError) -> None:
+    kind = {2: "spec error", 3: "budget refused"}.get(error.exit_code, "error")
+    messages = getattr(error, "messages", None) or [str(error)]
+    for message in messages:
+        errors.print(f"[bold red]{kind}:[/] {message}", markup=True, highlight=False, soft_wrap=True)
+    sys.exit(error.exit_code)
+
+
+@contextmanager
+def _handled():
+    try:
+        yield
+    except DPReleaseError as error:
+        _fail(error)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="dprelease")
+def main() -> None:
+    """Differentially private statistical releases: plan, run and verify.
+
+    Exit codes: 0 ok, 2 bad spec or arguments, 3 budget refused, 1 anything else.
+    """
+
+
+@main.command()
+def schema() -> None:
+    """Print the JSON Schema of the release spec."""
+    from .spec import json_schema
+
+    click.echo(json.dumps(json_schema(), indent=2))
+
+
+def _plan_table(plan) -> Table:
+    unit = "epsilon" if plan.definition == "pure" else "rho"
+    table = Table(title=f"Plan of release {plan.spec.release_id} ({plan.definition})",
+                  caption="L1/L2: sensitivity; noise: DLap scale b or DGauss variance s2; std and 95% margin per cell")
+    table.add_column("table", no_wrap=True)
+    for header in ("cells", "L1", "L2", unit, "noise", "std", "95%"):
+        table.add_column(header, justify="right", no_wrap=True)
+    for t in plan.tables:
+        m = t.event.mechanism
+        sens = t.event.sensitivity
+        noise = f"DLap b={m.scale}" if m.kind == "discrete_laplace" else f"DGauss s2={m.sigma2}"
+        table.add_row(
+            t.name, f"{t.n_cells:,}", str(sens.l1), f"{sens.l2_squared ** 0.5:.3g}",
+            f"{float(t.event.allocated):.4g}", noise, f"{m.variance() ** 0.5:.3f}", f"±{m.margin_95()}",
+        )
+    return table
+
+
+def _totals_text(plan) -> str:
+    totals = plan.totals
+    if totals.pure_epsilon is not None:
+        return f"Total (basic composition): epsilon = {totals.pure_epsilon} ({float(totals.pure_epsilon):.6g})"
+    return (f"Total (zCDP composition): rho = {totals.rho} ({float(totals.rho):.6g}), "
+            f"i.e. ({totals.epsilon_at_delta:.4f}, {totals.delta:g})-DP")
+
+
+@main.command()
+@click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
+def plan(spec: Path) -> None:
+    """Show the budget allocation and expected error of every table; reads no data."""
+    from .plan import build_plan
+    from .spec import load_spec
+
+    with _handled():
+        parsed, base = load_spec(spec)
+        result = build_plan(parsed, base)
+    console.print(_plan_table(result))
+    console.print(f"Sensitivity: {result.sensitivity.derivation}")
+    console.print(_totals_text(result))
+    console.print(f"{len(result.tables)} tables, {sum(t.n_cells for t in result.tables):,} cells")
+
+
+@main.command()
+@click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--key-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Use this key (created fresh if the file does not exist). Default: a fresh key in <spec dir>/keys/.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Publish under this directory instead of the spec's output.dir.")
+@click.option("--input", "input_path", help="Read this input instead of the spec's input.path.")
+@click.option("--engine", type=click.Choice(["embedded"]), help="Engine (default: the spec's, embedded).")
+@click.option("--workers", type=click.IntRange(1, 256), help="Noise worker processes (default: CPU count).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing release directory of the same id.")
+def run(spec: Path, key_file, out_dir, input_path, engine, workers, overwrite) -> None:
+    """Run a release: bound, aggregate, add noise, post-process, publish atomically."""
+    from .run import run_release
+
+    with _handled(), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                              TimeElapsedColumn(), console=errors, transient=False) as progress:
+        tasks: dict[str, int] = {}
+
+        def hook(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = progress.add_task(STAGES.get(stage, stage), total=total)
+            progress.update(tasks[stage], completed=done, total=total)
+
+        result = run_release(spec, key_file=key_file, out_dir=out_dir, input_path=input_path, engine=engine,
+                             workers=workers, overwrite=overwrite, progress=hook, command_line=sys.argv)
+    plan_ = result.plan
+    console.print(f"[bold green]Published[/] release [bold]{plan_.spec.release_id}[/] to {result.release_dir}")
+    console.print(_totals_text(plan_))
+    console.print(f"{len(plan_.tables)} tables, {sum(t.n_cells for t in plan_.tables):,} cells; "
+                  f"tables/ (post-processed), measurements/ (raw noisy), manifest.json")
+    state = "reused" if result.key_reused else "new"
+    console.print(f"Key ({state}): {result.key_file}  [dim]keep it secret; never publish it[/]")
+    console.print(f"Check it: dprelease verify {result.release_dir}")
+
+
+@main.command()
+@click.argument("release_dir", type=click.Path(file_okay=False, path_type=Path))
+def verify(release_dir: Path) -> None:
+    """Recompute hashes, accounting and budget totals of a release; exit 1 on any mismatch."""
+    from .verify import verify_release
+
+    with _handled():
+        report = verify_release(release_dir)
+    manifest = report.manifest or {}
+    console.print(f"Release {manifest.get('release_id', '?')} of dataset {manifest.get('dataset_id', '?')}, "
+                  f"engine {manifest.get('engine', '?')}, dprelease {manifest.get('software', {}).get('version', '?')}")
+    if report.plan is not None:
+        privacy = manifest.get("privacy", {})
+        console.print(f"Privacy unit: {privacy.get('unit')}; {privacy.get('neighbouring_note')}")
+        console.print(_plan_table(report.plan))
+        console.print(_totals_text(report.plan) + f"; declared budget {manifest['privacy']['declared_budget']}")
+        console.print(f"Invariants (published without protection): {manifest.get('invariants') or 'none'}")
+    console.print(f"Files checked: {report.checked_files}")
+    if report.ok:
+        console.print("[bold green]OK[/]: every file hash, allocation, mechanism and total matches.")
+        return
+    for problem in report.problems:
+        errors.print(f"[bold red]MISMATCH[/] {problem}", highlight=False, soft_wrap=True)
+    errors.print(f"[bold red]{len(report.problems)} mismatch(es)[/]: this release does not match its manifest.")
+    sys.exit(1)
+
+
+@main.command("demo-data")
+@click.option("--rows", type=click.IntRange(0, 10**10), required=True, help="Number of persons.")
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="A .parquet or .csv file, or a directory (for persons.parquet); geography.txt is written beside it.")
+@click.option("--seed", type=int, default=1, show_default=True, help="Seed of the synthetic population.")
+@click.option("--dirty-rate", type=click.FloatRange(0, 1), default=0.001, show_default=True,
+              help="Share of rows with a null or out-of-domain value.")
+def demo_data(rows: int, out: Path, seed: int, dirty_rate: float) -> None:
+    """Generate a synthetic census-like person file and its geography domain file."""
+    from dprelease.examples.generator import write_demo_data
+
+    data, domain = write_demo_data(out, rows, seed=seed, dirty_rate=dirty_rate)
+    console.print(f"Wrote {rows:,} persons to {data} and the geography domain to {domain}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""The engine interface: what an engine must do, and nothing about how.
+
+An engine turns the input into one noisy count vector per planned table:
+encode -> bound contributions -> aggregate over the public domain -> add noise.
+True counts never leave the engine. Post-processing and writing are engine-neutral
+and happen in `dprelease.pipelines.release`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import numpy as np
+
+from dprelease.transforms.csprng import ReleaseKey
+
+from ..plan import Plan
+from ..source import InputSource
+
+ProgressHook = Callable[[str, int, int], None]
+"""progress(stage, done, total): called with public quantities only (files, tables, cell chunks)."""
+
+
+def no_progress(stage: str, done: int, total: int) -> None:
+    return None
+
+
+class Engine(ABC):
+    name: str
+
+    @abstractmethod
+    def noisy_measurements(
+        self, plan: Plan, source: InputSource, key: ReleaseKey, progress: ProgressHook = no_progress
+    ) -> dict[str, np.ndarray]:
+        """One int64 noisy count vector per table of `plan`, in the table's cell order.
+
+        Privacy: the result must be exactly counts(bounded input) + noise(key, table, cell).
+        """

@@ -1,0 +1,152 @@
+"""The embedded engine: one machine, streaming batches, numpy kernels; the reference behaviour.
+
+Memory stays flat as the input grows: encoded records (unit + small integer codes) are
+hash-partitioned by unit into spill files when the input is large, and each partition is
+bounded and aggregated on its own (a unit's records always meet in one partition).
+Noise is drawn in worker processes over ranges of each table's cells.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dprelease.transforms.bound import bound_contributions, record_keys, splitmix64, unit_fingerprints
+from dprelease.transforms.csprng import CellStream, ReleaseKey
+from dprelease.transforms.encode import ColumnEncoder, encode_batch
+from dprelease.transforms.samplers import sample_cells
+
+from ..plan import Plan
+from ..source import InputSource
+from .base import Engine, ProgressHook, no_progress
+
+ROWS_PER_PARTITION = 8_000_000
+NOISE_RANGE_CELLS = 1 << 18
+UNIT = "__unit__"
+
+
+class SpillPartitions:
+    """Encoded records split into `count` partitions by a hash of the unit (in memory if count == 1)."""
+
+    def __init__(self, count: int, directory: Path):
+        self.count = count
+        self._memory: list[pa.Table] = []
+        self._directory = directory
+        self._writers: dict[int, pa.ipc.RecordBatchFileWriter] = {}
+
+    def add(self, table: pa.Table) -> None:
+        if self.count == 1:
+            self._memory.append(table)
+            return
+        fingerprints = unit_fingerprints(table.column(UNIT))
+        part = (splitmix64(fingerprints) % np.uint64(self.count)).astype(np.int64)
+        for p in range(self.count):
+            piece = table.filter(pa.array(part == p))
+            if piece.num_rows:
+                if p not in self._writers:
+                    self._writers[p] = pa.ipc.new_file(str(self._directory / f"part-{p}.arrow"), table.schema)
+                self._writers[p].write_table(piece)
+
+    def tables(self):
+        if self.count == 1:
+            if self._memory:
+                yield pa.concat_tables(self._memory)
+            self._memory = []
+            return
+        for writer in self._writers.values():
+            writer.close()
+        for p in sorted(self._writers):
+            with pa.memory_map(str(self._directory / f"part-{p}.arrow")) as source:
+                yield pa.ipc.open_file(source).read_all()
+
+
+def _noise_range(key: ReleaseKey, table: str, start: int, stop: int, kind: str, parameter: Fraction) -> np.ndarray:
+    stream = CellStream.for_table(key, table)
+    return sample_cells(stream, start, stop, kind, parameter)
+
+
+def _mechanism_args(plan: Plan, name: str) -> tuple[str, Fraction]:
+    mechanism = plan.table(name).event.mechanism
+    parameter = mechanism.scale if mechanism.kind == "discrete_laplace" else mechanism.sigma2
+    return mechanism.kind, parameter
+
+
+class EmbeddedEngine(Engine):
+    name = "embedded"
+
+    def __init__(self, workers: int | None = None):
+        self.workers = workers or os.cpu_count() or 1
+
+    def true_counts(self, plan: Plan, source: InputSource, key: ReleaseKey, progress: ProgressHook) -> dict[str, np.ndarray]:
+        """Bounded counts of every table. Private: only `noisy_measurements` may see them."""
+        columns = plan.used_columns()
+        encoders = {c: ColumnEncoder(plan.domains[c]) for c in columns}
+        sizes = [plan.domains[c].size for c in columns]
+        counts = {t.name: np.zeros(t.n_cells, dtype=np.int64) for t in plan.tables}
+        unit = source.unit_column
+        partitions = max(1, -(-source.estimated_rows() // ROWS_PER_PARTITION)) if unit else 1
+        subkey = key.derive("dprelease/bound")
+        files = source.files()
+        with tempfile.TemporaryDirectory(prefix="dprelease-spill-") as spill_dir:
+            spill = SpillPartitions(partitions, Path(spill_dir))
+            for done, path in enumerate(files):
+                for batch in source.batches(path):
+                    codes, keep = encode_batch(batch, encoders)
+                    if unit:
+                        keep &= pc.is_valid(batch.column(unit)).to_numpy(zero_copy_only=False)
+                    mask = pa.array(keep)
+                    data = {c: pa.array(codes[c].astype(np.int32)).filter(mask) for c in columns}
+                    if unit:
+                        data[UNIT] = batch.column(unit).filter(mask)
+                    table = pa.table(data)
+                    if not unit:
+                        self._count(plan, table, columns, counts)
+                    else:
+                        spill.add(table)
+                progress("read", done + 1, len(files))
+            for part in spill.tables():
+                codes = [part.column(c).to_numpy().astype(np.int64) for c in columns]
+                keep = bound_contributions(part.column(UNIT), record_keys(codes, sizes),
+                                           plan.bounds.max_records_per_unit, subkey)
+                self._count(plan, part.filter(pa.array(keep)), columns, counts)
+        return counts
+
+    @staticmethod
+    def _count(plan: Plan, table: pa.Table, columns: list[str], counts: dict[str, np.ndarray]) -> None:
+        codes = {c: table.column(c).to_numpy().astype(np.int64) for c in columns}
+        for t in plan.tables:
+            counts[t.name] += t.layout.count(codes, table.num_rows)
+
+    def noise(self, plan: Plan, key: ReleaseKey, progress: ProgressHook) -> dict[str, np.ndarray]:
+        """Noise of every cell of every table, in parallel over cell ranges (same values for any split)."""
+        jobs = []
+        for t in plan.tables:
+            kind, parameter = _mechanism_args(plan, t.name)
+            for start in range(0, t.n_cells, NOISE_RANGE_CELLS):
+                jobs.append((t.name, start, min(start + NOISE_RANGE_CELLS, t.n_cells), kind, parameter))
+        noise = {t.name: np.empty(t.n_cells, dtype=np.int64) for t in plan.tables}
+        total_cells = sum(t.n_cells for t in plan.tables)
+        if self.workers <= 1 or total_cells < 50_000:
+            for i, (name, start, stop, kind, parameter) in enumerate(jobs):
+                noise[name][start:stop] = _noise_range(key, name, start, stop, kind, parameter)
+                progress("noise", i + 1, len(jobs))
+            return noise
+        with ProcessPoolExecutor(max_workers=self.workers) as pool:
+            futures = [pool.submit(_noise_range, key, *job) for job in jobs]
+            for i, (job, future) in enumerate(zip(jobs, futures)):
+                name, start, stop = job[:3]
+                noise[name][start:stop] = future.result()
+                progress("noise", i + 1, len(jobs))
+        return noise
+
+    def noisy_measurements(self, plan: Plan, source: InputSource, key: ReleaseKey,
+                           progress: ProgressHook = no_progress) -> dict[str, np.ndarray]:
+        counts = self.true_counts(plan, source, key, progress)
+        noise = self.noise(plan, key, progress)
+        return {name: counts[name] + noise[name] for name in counts}

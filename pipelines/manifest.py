@@ -1,0 +1,144 @@
+"""Building the release manifest (JSON): everything an auditor needs, nothing confidential.
+
+No true counts, no row counts, no key (only its one-way `key_id`), and no timing that
+depends on the data: `created_at` is taken before any data is read.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+from dprelease.accounting.composition import compose
+from dprelease.accounting.conversions import zcdp_to_epsilon
+from dprelease.accounting.manifest import exact, measurement_record, totals_record
+
+from .plan import Plan
+from .postprocessing import steps_applied
+
+MANIFEST_VERSION = 1
+DEPENDENCIES = ["numpy", "pyarrow", "pydantic", "PyYAML", "cryptography", "click", "rich"]
+NEIGHBOURING_NOTE = {
+    "add_remove": "neighbouring inputs differ by adding or removing one privacy unit with all its records",
+    "replace": "neighbouring inputs differ by replacing one privacy unit's records (doubles count sensitivity)",
+}
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def software_version() -> str:
+    try:
+        return importlib.metadata.version("dprelease")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _git_commit() -> str | None:
+    source = Path(__file__).resolve().parent
+    try:
+        result = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True,
+                                text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() or None if result.returncode == 0 else None
+
+
+def _versions() -> dict[str, str]:
+    versions = {"python": sys.version.split()[0]}
+    for name in DEPENDENCIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "missing"
+    return versions
+
+
+def implied_loss(plan: Plan) -> dict:
+    """Loss summed over the tables that involve each attribute / each geography level."""
+    by_attribute: dict[str, Fraction] = {}
+    by_level: dict[str, Fraction] = {}
+    for t in plan.tables:
+        for dim in t.dims:
+            by_attribute[dim.column] = by_attribute.get(dim.column, Fraction(0)) + t.event.loss
+            if dim.level:
+                by_level[dim.label] = by_level.get(dim.label, Fraction(0)) + t.event.loss
+    unit = "epsilon" if plan.definition == "pure" else "rho"
+
+    def render(values: dict[str, Fraction]) -> dict:
+        out = {}
+        for name, value in sorted(values.items()):
+            entry = {unit: exact(value)}
+            if unit == "rho" and plan.delta is not None:
+                entry["epsilon_at_delta"] = zcdp_to_epsilon(float(value), plan.delta)
+            out[name] = entry
+        return out
+
+    return {"by_attribute": render(by_attribute), "by_geography_level": render(by_level)}
+
+
+def accounting_section(plan: Plan) -> dict:
+    """The part of the manifest `verify` recomputes from the spec alone."""
+    tables = []
+    for t in plan.tables:
+        record = {"name": t.name, "query": t.query, "kind": t.kind, "cells": t.n_cells,
+                  "dimensions": [{"column": d.column, "level": d.level, "size": d.size} for d in t.dims]}
+        record.update(measurement_record(t.event))
+        tables.append(record)
+    totals = compose([t.event for t in plan.tables], plan.definition, plan.delta)
+    return {
+        "allocation_budget": {"unit": "epsilon" if plan.definition == "pure" else "rho",
+                              **exact(plan.allocation_budget)},
+        "tables": tables,
+        "totals": totals_record(totals),
+        "implied_loss": implied_loss(plan),
+    }
+
+
+def build_manifest(plan: Plan, engine: str, key_id: str, files: list[dict], domain_files: dict[str, str],
+                   created_at: str, command_line: list[str]) -> dict:
+    spec = plan.spec
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "release_id": spec.release_id,
+        "dataset_id": spec.dataset_id,
+        "software": {"name": "dprelease", "version": software_version()},
+        "engine": engine,
+        "spec": spec.model_dump(mode="json"),
+        "spec_sha256": spec.spec_hash(),
+        "privacy": {
+            "unit": spec.privacy_unit or "record",
+            "neighbouring": spec.neighbouring,
+            "neighbouring_note": NEIGHBOURING_NOTE[spec.neighbouring],
+            "definition": spec.budget.definition,
+            "declared_budget": spec.budget.model_dump(mode="json"),
+            "contribution_bounds": {"max_records_per_unit": plan.bounds.max_records_per_unit},
+            "invalid_value_policy": {name: c.on_invalid for name, c in spec.columns.items()},
+        },
+        **accounting_section(plan),
+        "invariants": [],
+        "post_processing": steps_applied(plan),
+        "ledger": None,
+        "key_id": key_id,
+        "domain_files": domain_files,
+        "files": files,
+        "provenance": {
+            "git_commit": _git_commit(),
+            "versions": _versions(),
+            "command_line": command_line,
+            "created_at": created_at,
+        },
+    }
+
+
+def dump_manifest(manifest: dict) -> bytes:
+    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")

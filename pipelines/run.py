@@ -1,0 +1,82 @@
+"""`dprelease run`: spec -> plan -> engine -> post-processing -> published release."""
+from __future__ import annotations
+
+import datetime as dt
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dprelease.accounting.errors import SpecError
+from dprelease.transforms.csprng import ReleaseKey
+
+from .engines.base import Engine, ProgressHook, no_progress
+from .engines.embedded import EmbeddedEngine
+from .plan import Plan, build_plan
+from .postprocessing import post_process
+from .release import write_release
+from .source import open_input
+from .spec import load_spec
+
+
+@dataclass(frozen=True)
+class RunResult:
+    release_dir: Path
+    key_file: Path
+    key_reused: bool
+    plan: Plan
+
+
+def creation_time() -> str:
+    """UTC time of the run's start, or SOURCE_DATE_EPOCH (reproducible builds) when set."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    moment = dt.datetime.fromtimestamp(int(epoch), dt.timezone.utc) if epoch else dt.datetime.now(dt.timezone.utc)
+    return moment.replace(microsecond=0).isoformat()
+
+
+def resolve_key(key_file: Path | None, spec_dir: Path, release_id: str, created_at: str) -> tuple[ReleaseKey, Path, bool]:
+    """Load `key_file` if it exists; else draw a fresh key from the OS and write it there
+    (default: <spec dir>/keys/<release id>-<time>.key, outside any release directory)."""
+    if key_file is None:
+        stamp = created_at.replace(":", "").replace("-", "").replace("+0000", "Z")
+        key_file = spec_dir / "keys" / f"{release_id}-{stamp}-{os.urandom(3).hex()}.key"
+    key_file = Path(key_file)
+    if key_file.exists():
+        try:
+            return ReleaseKey.load(key_file), key_file, True
+        except ValueError as error:
+            raise SpecError(f"--key-file = {str(key_file)!r}: {error}") from None
+    key = ReleaseKey.generate()
+    key.save(key_file)
+    return key, key_file, False
+
+
+def make_engine(name: str, workers: int | None) -> Engine:
+    if name == "embedded":
+        return EmbeddedEngine(workers=workers)
+    raise SpecError(f"--engine = {name!r}: allowed: embedded")
+
+
+def run_release(
+    spec_path: Path, *, key_file: Path | None = None, out_dir: Path | None = None, input_path: str | None = None,
+    engine: str | None = None, workers: int | None = None, overwrite: bool = False,
+    progress: ProgressHook = no_progress, command_line: list[str] | None = None,
+) -> RunResult:
+    """Run a release end to end. Everything that can abort on public grounds (spec, domain files,
+    input schema, existing release) is checked before the key is drawn or any noise is sampled."""
+    created_at = creation_time()
+    spec, spec_dir = load_spec(spec_path)
+    plan = build_plan(spec, spec_dir)
+    root = Path(out_dir) if out_dir else spec_dir / spec.output.dir
+    final_dir = root / spec.release_id
+    if final_dir.exists() and not overwrite:
+        raise SpecError(f"output: release directory {final_dir} already exists; pass --overwrite to replace it")
+    runner = make_engine(engine or spec.engine, workers)
+    source = open_input(plan, spec_dir, input_path)
+    key, key_path, reused = resolve_key(key_file, spec_dir, spec.release_id, created_at)
+    noisy = runner.noisy_measurements(plan, source, key, progress)
+    published = post_process(plan, noisy)
+    write_release(plan, noisy, published, final_dir, engine=runner.name, key_id=key.key_id(),
+                  created_at=created_at, command_line=command_line or sys.argv, overwrite=overwrite,
+                  progress=progress)
+    return RunResult(final_dir, key_path, reused, plan)

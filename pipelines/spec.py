@@ -1,0 +1,268 @@
+"""The release spec: a YAML file validated by frozen pydantic models.
+
+Every field is documented as required, optional or defaulted in its `Field(description=...)`;
+`dprelease schema` prints the JSON Schema. `load_spec` turns every problem into one
+message naming the field path, the value and what is allowed (a `SpecError`, exit code 2).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from fractions import Fraction
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from dprelease.accounting.errors import SpecError
+from dprelease.accounting.rationals import parse_rational
+
+IDENTIFIER = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+NAME = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
+MAX_RECORDS_PER_UNIT = 10_000
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _positive_rational(value: Any, field: str) -> str:
+    """Validate a positive finite rational given as a number or 'p/q'; keep its exact text."""
+    parsed = parse_rational(value)
+    if parsed <= 0:
+        raise ValueError(f"must be > 0 (got {value!r})")
+    return str(parsed)
+
+
+def _delta(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"must be a number in (0, 1) (got {value!r})")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"must be a number in (0, 1) (got {value!r})") from None
+    if not (math.isfinite(number) and 0 < number < 1):
+        raise ValueError(f"must be a finite number in (0, 1) (got {value!r})")
+    return number
+
+
+class InputSpec(Frozen):
+    path: str = Field(description="Required. A Parquet or CSV file, or a directory of them (relative to the spec file).")
+    format: Literal["parquet", "csv"] | None = Field(
+        None, description="Optional. parquet or csv; default: from the file extension (directories: parquet)."
+    )
+
+
+class PureBudget(Frozen):
+    definition: Literal["pure"] = Field(description="Required. Pure epsilon-DP; counts get discrete Laplace noise.")
+    epsilon: str = Field(description="Required. Total epsilon > 0, a number or an exact fraction 'p/q'.")
+
+    _check_epsilon = field_validator("epsilon", mode="before")(lambda v: _positive_rational(v, "epsilon"))
+
+
+class ApproxBudget(Frozen):
+    definition: Literal["approx"] = Field(
+        description="Required. Approximate (epsilon, delta)-DP, met through zCDP and discrete Gaussian noise."
+    )
+    epsilon: str = Field(description="Required. Total epsilon > 0.")
+    delta: float = Field(description="Required. Total delta in (0, 1).")
+
+    _check_epsilon = field_validator("epsilon", mode="before")(lambda v: _positive_rational(v, "epsilon"))
+    _check_delta = field_validator("delta", mode="before")(_delta)
+
+
+class ZcdpBudget(Frozen):
+    definition: Literal["zcdp"] = Field(description="Required. rho-zCDP; counts get discrete Gaussian noise.")
+    rho: str = Field(description="Required. Total rho > 0.")
+    delta: float = Field(1e-10, description="Defaulted (1e-10). The delta at which the implied epsilon is reported.")
+
+    _check_rho = field_validator("rho", mode="before")(lambda v: _positive_rational(v, "rho"))
+    _check_delta = field_validator("delta", mode="before")(_delta)
+
+
+Budget = Annotated[Union[PureBudget, ApproxBudget, ZcdpBudget], Field(discriminator="definition")]
+
+
+class Contribution(Frozen):
+    max_records_per_unit: int = Field(
+        ge=1, le=MAX_RECORDS_PER_UNIT,
+        description=f"Required. At most this many records of a privacy unit are used (1..{MAX_RECORDS_PER_UNIT}).",
+    )
+
+
+class CategoricalColumn(Frozen):
+    type: Literal["categorical"]
+    values: list[str | int] = Field(min_length=1, description="Required. The public list of values (matched as text).")
+    on_invalid: Literal["other", "drop"] = Field("other", description="Defaulted (other). Out-of-domain/null values.")
+
+    @field_validator("values")
+    @classmethod
+    def _unique(cls, values: list) -> list:
+        texts = [str(v) for v in values]
+        duplicates = sorted({t for t in texts if texts.count(t) > 1})
+        if duplicates:
+            raise ValueError(f"must be distinct; repeated: {duplicates}")
+        return values
+
+
+class IntegerColumn(Frozen):
+    type: Literal["integer"]
+    min: int = Field(description="Required. Smallest valid value.")
+    max: int = Field(description="Required. Largest valid value (>= min).")
+    bins: list[int] | None = Field(
+        None,
+        description="Optional. Bin edges e0 < e1 < ... with e0 = min and last = max + 1; cell i is [e_i, e_i+1).",
+    )
+    on_invalid: Literal["other", "drop"] = Field("other", description="Defaulted (other).")
+
+
+class GeographyColumn(Frozen):
+    type: Literal["geography"]
+    domain_file: str = Field(description="Required. Text/CSV file of valid finest-level codes, one per line.")
+    levels: dict[str, int] = Field(
+        min_length=1,
+        description="Required. Level name -> code prefix width, e.g. {state: 2, county: 5, tract: 11}; "
+                    "widths are distinct and positive and order the levels coarse to fine.",
+    )
+    on_invalid: Literal["other", "drop"] = Field("other", description="Defaulted (other).")
+
+    @field_validator("levels")
+    @classmethod
+    def _order_by_width(cls, levels: dict[str, int]) -> dict[str, int]:
+        widths = list(levels.values())
+        if any(w <= 0 for w in widths) or len(set(widths)) != len(widths):
+            raise ValueError("widths must be distinct positive integers")
+        return dict(sorted(levels.items(), key=lambda item: item[1]))
+
+
+Column = Annotated[Union[CategoricalColumn, IntegerColumn, GeographyColumn], Field(discriminator="type")]
+
+
+class HistogramQuery(Frozen):
+    name: str = Field(pattern=NAME, description="Required. Unique query name (letters, digits, _ and -).")
+    kind: Literal["histogram"]
+    by: list[str] = Field(default_factory=list, description="Defaulted ([]: the total). Columns or geo levels 'geo.county'.")
+    weight: str = Field("1", description="Defaulted (1). Share of the budget relative to the other queries.")
+
+    _check_weight = field_validator("weight", mode="before")(lambda v: _positive_rational(v, "weight"))
+
+
+class MarginalsQuery(Frozen):
+    name: str = Field(pattern=NAME)
+    kind: Literal["marginals"]
+    attributes: list[str] = Field(min_length=1, description="Required. Attributes whose t-way combinations are tabulated.")
+    way: int = Field(2, ge=1, description="Defaulted (2). t: the size of each combination.")
+    within: str | None = Field(None, description="Optional. A geography level every marginal is crossed with, 'geo.county'.")
+    weight: str = Field("1")
+
+    _check_weight = field_validator("weight", mode="before")(lambda v: _positive_rational(v, "weight"))
+
+
+class HierarchyQuery(Frozen):
+    name: str = Field(pattern=NAME)
+    kind: Literal["hierarchy"]
+    geography: str = Field(description="Required. The geography column.")
+    levels: list[str] = Field(min_length=1, description="Required. Levels coarse to fine, e.g. [nation, state, county].")
+    by: list[str] = Field(default_factory=list, description="Defaulted ([]). Attributes crossed with every level.")
+    weight: str = Field("1")
+
+    _check_weight = field_validator("weight", mode="before")(lambda v: _positive_rational(v, "weight"))
+
+
+Query = Annotated[Union[HistogramQuery, MarginalsQuery, HierarchyQuery], Field(discriminator="kind")]
+
+
+class OutputSpec(Frozen):
+    dir: str = Field(description="Required. Directory under which the release directory <release_id>/ is published.")
+
+
+class ReleaseSpec(Frozen):
+    """A differentially private release: what to read, how to bound, what to count, how much budget."""
+
+    release_id: str = Field(pattern=IDENTIFIER, description="Required. Identifier of this release.")
+    dataset_id: str = Field(pattern=IDENTIFIER, description="Required. Identifier of the confidential dataset.")
+    engine: Literal["embedded"] = Field("embedded", description="Defaulted (embedded). The engine that runs it.")
+    input: InputSpec
+    privacy_unit: str | None = Field(
+        description="Required. Column identifying a privacy unit (person, household); null: each record is a unit."
+    )
+    neighbouring: Literal["add_remove", "replace"] = Field(
+        "add_remove", description="Defaulted (add_remove). Neighbouring inputs add/remove or replace one unit."
+    )
+    budget: Budget
+    contribution: Contribution
+    columns: dict[str, Column] = Field(min_length=1, description="Required. Public domains of the columns used.")
+    queries: list[Query] = Field(min_length=1, description="Required. The tables to release.")
+    output: OutputSpec
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    def spec_hash(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+    def total_budget(self) -> Fraction:
+        value = getattr(self.budget, "rho", None) or self.budget.epsilon
+        return Fraction(value)
+
+
+def _location(loc: tuple) -> str:
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+    return text or "spec"
+
+
+def _pydantic_messages(error: ValidationError) -> list[str]:
+    messages = []
+    for item in error.errors():
+        loc = tuple(p for p in item["loc"] if p not in ("pure", "approx", "zcdp", "categorical", "integer",
+                                                       "geography", "histogram", "marginals", "hierarchy"))
+        path = _location(loc)
+        msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "missing":
+            messages.append(f"{path}: required field is missing")
+        elif item["type"] == "extra_forbidden":
+            messages.append(f"{path}: unknown field (value {item['input']!r}); check the spelling against `dprelease schema`")
+        else:
+            messages.append(f"{path} = {item.get('input')!r}: {msg}")
+    return messages
+
+
+def parse_spec(document: Any) -> ReleaseSpec:
+    """Validate a parsed YAML/JSON document; all field and cross-reference problems at once."""
+    if not isinstance(document, dict):
+        raise SpecError(f"spec: expected a mapping of fields, got {type(document).__name__}")
+    try:
+        spec = ReleaseSpec.model_validate(document)
+    except ValidationError as error:
+        raise SpecError(_pydantic_messages(error)) from None
+    from .spec_checks import cross_reference_problems
+
+    problems = cross_reference_problems(spec)
+    if problems:
+        raise SpecError(problems)
+    return spec
+
+
+def load_spec(path: str | Path) -> tuple[ReleaseSpec, Path]:
+    """Read and validate a spec file. Returns the spec and the directory relative paths start from."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise SpecError(f"spec file {path}: cannot be read ({error.strerror})") from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise SpecError(f"spec file {path}: not valid YAML ({error})") from None
+    return parse_spec(document), path.resolve().parent
+
+
+def json_schema() -> dict:
+    return ReleaseSpec.model_json_schema()

@@ -1,0 +1,105 @@
+"""Cross-field checks of a spec: references between queries and columns, bins, levels, names."""
+from __future__ import annotations
+
+from .spec import (CategoricalColumn, GeographyColumn, HierarchyQuery, HistogramQuery, IntegerColumn,
+                   MarginalsQuery, ReleaseSpec)
+
+NATION = "nation"
+
+
+def _check_column(name: str, column, problems: list[str]) -> None:
+    path = f"columns.{name}"
+    if isinstance(column, IntegerColumn):
+        if column.max < column.min:
+            problems.append(f"{path}.max = {column.max}: must be >= min ({column.min})")
+            return
+        if column.bins is not None:
+            bins = column.bins
+            if len(bins) < 2:
+                problems.append(f"{path}.bins = {bins}: needs at least 2 edges")
+            elif any(b >= a for a, b in zip(bins[1:], bins[:-1])):
+                problems.append(f"{path}.bins = {bins}: edges must be strictly increasing")
+            elif bins[0] != column.min or bins[-1] != column.max + 1:
+                problems.append(
+                    f"{path}.bins = {bins}: first edge must equal min ({column.min}) and last edge max + 1 ({column.max + 1})"
+                )
+        if column.max - column.min >= 1_000_000 and not column.bins:
+            problems.append(f"{path}: range [{column.min}, {column.max}] has over 1,000,000 cells; give bins")
+    elif isinstance(column, GeographyColumn):
+        if NATION in column.levels:
+            problems.append(f"{path}.levels: '{NATION}' is implicit (width 0); do not list it")
+
+
+def _resolve(spec: ReleaseSpec, ref: str, path: str, problems: list[str]) -> tuple[str, str | None] | None:
+    column, _, level = ref.partition(".")
+    if column not in spec.columns:
+        problems.append(f"{path} = {ref!r}: unknown column; known: {sorted(spec.columns)}")
+        return None
+    domain = spec.columns[column]
+    if level:
+        if not isinstance(domain, GeographyColumn):
+            problems.append(f"{path} = {ref!r}: only geography columns have levels")
+            return None
+        allowed = [NATION, *domain.levels]
+        if level not in allowed:
+            problems.append(f"{path} = {ref!r}: unknown level; allowed: {allowed}")
+            return None
+    return column, level or None
+
+
+def _check_refs(spec: ReleaseSpec, refs: list[str], path: str, problems: list[str]) -> None:
+    seen = []
+    for i, ref in enumerate(refs):
+        resolved = _resolve(spec, ref, f"{path}[{i}]", problems)
+        if resolved:
+            if resolved[0] in seen:
+                problems.append(f"{path}[{i}] = {ref!r}: column {resolved[0]!r} used twice in one table")
+            seen.append(resolved[0])
+
+
+def cross_reference_problems(spec: ReleaseSpec) -> list[str]:
+    problems: list[str] = []
+    for name, column in spec.columns.items():
+        _check_column(name, column, problems)
+    if spec.privacy_unit is None and spec.contribution.max_records_per_unit != 1:
+        problems.append(
+            f"contribution.max_records_per_unit = {spec.contribution.max_records_per_unit}: "
+            "must be 1 when privacy_unit is null (each record is its own unit)"
+        )
+    if spec.privacy_unit is not None and spec.privacy_unit in spec.columns:
+        problems.append(f"privacy_unit = {spec.privacy_unit!r}: the unit column cannot also be a table column")
+    names = [q.name for q in spec.queries]
+    for i, query in enumerate(spec.queries):
+        path = f"queries[{i}]"
+        if names.count(query.name) > 1:
+            problems.append(f"{path}.name = {query.name!r}: duplicate query name")
+        if isinstance(query, HistogramQuery):
+            _check_refs(spec, query.by, f"{path}.by", problems)
+        elif isinstance(query, MarginalsQuery):
+            _check_refs(spec, query.attributes, f"{path}.attributes", problems)
+            if query.way > len(query.attributes):
+                problems.append(f"{path}.way = {query.way}: must be <= number of attributes ({len(query.attributes)})")
+            if query.within is not None:
+                resolved = _resolve(spec, query.within, f"{path}.within", problems)
+                if resolved and resolved[1] is None:
+                    problems.append(f"{path}.within = {query.within!r}: must name a level, e.g. 'geo.county'")
+                if resolved and resolved[0] in [a.partition('.')[0] for a in query.attributes]:
+                    problems.append(f"{path}.within = {query.within!r}: also listed in attributes")
+        elif isinstance(query, HierarchyQuery):
+            geo = spec.columns.get(query.geography)
+            if not isinstance(geo, GeographyColumn):
+                problems.append(f"{path}.geography = {query.geography!r}: must name a geography column")
+            else:
+                allowed = [NATION, *geo.levels]
+                unknown = [lvl for lvl in query.levels if lvl not in allowed]
+                if unknown:
+                    problems.append(f"{path}.levels = {query.levels}: unknown levels {unknown}; allowed: {allowed}")
+                elif [allowed.index(lvl) for lvl in query.levels] != sorted({allowed.index(lvl) for lvl in query.levels}):
+                    problems.append(f"{path}.levels = {query.levels}: must be distinct and ordered coarse to fine")
+            _check_refs(spec, query.by, f"{path}.by", problems)
+            if query.geography in [b.partition('.')[0] for b in query.by]:
+                problems.append(f"{path}.by: cannot cross the hierarchy with its own geography column")
+    return problems
+
+
+__all__ = ["cross_reference_problems", "CategoricalColumn"]

@@ -1,0 +1,48 @@
+"""One distribution, `dprelease`, installing the top-level folders under one namespace.
+
+pipelines/ -> dprelease.pipelines, transforms/ -> dprelease.transforms,
+accounting/ -> dprelease.accounting, examples/ -> dprelease.examples.
+`dprelease` itself is an implicit namespace package, so no generic top-level name
+(such as `pipelines`) is installed into site-packages.
+"""
+from setuptools import setup
+
+PACKAGES = {
+    "dprelease.pipelines": "pipelines",
+    "dprelease.pipelines.engines": "pipelines/engines",
+    "dprelease.transforms": "transforms",
+    "dprelease.accounting": "accounting",
+    "dprelease.examples": "examples",
+}
+
+setup(
+    name="dprelease",
+    version="0.1.0",
+    description="Differentially private statistical releases: census-style tables, exact noise, verifiable manifests",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=list(PACKAGES),
+    package_dir=PACKAGES,
+    package_data={
+        "dprelease.examples": ["demo/*.yaml", "adult/*.yaml"],
+        "dprelease.accounting": ["*.json"],
+    },
+    install_requires=[
+        "numpy>=1.26",
+        "pyarrow>=14",
+        "pydantic>=2.5",
+        "PyYAML>=6",
+        "cryptography>=41",
+        "click>=8.1",
+        "rich>=13",
+    ],
+    extras_require={
+        "test": ["pytest>=7.4", "scipy>=1.11"],
+        "spark": [],
+        "beam": [],
+        "validate": [],
+        "bench": ["psutil>=5.9"],
+    },
+    entry_points={"console_scripts": ["dprelease=dprelease.pipelines.cli:main"]},
+)

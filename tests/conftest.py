@@ -1,0 +1,67 @@
+"""Shared fixtures: small specs and inputs written to a temporary directory."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_SPEC = REPO / "examples" / "demo" / "spec.yaml"
+ADULT_SPEC = REPO / "examples" / "adult" / "spec.yaml"
+
+GEO_LEAVES = ["01001000100", "01001000200", "01003000100", "02005000100", "02005000200", "02005000300"]
+
+
+def small_spec(**overrides) -> dict:
+    """A small valid spec document: geography (2 states, 3 counties, 6 tracts), age, sex."""
+    spec = {
+        "release_id": "test-release",
+        "dataset_id": "test-data",
+        "input": {"path": "input.parquet"},
+        "privacy_unit": "pid",
+        "neighbouring": "add_remove",
+        "budget": {"definition": "pure", "epsilon": 1},
+        "contribution": {"max_records_per_unit": 1},
+        "columns": {
+            "geo": {"type": "geography", "domain_file": "geo.txt", "levels": {"state": 2, "county": 5, "tract": 11}},
+            "age": {"type": "integer", "min": 0, "max": 99, "bins": [0, 18, 65, 100]},
+            "sex": {"type": "categorical", "values": ["F", "M"]},
+        },
+        "queries": [
+            {"name": "pop", "kind": "hierarchy", "geography": "geo", "levels": ["nation", "state", "county", "tract"]},
+            {"name": "agesex", "kind": "marginals", "attributes": ["age", "sex"], "way": 2, "within": "geo.state"},
+            {"name": "by_sex", "kind": "histogram", "by": ["sex"]},
+        ],
+        "output": {"dir": "out"},
+    }
+    spec.update(overrides)
+    return spec
+
+
+def write_case(directory: Path, spec: dict, rows: dict | None = None, schema: pa.Schema | None = None) -> Path:
+    """Write spec.yaml, geo.txt and input.parquet into `directory`; return the spec path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "geo.txt").write_text("\n".join(GEO_LEAVES) + "\n")
+    if rows is None:
+        rows = {"pid": [1, 2, 3], "geo": [GEO_LEAVES[0], GEO_LEAVES[3], GEO_LEAVES[5]],
+                "age": [10, 40, 70], "sex": ["F", "M", "F"]}
+    table = pa.table(rows, schema=schema) if schema is not None else pa.table(rows)
+    pq.write_table(table, directory / "input.parquet")
+    path = directory / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def case(tmp_path):
+    """Factory: case(spec_overrides..., rows=...) -> spec path in a fresh directory."""
+    counter = {"n": 0}
+
+    def make(rows: dict | None = None, schema: pa.Schema | None = None, **overrides) -> Path:
+        counter["n"] += 1
+        return write_case(tmp_path / f"case{counter['n']}", small_spec(**overrides), rows, schema)
+
+    return make

@@ -1,0 +1,69 @@
+"""Contribution bounding: at most k records per unit, a uniformly chosen subset, order-independent."""
+from __future__ import annotations
+
+import itertools
+import os
+
+import numpy as np
+import pyarrow as pa
+from scipy import stats
+
+from dprelease.transforms.bound import bound_contributions, record_keys
+
+
+def _units(n_units: int, sizes: np.ndarray) -> pa.Array:
+    return pa.array(np.repeat(np.arange(n_units), sizes))
+
+
+def test_keeps_at_most_k_per_unit():
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(1, 12, 2000)
+    units = _units(2000, sizes)
+    keys = rng.integers(0, 50, len(units)).astype(np.uint64)
+    for k in [1, 3, 7]:
+        keep = bound_contributions(units, keys, k, os.urandom(32))
+        kept_per_unit = np.bincount(np.asarray(units)[keep], minlength=2000)
+        assert kept_per_unit.max() <= k
+        assert np.array_equal(kept_per_unit, np.minimum(sizes, k))
+
+
+def test_string_units_are_grouped_exactly():
+    units = pa.array(["a", "b", "a", "c", "a", "b"])
+    keep = bound_contributions(units, np.arange(6, dtype=np.uint64), 1, os.urandom(32))
+    assert keep.sum() == 3
+
+
+def test_selection_is_uniform():
+    """A unit of 5 distinct records, k = 2: each of the 10 pairs equally likely over fresh keys."""
+    units = pa.array([0] * 5)
+    keys = np.arange(5, dtype=np.uint64)
+    pairs = {pair: 0 for pair in itertools.combinations(range(5), 2)}
+    trials = 6000
+    for _ in range(trials):
+        kept = tuple(np.flatnonzero(bound_contributions(units, keys, 2, os.urandom(32))))
+        pairs[kept] += 1
+    _, p_value = stats.chisquare(list(pairs.values()))
+    assert p_value > 1e-6
+
+
+def test_duplicates_are_selected_uniformly():
+    """Records A, A, B with k = 1: A must be kept 2/3 of the time (uniform over records)."""
+    units = pa.array([0, 0, 0])
+    keys = np.array([7, 7, 9], dtype=np.uint64)
+    trials = 6000
+    kept_a = sum(int(bound_contributions(units, keys, 1, os.urandom(32))[:2].any()) for _ in range(trials))
+    assert stats.binomtest(kept_a, trials, 2 / 3).pvalue > 1e-6
+
+
+def test_kept_multiset_does_not_depend_on_order():
+    rng = np.random.default_rng(1)
+    unit_values = rng.integers(0, 300, 5000)
+    codes = [rng.integers(0, 4, 5000), rng.integers(0, 3, 5000)]
+    keys = record_keys(codes, [4, 3])
+    secret = os.urandom(32)
+    keep = bound_contributions(pa.array(unit_values), keys, 2, secret)
+    order = rng.permutation(5000)
+    keep_shuffled = bound_contributions(pa.array(unit_values[order]), keys[order], 2, secret)
+    before = sorted(zip(unit_values[keep], keys[keep]))
+    after = sorted(zip(unit_values[order][keep_shuffled], keys[order][keep_shuffled]))
+    assert before == after

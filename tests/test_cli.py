@@ -1,0 +1,68 @@
+"""End to end through the CLI: the demo release and the Adult release."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from .conftest import ADULT_SPEC, DEMO_SPEC, REPO
+
+SHARED_ADULT = REPO.parent / "shared" / "data" / "adult" / "adult.csv"
+
+
+def cli(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd)
+
+
+def test_demo_release_end_to_end(tmp_path):
+    data = tmp_path / "data"
+    generated = cli("demo-data", "--rows", 50_000, "--out", data)
+    assert generated.returncode == 0, generated.stderr
+    assert (data / "persons.parquet").is_file() and (data / "geography.txt").is_file()
+    assert (data / "geography.txt").read_text() == (DEMO_SPEC.parent / "geography.txt").read_text()
+    planned = cli("plan", DEMO_SPEC)
+    assert planned.returncode == 0, planned.stderr
+    assert "population.tract" in planned.stdout and "rho = 1" in planned.stdout
+    key = tmp_path / "demo.key"
+    ran = cli("run", DEMO_SPEC, "--input", data / "persons.parquet", "--out", tmp_path / "releases",
+              "--key-file", key)
+    assert ran.returncode == 0, ran.stderr
+    release = tmp_path / "releases" / "demo-2026"
+    assert "Published" in ran.stdout and key.is_file()
+    manifest = json.loads((release / "manifest.json").read_text())
+    assert manifest["engine"] == "embedded" and manifest["privacy"]["unit"] == "person_id"
+    assert len(manifest["tables"]) == 4 + 6
+    nation = pq.read_table(release / "tables" / "population.nation.parquet").to_pydict()["count"][0]
+    assert abs(nation - 50_000) < 50
+    verified = cli("verify", release)
+    assert verified.returncode == 0, verified.stderr
+    again = cli("run", DEMO_SPEC, "--input", data / "persons.parquet", "--out", tmp_path / "releases")
+    assert again.returncode == 2 and "already exists" in again.stderr
+
+
+@pytest.mark.skipif(not SHARED_ADULT.is_file(), reason="shared Adult data not beside the repository")
+def test_adult_release_end_to_end(tmp_path):
+    ran = cli("run", ADULT_SPEC, "--out", tmp_path, "--key-file", tmp_path / "adult.key")
+    assert ran.returncode == 0, ran.stderr
+    release = tmp_path / "adult-2way"
+    manifest = json.loads((release / "manifest.json").read_text())
+    assert len(manifest["tables"]) == 91
+    assert manifest["totals"]["epsilon_at_delta"] <= 1.0
+    assert cli("verify", release).returncode == 0
+
+
+def test_missing_input_is_exit_2(tmp_path):
+    ran = cli("run", DEMO_SPEC, "--input", tmp_path / "nope.parquet", "--out", tmp_path)
+    assert ran.returncode == 2
+    assert "input.path" in ran.stderr and "no such file" in ran.stderr
+
+
+def test_help_lists_commands():
+    result = cli("--help")
+    for command in ("plan", "run", "verify", "schema", "demo-data"):
+        assert command in result.stdout

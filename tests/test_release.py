@@ -1,0 +1,187 @@
+"""The release path on the embedded engine: cells, policies, bounding, determinism, atomic publish."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dprelease.accounting.errors import InputSchemaError, SpecError
+from dprelease.pipelines import release as release_module
+from dprelease.pipelines.run import run_release
+from dprelease.pipelines.verify import verify_release
+
+from .conftest import GEO_LEAVES
+
+EXACT = {"definition": "pure", "epsilon": 1000000}  # noise scale 1e-6: the noise is 0 with overwhelming probability
+
+
+def run(spec_path, tmp_path, name="k.key", **kwargs):
+    return run_release(spec_path, key_file=tmp_path / name, **kwargs)
+
+
+def read(release_dir, folder, table):
+    return pq.read_table(release_dir / folder / f"{table}.parquet")
+
+
+def test_empty_input_has_every_public_cell(case, tmp_path):
+    empty = {"pid": pa.array([], pa.int64()), "geo": pa.array([], pa.string()),
+             "age": pa.array([], pa.int64()), "sex": pa.array([], pa.string())}
+    result = run(case(rows=empty), tmp_path)
+    for table in result.plan.tables:
+        for folder in ("tables", "measurements"):
+            assert read(result.release_dir, folder, table.name).num_rows == table.n_cells
+    assert result.plan.table("pop.tract").n_cells == len(GEO_LEAVES) + 1  # + (other)
+    assert result.plan.table("agesex.age-sex").n_cells == 3 * 4 * 3  # states+other x bins+other x sex+other
+
+
+def test_exact_counts_with_other_and_drop_policies(case, tmp_path):
+    rows = {"pid": [1, 2, 3, 4, 5, 6],
+            "geo": [GEO_LEAVES[0], GEO_LEAVES[0], "99999999999", None, GEO_LEAVES[4], GEO_LEAVES[5]],
+            "age": [5, 30, 70, None, 150, 40],
+            "sex": ["F", "M", "F", "M", "X", "F"]}
+    spec = case(rows=rows, budget=EXACT)
+    result = run(spec, tmp_path)
+    tract = read(result.release_dir, "tables", "pop.tract").to_pydict()
+    counts = dict(zip(tract["tract"], tract["count"]))
+    assert counts[GEO_LEAVES[0]] == 2 and counts["(other)"] == 2 and counts[GEO_LEAVES[4]] == 1
+    sex = dict(zip(*read(result.release_dir, "tables", "by_sex").to_pydict().values()))
+    assert sex == {"F": 3, "M": 2, "(other)": 1}
+    # drop policy on age: rows with null or out-of-range age disappear from every table
+    document = json.loads(json.dumps(result.plan.spec.model_dump(mode="json")))
+    document["columns"]["age"]["on_invalid"] = "drop"
+    dropped = case(rows=rows, **{k: v for k, v in document.items() if k not in ("release_id",)})
+    result = run(dropped, tmp_path, name="k2.key")
+    nation = read(result.release_dir, "tables", "pop.nation").to_pydict()
+    assert nation["count"] == [4]
+
+
+def test_bounding_applies_in_the_pipeline(case, tmp_path):
+    rows = {"pid": [7] * 5 + [8], "geo": [GEO_LEAVES[1]] * 6, "age": [20] * 6, "sex": ["M"] * 6}
+    result = run(case(rows=rows, budget=EXACT, contribution={"max_records_per_unit": 2}), tmp_path)
+    assert read(result.release_dir, "tables", "pop.nation").to_pydict()["count"] == [3]
+
+
+def test_null_units_are_dropped(case, tmp_path):
+    rows = {"pid": [1, None, None], "geo": [GEO_LEAVES[1]] * 3, "age": [20] * 3, "sex": ["M"] * 3}
+    result = run(case(rows=rows, budget=EXACT), tmp_path)
+    assert read(result.release_dir, "tables", "pop.nation").to_pydict()["count"] == [1]
+
+
+def test_csv_with_junk_values_and_malformed_rows(tmp_path, case):
+    spec_path = case(budget=EXACT, input={"path": "input.csv"})
+    (spec_path.parent / "input.csv").write_text(
+        "pid,geo,age,sex\n"
+        f"1,{GEO_LEAVES[0]},12,F\n"
+        f"2,{GEO_LEAVES[0]},twelve,M\n"
+        f"3,{GEO_LEAVES[2]},1e400,F\n"
+        "4,this row,has,too,many,fields\n"
+        f"5,{GEO_LEAVES[2]},33.5,\n"
+    )
+    result = run(spec_path, tmp_path)
+    age = read(result.release_dir, "tables", "agesex.age-sex").to_pydict()
+    total_other_age = sum(c for a, c in zip(age["age"], age["count"]) if a == "(other)")
+    assert total_other_age == 3
+    assert read(result.release_dir, "tables", "pop.nation").to_pydict()["count"] == [4]
+
+
+def test_same_key_same_input_is_byte_identical(case, tmp_path):
+    spec_path = case()
+    a = run_release(spec_path, key_file=tmp_path / "same.key", out_dir=tmp_path / "a")
+    b = run_release(spec_path, key_file=tmp_path / "same.key", out_dir=tmp_path / "b")
+    files_a = sorted(p.relative_to(a.release_dir) for p in a.release_dir.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b.release_dir) for p in b.release_dir.rglob("*") if p.is_file())
+    assert files_a == files_b
+    for rel in files_a:
+        if rel.name != "manifest.json":
+            assert (a.release_dir / rel).read_bytes() == (b.release_dir / rel).read_bytes(), rel
+    ma, mb = (json.loads((r.release_dir / "manifest.json").read_text()) for r in (a, b))
+    ma.pop("provenance"), mb.pop("provenance")
+    assert ma == mb
+    c = run_release(spec_path, key_file=tmp_path / "other.key", out_dir=tmp_path / "c")
+    differs = [(a.release_dir / "measurements" / f"{t.name}.parquet").read_bytes()
+               != (c.release_dir / "measurements" / f"{t.name}.parquet").read_bytes() for t in a.plan.tables]
+    assert any(differs)
+
+
+def test_published_hierarchy_adds_up(case, tmp_path):
+    rng = np.random.default_rng(3)
+    n = 400
+    rows = {"pid": np.arange(n), "geo": rng.choice(GEO_LEAVES, n), "age": rng.integers(0, 100, n),
+            "sex": rng.choice(["F", "M"], n)}
+    result = run(case(rows=rows, budget={"definition": "pure", "epsilon": "1/4"}), tmp_path)
+    plan = result.plan
+    geo = plan.domains["geo"]
+    levels = ["nation", "state", "county", "tract"]
+    values = {lvl: read(result.release_dir, "tables", f"pop.{lvl}").column("count").to_numpy() for lvl in levels}
+    for parent, child in zip(levels, levels[1:]):
+        mapping = geo.parent_of(child, parent)
+        assert np.array_equal(np.bincount(mapping, values[child], minlength=values[parent].size), values[parent])
+        assert (values[child] >= 0).all()
+    for table in plan.tables:
+        assert (read(result.release_dir, "tables", table.name).column("count").to_numpy() >= 0).all()
+
+
+def test_existing_release_is_refused_then_overwritten(case, tmp_path):
+    spec_path = case()
+    run(spec_path, tmp_path)
+    with pytest.raises(SpecError, match="already exists"):
+        run(spec_path, tmp_path)
+    result = run(spec_path, tmp_path, overwrite=True)
+    assert verify_release(result.release_dir).ok
+
+
+def test_crash_while_writing_leaves_no_release(case, tmp_path, monkeypatch):
+    spec_path = case()
+
+    def explode(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(release_module, "dump_manifest", explode)
+    with pytest.raises(RuntimeError):
+        run(spec_path, tmp_path)
+    out = spec_path.parent / "out"
+    assert not (out / "test-release").exists()
+    assert list(out.iterdir()) == []
+
+
+def test_missing_column_aborts_before_a_key_is_drawn(case, tmp_path):
+    rows = {"pid": [1], "geo": [GEO_LEAVES[0]], "age": [3]}
+    with pytest.raises(InputSchemaError, match=r"missing column\(s\) \['sex'\]"):
+        run(case(rows=rows), tmp_path)
+    assert not (tmp_path / "k.key").exists()
+
+
+def test_numeric_geography_column_is_a_schema_error(case, tmp_path):
+    rows = {"pid": [1], "geo": [1001000100], "age": [3], "sex": ["F"]}
+    with pytest.raises(InputSchemaError, match="geography codes must be strings"):
+        run(case(rows=rows), tmp_path)
+
+
+def test_directory_of_parquet_files(case, tmp_path):
+    spec_path = case(budget=EXACT, input={"path": "parts"})
+    parts = spec_path.parent / "parts"
+    parts.mkdir()
+    for i in range(3):
+        pq.write_table(pa.table({"pid": [i], "geo": [GEO_LEAVES[i]], "age": [i], "sex": ["F"]}),
+                       parts / f"part-{i}.parquet")
+    result = run(spec_path, tmp_path)
+    assert read(result.release_dir, "tables", "pop.nation").to_pydict()["count"] == [3]
+
+
+def test_spill_partitions_give_the_same_release(case, tmp_path, monkeypatch):
+    """Forcing several spill partitions (the large-input path) changes nothing in the output."""
+    from dprelease.pipelines.engines import embedded
+
+    rng = np.random.default_rng(5)
+    n = 3000
+    rows = {"pid": rng.integers(0, 800, n), "geo": rng.choice(GEO_LEAVES, n), "age": rng.integers(0, 100, n),
+            "sex": rng.choice(["F", "M"], n)}
+    spec_path = case(rows=rows, contribution={"max_records_per_unit": 2})
+    a = run_release(spec_path, key_file=tmp_path / "s.key", out_dir=tmp_path / "a")
+    monkeypatch.setattr(embedded, "ROWS_PER_PARTITION", 500)
+    b = run_release(spec_path, key_file=tmp_path / "s.key", out_dir=tmp_path / "b")
+    for t in a.plan.tables:
+        assert read(a.release_dir, "measurements", t.name) == read(b.release_dir, "measurements", t.name)

@@ -1,0 +1,126 @@
+"""Contribution bounding: keep at most k records per privacy unit, chosen uniformly by a keyed PRF.
+
+Privacy: after `bound_contributions`, every unit has at most k records, which is what the
+count sensitivity in `dprelease.accounting.sensitivity` assumes. Grouping is exact (by the
+unit's value, not a hash). The k kept records are those with the smallest keyed priority
+PRF(key, unit, record, duplicate index): a uniformly random k-subset of the unit's records.
+Identical records of a unit are interchangeable, so the kept *multiset* does not depend on
+input order: the same key and input give the same tables on every engine.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+_MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX_2 = np.uint64(0x94D049BB133111EB)
+
+
+def splitmix64(values: np.ndarray) -> np.ndarray:
+    """A fast public bijective mixer on uint64 (not a secret: used for partitioning only)."""
+    z = values.astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        z += np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * _MIX_1
+        z = (z ^ (z >> np.uint64(27))) * _MIX_2
+    return z ^ (z >> np.uint64(31))
+
+
+def unit_fingerprints(units: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A stable uint64 per unit value: the value itself for integers, BLAKE2b-64 for others.
+
+    Used as PRF input and for spill partitioning, never for grouping.
+    """
+    if pa.types.is_integer(units.type):
+        return units.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False).view(np.uint64)
+    encoded = pc.dictionary_encode(units)
+    if isinstance(encoded, pa.ChunkedArray):
+        encoded = encoded.combine_chunks()
+    digests = [
+        int.from_bytes(hashlib.blake2b(str(v).encode(), digest_size=8).digest(), "little")
+        for v in encoded.dictionary.to_pylist()
+    ]
+    table = np.array(digests + [0], dtype=np.uint64)
+    return table[encoded.indices.fill_null(len(digests)).to_numpy(zero_copy_only=False)]
+
+
+def dense_unit_ids(units: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Exact grouping: equal unit values get equal dense ids (0..n_units-1)."""
+    encoded = pc.dictionary_encode(units)
+    if isinstance(encoded, pa.ChunkedArray):
+        encoded = encoded.combine_chunks()
+    return encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def record_keys(codes: list[np.ndarray], sizes: list[int]) -> np.ndarray:
+    """One uint64 per record identifying its encoded values (exact mixed radix when it fits)."""
+    total = 1
+    for size in sizes:
+        total *= size
+    key = np.zeros(codes[0].size if codes else 0, dtype=np.uint64)
+    if total < 2**63:
+        for column, size in zip(codes, sizes):
+            key = key * np.uint64(size) + column.astype(np.uint64)
+        return key
+    with np.errstate(over="ignore"):
+        for column in codes:
+            key = splitmix64(key ^ column.astype(np.uint64))
+    return key
+
+
+def _prf_blocks(subkey: bytes, first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    data = np.column_stack((first, second)).astype("<u8").tobytes()
+    encryptor = Cipher(algorithms.AES(subkey), modes.ECB()).encryptor()
+    return np.frombuffer(encryptor.update(data), dtype="<u8").reshape(-1, 2)
+
+
+def priorities(subkey: bytes, fingerprints: np.ndarray, keys: np.ndarray, duplicate: np.ndarray) -> np.ndarray:
+    """PRF(unit, record, duplicate index) as a 2-block CBC-MAC with AES-256 (fixed-length input)."""
+    first = _prf_blocks(subkey, fingerprints, keys)
+    second = _prf_blocks(subkey, first[:, 0] ^ duplicate.astype(np.uint64), first[:, 1])
+    return second[:, 0].copy()
+
+
+def _run_positions(sorted_a: np.ndarray, sorted_b: np.ndarray | None = None) -> np.ndarray:
+    """Position of each element within its run of equal (a[, b]) values in sorted order."""
+    n = sorted_a.size
+    starts = np.ones(n, dtype=bool)
+    if n:
+        starts[1:] = sorted_a[1:] != sorted_a[:-1]
+        if sorted_b is not None:
+            starts[1:] |= sorted_b[1:] != sorted_b[:-1]
+    index = np.arange(n)
+    return index - np.maximum.accumulate(np.where(starts, index, 0))
+
+
+def bound_contributions(
+    units: pa.Array | pa.ChunkedArray, keys: np.ndarray, k: int, subkey: bytes
+) -> np.ndarray:
+    """Mask of records kept: all records of units with <= k records; k chosen uniformly otherwise.
+
+    `units` holds each record's (non-null) unit value, grouped exactly; `keys` the records'
+    encoded values (`record_keys`).
+    """
+    unit_ids = dense_unit_ids(units)
+    keep = np.ones(unit_ids.size, dtype=bool)
+    if unit_ids.size == 0:
+        return keep
+    per_unit = np.bincount(unit_ids)
+    over = np.flatnonzero(per_unit[unit_ids] > k)
+    if over.size == 0:
+        return keep
+    fingerprints = unit_fingerprints(units.take(pa.array(over)))
+    units, rec = unit_ids[over], keys[over]
+    order = np.lexsort((rec, units))
+    duplicate = np.empty(over.size, dtype=np.int64)
+    duplicate[order] = _run_positions(units[order], rec[order])
+    priority = priorities(subkey, fingerprints, rec, duplicate)
+    order = np.lexsort((priority, units))
+    rank = np.empty(over.size, dtype=np.int64)
+    rank[order] = _run_positions(units[order])
+    keep[over] = rank < k
+    return keep

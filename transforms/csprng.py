@@ -1,0 +1,91 @@
+"""The release key and the keyed, seekable keystreams derived from it.
+
+Randomness of a release comes only from here: a 256-bit secret key drawn from the OS,
+expanded with HMAC-SHA256 into one subkey per purpose (a table's noise, bounding), and
+AES-256 in counter mode. Cell c of a table owns a fixed slice of the keystream
+(`WORDS_PER_CELL` 64-bit words per "round"); a cell whose sampler needs more words reads
+round 1, 2, ... of its own slice. So the noise of (key, table, cell) is a pure function
+of those three, whatever batching, worker or engine draws it, and a retried task redraws
+exactly the same values.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from pathlib import Path
+
+import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+KEY_BYTES = 32
+WORDS_PER_CELL = 32
+_BLOCKS_PER_CELL = WORDS_PER_CELL * 8 // 16
+
+
+class ReleaseKey:
+    """A release's 256-bit secret. Never written into a release directory or a manifest."""
+
+    def __init__(self, secret: bytes):
+        if len(secret) != KEY_BYTES:
+            raise ValueError(f"a release key has {KEY_BYTES} bytes, got {len(secret)}")
+        self._secret = bytes(secret)
+
+    @classmethod
+    def generate(cls) -> "ReleaseKey":
+        return cls(os.urandom(KEY_BYTES))
+
+    @classmethod
+    def load(cls, path: Path) -> "ReleaseKey":
+        text = Path(path).read_text().strip()
+        try:
+            secret = bytes.fromhex(text)
+        except ValueError:
+            raise ValueError(f"key file {path}: expected {KEY_BYTES * 2} hex digits") from None
+        return cls(secret)
+
+    def save(self, path: Path) -> None:
+        """Write the key as hex to a new file readable by its owner only (never overwrites)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(self._secret.hex() + "\n")
+
+    def derive(self, purpose: str) -> bytes:
+        """A 256-bit subkey for one purpose; subkeys of distinct purposes are independent."""
+        return hmac.new(self._secret, purpose.encode("utf-8"), hashlib.sha256).digest()
+
+    def key_id(self) -> str:
+        """A public identifier of the key (a one-way hash): tells two releases' keys apart."""
+        return self.derive("dprelease/key-id").hex()[:16]
+
+
+class CellStream:
+    """The keystream of one table: `block(round, start, stop)` gives each cell its words."""
+
+    def __init__(self, subkey: bytes):
+        self._algorithm = algorithms.AES(subkey)
+
+    @classmethod
+    def for_table(cls, key: ReleaseKey, table: str) -> "CellStream":
+        return cls(key.derive(f"dprelease/noise/{table}"))
+
+    def block(self, round_index: int, start: int, stop: int) -> np.ndarray:
+        """Words of cells [start, stop) in `round_index`, shape (stop - start, WORDS_PER_CELL)."""
+        nonce = round_index.to_bytes(8, "big") + (start * _BLOCKS_PER_CELL).to_bytes(8, "big")
+        encryptor = Cipher(self._algorithm, modes.CTR(nonce)).encryptor()
+        count = stop - start
+        raw = encryptor.update(bytes(count * WORDS_PER_CELL * 8))
+        return np.frombuffer(raw, dtype="<u8").reshape(count, WORDS_PER_CELL).copy()
+
+
+def keyed_prf64(subkey: bytes, blocks: np.ndarray) -> np.ndarray:
+    """AES-256 as a pseudorandom function: one uint64 output per 16-byte input row.
+
+    `blocks` is a (n, 2) uint64 array; the output is the first word of each encrypted block.
+    """
+    data = np.ascontiguousarray(blocks, dtype="<u8").tobytes()
+    encryptor = Cipher(algorithms.AES(subkey), modes.ECB()).encryptor()
+    out = encryptor.update(data) + encryptor.finalize()
+    return np.frombuffer(out, dtype="<u8").reshape(-1, 2)[:, 0].copy()

@@ -1,0 +1,115 @@
+"""Encoding input columns to public domain codes, batch by batch.
+
+Privacy: the mapping from values to codes depends on the public domain only; invalid
+values (out of domain, null, NaN, unparsable) are routed by the declared policy to the
+`other` cell or dropped, never raised as errors, so nothing here depends on data content
+in a way that can abort a run or reach a log.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .domains import CategoricalDomain, Domain, GeographyDomain, IntegerDomain
+
+INVALID = -1
+
+
+def _lookup_codes(column: pa.Array | pa.ChunkedArray, table: dict[str, int]) -> np.ndarray:
+    """Codes of a string-like column via its dictionary; INVALID for misses and nulls."""
+    encoded = pc.dictionary_encode(column)
+    if isinstance(encoded, pa.ChunkedArray):
+        encoded = encoded.combine_chunks()
+    dictionary = encoded.dictionary.to_pylist()
+    lut = np.array([table.get(_as_text(v), INVALID) for v in dictionary] + [INVALID], dtype=np.int64)
+    indices = encoded.indices.fill_null(len(dictionary))
+    return lut[indices.to_numpy(zero_copy_only=False)]
+
+
+def _as_text(value: object) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            return repr(value)
+        return str(int(value))
+    return str(value)
+
+
+def _parse_integer(value: object) -> float:
+    """An integer from a string/number, or NaN when it is not one (kept as data, not an error)."""
+    if value is None:
+        return math.nan
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return math.nan
+    return number if math.isfinite(number) and number == int(number) else math.nan
+
+
+def _integer_values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """float64 values of an integer column; NaN for nulls and non-integers."""
+    if pa.types.is_integer(column.type) or pa.types.is_floating(column.type):
+        values = column.cast(pa.float64()).to_numpy(zero_copy_only=False)
+        values = np.where(np.isfinite(values) & (values == np.floor(values)), values, np.nan)
+        return values
+    encoded = pc.dictionary_encode(column)
+    if isinstance(encoded, pa.ChunkedArray):
+        encoded = encoded.combine_chunks()
+    parsed = np.array([_parse_integer(v) for v in encoded.dictionary.to_pylist()] + [math.nan])
+    indices = encoded.indices.fill_null(len(encoded.dictionary))
+    return parsed[indices.to_numpy(zero_copy_only=False)]
+
+
+@dataclass(frozen=True)
+class ColumnEncoder:
+    """Encodes one column of a batch to cell codes of its domain (INVALID for policy `drop`)."""
+
+    domain: Domain
+
+    def encode(self, column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+        domain = self.domain
+        if isinstance(domain, IntegerDomain):
+            codes = self._encode_integer(_integer_values(column), domain)
+        else:
+            table = self._string_table()
+            codes = _lookup_codes(column, table)
+        if domain.policy == "other":
+            other = domain.size - 1
+            codes = np.where(codes == INVALID, other, codes)
+        return codes
+
+    def _string_table(self) -> dict[str, int]:
+        domain = self.domain
+        if isinstance(domain, CategoricalDomain):
+            return {v: i for i, v in enumerate(domain.values)}
+        assert isinstance(domain, GeographyDomain)
+        return {leaf: i for i, leaf in enumerate(domain.leaves)}
+
+    @staticmethod
+    def _encode_integer(values: np.ndarray, domain: IntegerDomain) -> np.ndarray:
+        valid = np.isfinite(values) & (values >= domain.minimum) & (values <= domain.maximum)
+        safe = np.where(valid, values, domain.minimum).astype(np.int64)
+        if domain.edges:
+            codes = np.searchsorted(np.asarray(domain.edges), safe, side="right") - 1
+        else:
+            codes = safe - domain.minimum
+        return np.where(valid, codes, INVALID)
+
+
+def encode_batch(batch: pa.RecordBatch | pa.Table, encoders: dict[str, ColumnEncoder]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Encode every spec column of a batch. Returns (codes per column, mask of rows kept).
+
+    A row is dropped when any column with policy `drop` holds an invalid value.
+    """
+    codes: dict[str, np.ndarray] = {}
+    keep = np.ones(batch.num_rows, dtype=bool)
+    for name, encoder in encoders.items():
+        column_codes = encoder.encode(batch.column(name))
+        keep &= column_codes != INVALID
+        codes[name] = column_codes
+    return codes, keep

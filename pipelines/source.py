@@ -14,6 +14,7 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
 from dprelease.accounting.errors import InputSchemaError, SpecError
 
@@ -21,10 +22,14 @@ from .plan import Plan
 from .spec import GeographyColumn
 
 BATCH_ROWS = 1 << 20
+CSV_BLOCK_BYTES = 32 << 20
 
 
 def _skip_malformed_row(row) -> str:
     return "skip"
+
+
+CSV_PARSE_OPTIONS = pacsv.ParseOptions(invalid_row_handler=_skip_malformed_row)
 
 
 @dataclass
@@ -40,9 +45,17 @@ class InputSource:
         return list(self.dataset.files)
 
     def batches(self, path: str) -> Iterator[pa.RecordBatch]:
-        """Record batches of one input file, `BATCH_ROWS` rows at most."""
-        fragment = ds.dataset(path, format=self.dataset.format, schema=self.dataset.schema)
-        yield from fragment.to_batches(columns=self.columns, batch_size=BATCH_ROWS)
+        """Record batches of one input file, streamed: memory holds one row group / CSV block at a time."""
+        if self.format == "parquet":
+            yield from pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS, columns=self.columns)
+            return
+        reader = pacsv.open_csv(
+            path, read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES),
+            parse_options=CSV_PARSE_OPTIONS,
+            convert_options=pacsv.ConvertOptions(column_types={c: pa.string() for c in self.columns},
+                                                 include_columns=self.columns),
+        )
+        yield from reader
 
     def estimated_rows(self) -> int:
         """Rows (Parquet metadata) or bytes / 40 (CSV): sizing of internal spill partitions only."""
@@ -69,7 +82,7 @@ def open_input(plan: Plan, base_dir: Path, override: str | None = None) -> Input
     columns = plan.used_columns() + ([spec.privacy_unit] if spec.privacy_unit else [])
     if fmt == "csv":
         file_format = ds.CsvFileFormat(
-            parse_options=pacsv.ParseOptions(invalid_row_handler=_skip_malformed_row),
+            parse_options=CSV_PARSE_OPTIONS,
             convert_options=pacsv.ConvertOptions(column_types={c: pa.string() for c in columns}),
         )
     else:

@@ -36,7 +36,8 @@ class TableLayout:
             values = codes[column]
             if lookup is not None:
                 values = lookup[values]
-            index = index * size + values
+            index *= size
+            index += values
         return index
 
     def count(self, codes: dict[str, np.ndarray], n_rows: int) -> np.ndarray:

@@ -49,7 +49,16 @@ def unit_fingerprints(units: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
 
 def dense_unit_ids(units: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """Exact grouping: equal unit values get equal dense ids (0..n_units-1)."""
+    """Exact grouping: equal unit values get equal ids in [0, n) for some n <= 4 * rows + 1024.
+
+    Integer units in a compact range use value - min directly (linear time); others are
+    dictionary-encoded by value.
+    """
+    if pa.types.is_integer(units.type) and len(units):
+        values = units.cast(pa.int64()).to_numpy(zero_copy_only=False)
+        low, high = int(values.min()), int(values.max())
+        if high - low <= 4 * values.size + 1024:
+            return values - low
     encoded = pc.dictionary_encode(units)
     if isinstance(encoded, pa.ChunkedArray):
         encoded = encoded.combine_chunks()

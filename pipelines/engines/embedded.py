@@ -26,7 +26,7 @@ from ..plan import Plan
 from ..source import InputSource
 from .base import Engine, ProgressHook, no_progress
 
-ROWS_PER_PARTITION = 8_000_000
+ROWS_PER_PARTITION = 2_000_000
 NOISE_RANGE_CELLS = 1 << 18
 UNIT = "__unit__"
 
@@ -106,22 +106,28 @@ class EmbeddedEngine(Engine):
                         data[UNIT] = batch.column(unit).filter(mask)
                     table = pa.table(data)
                     if not unit:
-                        self._count(plan, table, columns, counts)
+                        self._accumulate(plan, self._codes(table, columns), table.num_rows, counts)
                     else:
                         spill.add(table)
                 progress("read", done + 1, len(files))
             for part in spill.tables():
-                codes = [part.column(c).to_numpy().astype(np.int64) for c in columns]
-                keep = bound_contributions(part.column(UNIT), record_keys(codes, sizes),
-                                           plan.bounds.max_records_per_unit, subkey)
-                self._count(plan, part.filter(pa.array(keep)), columns, counts)
+                codes = self._codes(part, columns)
+                keys = record_keys([codes[c] for c in columns], sizes)
+                keep = bound_contributions(part.column(UNIT), keys, plan.bounds.max_records_per_unit, subkey)
+                del keys, part
+                kept = {c: values[keep] for c, values in codes.items()}
+                del codes
+                self._accumulate(plan, kept, int(keep.sum()), counts)
         return counts
 
     @staticmethod
-    def _count(plan: Plan, table: pa.Table, columns: list[str], counts: dict[str, np.ndarray]) -> None:
-        codes = {c: table.column(c).to_numpy().astype(np.int64) for c in columns}
+    def _codes(table: pa.Table, columns: list[str]) -> dict[str, np.ndarray]:
+        return {c: table.column(c).to_numpy() for c in columns}
+
+    @staticmethod
+    def _accumulate(plan: Plan, codes: dict[str, np.ndarray], n_rows: int, counts: dict[str, np.ndarray]) -> None:
         for t in plan.tables:
-            counts[t.name] += t.layout.count(codes, table.num_rows)
+            counts[t.name] += t.layout.count(codes, n_rows)
 
     def noise(self, plan: Plan, key: ReleaseKey, progress: ProgressHook) -> dict[str, np.ndarray]:
         """Noise of every cell of every table, in parallel over cell ranges (same values for any split)."""

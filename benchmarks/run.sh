@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Throughput and peak memory of the demo release and of the single count job (dprelease vs PipelineDP).
+# Usage: benchmarks/run.sh [ROWS ...]   (default: 1000000 10000000). Needs `pip install ".[bench]" pipeline-dp`.
+# Each figure is one whole process measured by /usr/bin/time -v: wall seconds and maximum resident set size.
+set -euo pipefail
+cd "$(dirname "$0")"
+sizes=("$@")
+[ "${#sizes[@]}" -gt 0 ] || sizes=(1000000 10000000)
+measure() {  # measure LABEL ROWS COMMAND...
+  local label="$1" rows="$2"; shift 2
+  local log; log=$(mktemp)
+  /usr/bin/time -v "$@" >/dev/null 2>"$log" || { cat "$log" >&2; exit 1; }
+  local wall rss
+  wall=$(awk -F': ' '/Elapsed \(wall clock\)/ {n=split($2,a,":"); s=0; for(i=1;i<=n;i++) s=s*60+a[i]; print s}' "$log")
+  rss=$(awk -F': ' '/Maximum resident set size/ {printf "%.2f", $2/1048576}' "$log")
+  printf '%-28s %12s rows %8.2f s %12.0f rows/s %6s GiB peak\n' "$label" "$rows" "$wall" "$(echo "$rows / $wall" | bc -l)" "$rss"
+  rm -f "$log"
+}
+for rows in "${sizes[@]}"; do
+  data="out/rows-$rows"
+  [ -f "$data/persons.parquet" ] || dprelease demo-data --rows "$rows" --out "$data" >/dev/null
+  rm -rf out/releases out/keys
+  measure "demo release" "$rows" dprelease run ../examples/demo/spec.yaml --input "$data/persons.parquet" \
+    --out out/releases --key-file "out/keys/demo-$rows.key"
+  measure "count job (dprelease)" "$rows" dprelease run count_spec.yaml --input "$data/persons.parquet" \
+    --out out/releases --key-file "out/keys/count-$rows.key"
+  if python -c "import pipeline_dp" 2>/dev/null && [ "$rows" -le "${PEER_MAX_ROWS:-1000000}" ]; then
+    measure "count job (PipelineDP local)" "$rows" python pipelinedp_count.py "$data/persons.parquet" "$data/geography.txt"
+  fi
+done

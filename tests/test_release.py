@@ -181,7 +181,7 @@ def test_spill_partitions_give_the_same_release(case, tmp_path, monkeypatch):
             "sex": rng.choice(["F", "M"], n)}
     spec_path = case(rows=rows, contribution={"max_records_per_unit": 2})
     a = run_release(spec_path, key_file=tmp_path / "s.key", out_dir=tmp_path / "a")
-    monkeypatch.setattr(embedded, "ROWS_PER_PARTITION", 500)
+    monkeypatch.setattr(embedded, "PARTITION_BYTES", 500 * 20)
     b = run_release(spec_path, key_file=tmp_path / "s.key", out_dir=tmp_path / "b")
     for t in a.plan.tables:
         assert read(a.release_dir, "measurements", t.name) == read(b.release_dir, "measurements", t.name)

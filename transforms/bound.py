@@ -49,20 +49,31 @@ def unit_fingerprints(units: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
 
 def dense_unit_ids(units: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """Exact grouping: equal unit values get equal ids in [0, n) for some n <= 4 * rows + 1024.
-
-    Integer units in a compact range use value - min directly (linear time); others are
-    dictionary-encoded by value.
-    """
-    if pa.types.is_integer(units.type) and len(units):
-        values = units.cast(pa.int64()).to_numpy(zero_copy_only=False)
-        low, high = int(values.min()), int(values.max())
-        if high - low <= 4 * values.size + 1024:
-            return values - low
+    """Exact grouping: equal unit values get equal dense ids (0..n_units-1)."""
     encoded = pc.dictionary_encode(units)
     if isinstance(encoded, pa.ChunkedArray):
         encoded = encoded.combine_chunks()
     return encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def records_over_limit(units: pa.Array | pa.ChunkedArray, k: int) -> np.ndarray:
+    """Positions of the records whose unit has more than k records (exact, by value).
+
+    Integer units: one sort; a unit exceeds k exactly when sorted[i] == sorted[i + k].
+    Other types: exact dictionary grouping and counts.
+    """
+    n = len(units)
+    if n <= k:
+        return np.empty(0, dtype=np.int64)
+    if pa.types.is_integer(units.type):
+        values = units.cast(pa.int64()).to_numpy(zero_copy_only=False)
+        ordered = np.sort(values)
+        heavy = ordered[k:][ordered[k:] == ordered[:-k]]
+        if heavy.size == 0:
+            return np.empty(0, dtype=np.int64)
+        return np.flatnonzero(np.isin(values, np.unique(heavy)))
+    ids = dense_unit_ids(units)
+    return np.flatnonzero(np.bincount(ids)[ids] > k)
 
 
 def record_keys(codes: list[np.ndarray], sizes: list[int]) -> np.ndarray:
@@ -114,16 +125,13 @@ def bound_contributions(
     `units` holds each record's (non-null) unit value, grouped exactly; `keys` the records'
     encoded values (`record_keys`).
     """
-    unit_ids = dense_unit_ids(units)
-    keep = np.ones(unit_ids.size, dtype=bool)
-    if unit_ids.size == 0:
-        return keep
-    per_unit = np.bincount(unit_ids)
-    over = np.flatnonzero(per_unit[unit_ids] > k)
+    keep = np.ones(len(units), dtype=bool)
+    over = records_over_limit(units, k)
     if over.size == 0:
         return keep
-    fingerprints = unit_fingerprints(units.take(pa.array(over)))
-    units, rec = unit_ids[over], keys[over]
+    over_units = units.take(pa.array(over))
+    fingerprints = unit_fingerprints(over_units)
+    units, rec = dense_unit_ids(over_units), keys[over]
     order = np.lexsort((rec, units))
     duplicate = np.empty(over.size, dtype=np.int64)
     duplicate[order] = _run_positions(units[order], rec[order])

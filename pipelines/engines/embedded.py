@@ -26,7 +26,8 @@ from ..plan import Plan
 from ..source import InputSource
 from .base import Engine, ProgressHook, no_progress
 
-ROWS_PER_PARTITION = 2_000_000
+PARTITION_BYTES = 64 << 20
+"""Encoded bytes (4 per column + 8 for the unit) per spill partition; bounds peak memory."""
 NOISE_RANGE_CELLS = 1 << 18
 UNIT = "__unit__"
 
@@ -90,7 +91,8 @@ class EmbeddedEngine(Engine):
         sizes = [plan.domains[c].size for c in columns]
         counts = {t.name: np.zeros(t.n_cells, dtype=np.int64) for t in plan.tables}
         unit = source.unit_column
-        partitions = max(1, -(-source.estimated_rows() // ROWS_PER_PARTITION)) if unit else 1
+        row_bytes = 4 * len(columns) + 8
+        partitions = max(1, -(-source.estimated_rows() * row_bytes // PARTITION_BYTES)) if unit else 1
         subkey = key.derive("dprelease/bound")
         files = source.files()
         with tempfile.TemporaryDirectory(prefix="dprelease-spill-") as spill_dir:

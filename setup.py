@@ -5,7 +5,7 @@ accounting/ -> dprelease.accounting, examples/ -> dprelease.examples.
 `dprelease` itself is an implicit namespace package, so no generic top-level name
 (such as `pipelines`) is installed into site-packages.
 """
-from setuptools import setup
+from setuptools import Extension, setup
 
 PACKAGES = {
     "dprelease.pipelines": "pipelines",
@@ -44,5 +44,6 @@ setup(
         "validate": [],
         "bench": ["psutil>=5.9"],
     },
+    ext_modules=[Extension("dprelease.transforms._exact", ["transforms/_exact.c"], extra_compile_args=["-O3"])],
     entry_points={"console_scripts": ["dprelease=dprelease.pipelines.cli:main"]},
 )

@@ -19,7 +19,7 @@ import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 KEY_BYTES = 32
-WORDS_PER_CELL = 32
+WORDS_PER_CELL = 2
 _BLOCKS_PER_CELL = WORDS_PER_CELL * 8 // 16
 
 
@@ -72,12 +72,22 @@ class CellStream:
         return cls(key.derive(f"dprelease/noise/{table}"))
 
     def block(self, round_index: int, start: int, stop: int) -> np.ndarray:
-        """Words of cells [start, stop) in `round_index`, shape (stop - start, WORDS_PER_CELL)."""
+        """Words of cells [start, stop) in `round_index`, shape (stop - start, WORDS_PER_CELL), read-only."""
         nonce = round_index.to_bytes(8, "big") + (start * _BLOCKS_PER_CELL).to_bytes(8, "big")
         encryptor = Cipher(self._algorithm, modes.CTR(nonce)).encryptor()
         count = stop - start
-        raw = encryptor.update(bytes(count * WORDS_PER_CELL * 8))
-        return np.frombuffer(raw, dtype="<u8").reshape(count, WORDS_PER_CELL).copy()
+        size = count * WORDS_PER_CELL * 8
+        out = np.empty(size + 15, dtype=np.uint8)
+        written = encryptor.update_into(_zeros(size), out)
+        assert written == size
+        return out[:size].view("<u8").reshape(count, WORDS_PER_CELL)
+
+
+_ZEROS = memoryview(bytes(1 << 22))
+
+
+def _zeros(size: int) -> memoryview | bytes:
+    return _ZEROS[:size] if size <= len(_ZEROS) else bytes(size)
 
 
 def keyed_prf64(subkey: bytes, blocks: np.ndarray) -> np.ndarray:

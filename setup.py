@@ -38,7 +38,7 @@ setup(
         "rich>=13",
     ],
     extras_require={
-        "test": ["pytest>=7.4", "scipy>=1.11"],
+        "test": ["pytest>=7.4", "scipy>=1.11", "dp-accounting>=0.4", "opendp>=0.12"],
         "spark": [],
         "beam": [],
         "validate": [],

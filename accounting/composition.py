@@ -5,6 +5,7 @@ the manifest's totals and `dprelease verify` both call `compose`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
@@ -64,3 +65,23 @@ def compose(events: list[MeasurementEvent], definition: Definition, delta: float
     rho = sum((e.loss for e in events), Fraction(0))
     eps = zcdp_to_epsilon(float(rho), delta) if delta is not None else None
     return Totals(definition, None, rho, eps, delta, allocated)
+
+
+def basic_composition_approx(budgets: list[tuple[float, float]]) -> tuple[float, float]:
+    """k (epsilon_i, delta_i)-DP mechanisms compose to (sum epsilon_i, sum delta_i)-DP."""
+    if any(eps < 0 or not 0 <= delta <= 1 for eps, delta in budgets):
+        raise ValueError("every epsilon must be >= 0 and every delta within [0, 1]")
+    return sum(eps for eps, _ in budgets), min(sum(delta for _, delta in budgets), 1.0)
+
+
+def advanced_composition(budgets: list[tuple[float, float]], delta_slack: float) -> tuple[float, float]:
+    """The advanced composition theorem (Dwork, Rothblum, Vadhan 2010; heterogeneous form):
+    (epsilon_i, delta_i)-DP mechanisms compose to (epsilon', sum delta_i + delta_slack)-DP with
+        epsilon' = sqrt(2 ln(1/delta_slack) * sum epsilon_i^2) + sum epsilon_i (e^epsilon_i - 1).
+    Returns the smaller of that and basic composition's epsilon (both hold)."""
+    if not 0 < delta_slack < 1:
+        raise ValueError(f"delta_slack ({delta_slack}) must be within (0, 1)")
+    basic_eps, basic_delta = basic_composition_approx(budgets)
+    squares = sum(eps * eps for eps, _ in budgets)
+    advanced = math.sqrt(2 * math.log(1 / delta_slack) * squares) + sum(eps * math.expm1(eps) for eps, _ in budgets)
+    return min(advanced, basic_eps), min(basic_delta + delta_slack, 1.0)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,11 +38,14 @@ def _handled():
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="dprelease")
-def main() -> None:
+@click.option("-v", "--verbose", is_flag=True, help="Log each stage to stderr (public facts only).")
+def main(verbose: bool) -> None:
     """Differentially private statistical releases: plan, run and verify.
 
     Exit codes: 0 ok, 2 bad spec or arguments, 3 budget refused, 1 anything else.
     """
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
 
 
 @main.command()

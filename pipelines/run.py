@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -17,6 +18,10 @@ from .postprocessing import post_process
 from .release import write_release
 from .source import open_input
 from .spec import load_spec
+
+
+LOG = logging.getLogger("dprelease")
+"""Messages carry public facts only (spec, plan, file names, stages): never counts or values."""
 
 
 @dataclass(frozen=True)
@@ -67,16 +72,23 @@ def run_release(
     created_at = creation_time()
     spec, spec_dir = load_spec(spec_path)
     plan = build_plan(spec, spec_dir)
+    LOG.info("planned release %s: %d tables, %d cells, %s budget", spec.release_id, len(plan.tables),
+             sum(t.n_cells for t in plan.tables), spec.budget.definition)
     root = Path(out_dir) if out_dir else spec_dir / spec.output.dir
     final_dir = root / spec.release_id
     if final_dir.exists() and not overwrite:
         raise SpecError(f"output: release directory {final_dir} already exists; pass --overwrite to replace it")
     runner = make_engine(engine or spec.engine, workers)
     source = open_input(plan, spec_dir, input_path)
+    LOG.info("input: %d %s file(s); engine %s", len(source.files()), source.format, runner.name)
     key, key_path, reused = resolve_key(key_file, spec_dir, spec.release_id, created_at)
+    LOG.info("key %s (%s)", key.key_id(), "reused" if reused else "new")
     noisy = runner.noisy_measurements(plan, source, key, progress)
+    LOG.info("noisy measurements drawn for %d tables", len(plan.tables))
     published = post_process(plan, noisy)
+    LOG.info("post-processed %d tables", len(plan.tables))
     write_release(plan, noisy, published, final_dir, engine=runner.name, key_id=key.key_id(),
                   created_at=created_at, command_line=command_line or sys.argv, overwrite=overwrite,
                   progress=progress)
+    LOG.info("published %s", final_dir)
     return RunResult(final_dir, key_path, reused, plan)

@@ -64,6 +64,9 @@ def _plan_table(plan) -> Table:
     for header in ("cells", "L1", "L2", unit, "noise", "std", "95%"):
         table.add_column(header, justify="right", no_wrap=True)
     for t in plan.tables:
+        if t.invariant:
+            table.add_row(t.name, f"{t.n_cells:,}", "-", "-", "0", "exact (invariant)", "0", "±0")
+            continue
         m = t.event.mechanism
         sens = t.event.sensitivity
         noise = f"DLap b={m.scale}" if m.kind == "discrete_laplace" else f"DGauss s2={m.sigma2}"

@@ -67,7 +67,7 @@ def implied_loss(plan: Plan) -> dict:
     """Loss summed over the tables that involve each attribute / each geography level."""
     by_attribute: dict[str, Fraction] = {}
     by_level: dict[str, Fraction] = {}
-    for t in plan.tables:
+    for t in plan.measured():
         for dim in t.dims:
             by_attribute[dim.column] = by_attribute.get(dim.column, Fraction(0)) + t.event.loss
             if dim.level:
@@ -92,9 +92,13 @@ def accounting_section(plan: Plan) -> dict:
     for t in plan.tables:
         record = {"name": t.name, "query": t.query, "kind": t.kind, "cells": t.n_cells,
                   "dimensions": [{"column": d.column, "level": d.level, "size": d.size} for d in t.dims]}
-        record.update(measurement_record(t.event))
+        if t.invariant:
+            record.update({"invariant": True, "mechanism": None,
+                           "note": "published exactly: true counts, not protected by differential privacy"})
+        else:
+            record.update({"invariant": False, **measurement_record(t.event)})
         tables.append(record)
-    totals = compose([t.event for t in plan.tables], plan.definition, plan.delta)
+    totals = compose([t.event for t in plan.measured()], plan.definition, plan.delta)
     return {
         "allocation_budget": {"unit": "epsilon" if plan.definition == "pure" else "rho",
                               **exact(plan.allocation_budget)},
@@ -125,7 +129,9 @@ def build_manifest(plan: Plan, engine: str, key_id: str, files: list[dict], doma
             "invalid_value_policy": {name: c.on_invalid for name, c in spec.columns.items()},
         },
         **accounting_section(plan),
-        "invariants": [],
+        "invariants": [{"table": t.name, "protected": False,
+                        "note": "true counts published exactly; the guarantee holds conditional on them"}
+                       for t in plan.tables if t.invariant],
         "post_processing": steps_applied(plan),
         "ledger": None,
         "key_id": key_id,

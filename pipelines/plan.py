@@ -41,12 +41,20 @@ class TablePlan:
     kind: str
     dims: tuple[Dimension, ...]
     layout: TableLayout
-    event: MeasurementEvent
+    event: MeasurementEvent | None
     hierarchy: HierarchyLink | None
 
     @property
     def n_cells(self) -> int:
         return self.layout.n_cells
+
+    @property
+    def invariant(self) -> bool:
+        """Published exactly (declared in the spec): no noise, no budget, no protection."""
+        return self.event is None
+
+    def noise_variance(self) -> float:
+        return 0.0 if self.event is None else self.event.mechanism.variance()
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,10 @@ class Plan:
 
     def table(self, name: str) -> TablePlan:
         return next(t for t in self.tables if t.name == name)
+
+    def measured(self) -> list[TablePlan]:
+        """Tables released with noise (every table but the invariants)."""
+        return [t for t in self.tables if not t.invariant]
 
     def used_columns(self) -> list[str]:
         return sorted({c for t in self.tables for c in t.layout.columns})
@@ -179,18 +191,23 @@ def build_plan(spec: ReleaseSpec, base_dir: Path) -> Plan:
     tables: list[TablePlan] = []
     for query, share in zip(spec.queries, query_shares):
         specs = _query_tables(query, domains)
-        for (name, dims, link), part in zip(specs, allocate(share, [Fraction(1)] * len(specs))):
-            where = f"table {name}"
-            if spec.budget.definition == "pure":
-                mechanism = calibrate_laplace(part, sensitivity, where)
-            else:
-                mechanism = calibrate_gaussian(part, sensitivity, where)
-            event = MeasurementEvent(name, mechanism, sensitivity, part)
+        noisy = [name for name, _, _ in specs if name not in spec.invariants]
+        parts = dict(zip(noisy, allocate(share, [Fraction(1)] * len(noisy))))
+        for name, dims, link in specs:
+            event = None
+            if name in parts:
+                where = f"table {name}"
+                if spec.budget.definition == "pure":
+                    mechanism = calibrate_laplace(parts[name], sensitivity, where)
+                else:
+                    mechanism = calibrate_gaussian(parts[name], sensitivity, where)
+                event = MeasurementEvent(name, mechanism, sensitivity, parts[name])
             tables.append(TablePlan(name, query.name, query.kind, tuple(dims), _layout(name, dims, domains), event, link))
     names = [t.name for t in tables]
     if len(set(names)) != len(names):
         raise SpecError(f"queries: two tables would share a name: {sorted({n for n in names if names.count(n) > 1})}")
-    totals = compose([t.event for t in tables], spec.budget.definition, getattr(spec.budget, "delta", None))
+    totals = compose([t.event for t in tables if t.event is not None], spec.budget.definition,
+                     getattr(spec.budget, "delta", None))
     return Plan(spec, domains, bounds, sensitivity, total, tuple(tables), totals)
 
 

@@ -195,6 +195,11 @@ class ReleaseSpec(Frozen):
     contribution: Contribution
     columns: dict[str, Column] = Field(min_length=1, description="Required. Public domains of the columns used.")
     queries: list[Query] = Field(min_length=1, description="Required. The tables to release.")
+    invariants: list[str] = Field(
+        default_factory=list,
+        description="Defaulted ([]). Hierarchy tables published exactly, without noise and without protection "
+                    "(e.g. population.state); the manifest lists them as unprotected.",
+    )
     output: OutputSpec
 
     def canonical_json(self) -> str:

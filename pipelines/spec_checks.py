@@ -99,7 +99,20 @@ def cross_reference_problems(spec: ReleaseSpec) -> list[str]:
             _check_refs(spec, query.by, f"{path}.by", problems)
             if query.geography in [b.partition('.')[0] for b in query.by]:
                 problems.append(f"{path}.by: cannot cross the hierarchy with its own geography column")
+    _check_invariants(spec, problems)
     return problems
+
+
+def _check_invariants(spec: ReleaseSpec, problems: list[str]) -> None:
+    hierarchy_tables = {f"{q.name}.{lvl}": q for q in spec.queries if isinstance(q, HierarchyQuery) for lvl in q.levels}
+    for i, name in enumerate(spec.invariants):
+        if name not in hierarchy_tables:
+            problems.append(f"invariants[{i}] = {name!r}: must name a hierarchy table; allowed: {sorted(hierarchy_tables)}")
+        elif spec.invariants.count(name) > 1:
+            problems.append(f"invariants[{i}] = {name!r}: listed twice")
+    for query in {id(q): q for q in hierarchy_tables.values()}.values():
+        if all(f"{query.name}.{lvl}" in spec.invariants for lvl in query.levels):
+            problems.append(f"invariants: every level of query {query.name!r} is an invariant; nothing would be protected")
 
 
 __all__ = ["cross_reference_problems", "CategoricalColumn"]

@@ -102,3 +102,106 @@ def top_down_hierarchy(levels: list[np.ndarray], parent_maps: list[np.ndarray | 
 def clamp_nonnegative(noisy: np.ndarray) -> np.ndarray:
     """A table with no consistency constraint: negative noisy counts become 0."""
     return np.maximum(np.asarray(noisy, dtype=np.int64), 0)
+
+
+def _sum_by_parent(values: np.ndarray, parent: np.ndarray, n_parents: int) -> np.ndarray:
+    """Row sums of `values` (units, cells) grouped by parent unit: shape (n_parents, cells)."""
+    cells = values.shape[1]
+    index = (parent[:, None] * cells + np.arange(cells)[None, :]).ravel()
+    return np.bincount(index, weights=values.ravel(), minlength=n_parents * cells).reshape(n_parents, cells)
+
+
+def hierarchical_least_squares(
+    noisy: list[np.ndarray], variances: list[float], parent_maps: list[np.ndarray | None]
+) -> list[np.ndarray]:
+    """Best linear unbiased estimate of a tree of count measurements, exactly consistent.
+
+    `noisy[i]` is level i's measurement, shape (units_i, cells) (cells: attribute cells carried
+    by every unit); `variances[i]` its per-cell noise variance, 0 for an exact level (an
+    invariant); `parent_maps[i]` maps level i's units to level i-1's. Hay, Rastogi, Miklau,
+    Suciu (2010), generalised to unequal variances: an upward pass combines each node's own
+    measurement with the sum of its children's subtree estimates by inverse-variance weights,
+    a downward pass splits each parent's final value among its children in proportion to
+    their subtree variances. O(cells) with one bincount per level and pass.
+    """
+    depth = len(noisy)
+    up = [np.asarray(noisy[-1], dtype=np.float64)]
+    up_var = [np.full(up[0].shape[0], float(variances[-1]))]
+    for i in range(depth - 2, -1, -1):
+        parents = parent_maps[i + 1]
+        own = np.asarray(noisy[i], dtype=np.float64)
+        child_sum = _sum_by_parent(up[0], parents, own.shape[0])
+        child_var = np.bincount(parents, weights=up_var[0], minlength=own.shape[0])
+        own_var = float(variances[i])
+        total_var = own_var + child_var
+        with np.errstate(invalid="ignore", divide="ignore"):
+            weight_own = np.where(total_var > 0, child_var / total_var, 1.0)
+            combined_var = np.where(total_var > 0, own_var * child_var / total_var, 0.0)
+        if own_var == 0:
+            weight_own[:] = 1.0
+        up.insert(0, weight_own[:, None] * own + (1 - weight_own[:, None]) * child_sum)
+        up_var.insert(0, combined_var)
+    final = [up[0]]
+    for i in range(1, depth):
+        parents = parent_maps[i]
+        n_parents = final[-1].shape[0]
+        sibling_sum = _sum_by_parent(up[i], parents, n_parents)
+        sibling_var = np.bincount(parents, weights=up_var[i], minlength=n_parents)
+        siblings = np.bincount(parents, minlength=n_parents)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share = np.where(sibling_var[parents] > 0, up_var[i] / sibling_var[parents], 1.0 / siblings[parents])
+        residual = final[-1] - sibling_sum
+        final.append(up[i] + share[:, None] * residual[parents])
+    return final
+
+
+def match_margins(table: np.ndarray, targets: list[tuple[tuple[int, ...], np.ndarray]], sweeps: int = 50) -> np.ndarray:
+    """Least-squares (equal weights) adjustment of `table` so that its sums over the axes not in
+    each `kept` tuple equal the target: alternating additive projections onto affine sets.
+
+    Axis 0 (the geography unit) is always kept. One sweep is exact when the targets are nested
+    consistent margins of a 2-way table; otherwise the sweeps converge to their intersection.
+    """
+    x = np.asarray(table, dtype=np.float64).copy()
+    for _ in range(sweeps):
+        worst = 0.0
+        for kept, target in targets:
+            other = tuple(a for a in range(x.ndim) if a not in kept)
+            current = x.sum(axis=other, keepdims=True)
+            n_other = int(np.prod([x.shape[a] for a in other])) if other else 1
+            gap = np.expand_dims(target, other) - current
+            worst = max(worst, float(np.abs(gap).max(initial=0.0)))
+            x += gap / n_other
+        if worst < 1e-9:
+            break
+    return x
+
+
+def iterative_proportional_fit(shape: tuple[int, ...], totals: np.ndarray,
+                               margins: list[tuple[tuple[int, ...], np.ndarray]], sweeps: int = 100) -> np.ndarray:
+    """A nonnegative joint table (axis 0 = unit) whose unit totals are `totals` and whose margins
+    approach the nonnegative targets (IPF / raking; it preserves totals and nonnegativity)."""
+    cells_per_unit = int(np.prod(shape[1:]))
+    joint = np.broadcast_to((totals / cells_per_unit).reshape((-1,) + (1,) * (len(shape) - 1)), shape).copy()
+    for _ in range(sweeps):
+        worst = 0.0
+        for kept, target in margins:
+            other = tuple(a for a in range(joint.ndim) if a not in kept)
+            current = joint.sum(axis=other, keepdims=True)
+            goal = np.expand_dims(target, other)
+            worst = max(worst, float(np.abs(goal - current).max(initial=0.0)))
+            with np.errstate(invalid="ignore", divide="ignore"):
+                ratio = np.where(current > 0, goal / current, 0.0)
+            joint *= ratio
+        if worst < 1e-6:
+            break
+    return joint
+
+
+def round_joint(joint: np.ndarray, totals: np.ndarray) -> np.ndarray:
+    """Nonnegative integer joint per unit summing exactly to the integer `totals` (controlled rounding)."""
+    units = joint.shape[0]
+    flat = joint.reshape(units, -1)
+    fitted = project_to_simplex(flat.ravel(), np.repeat(np.arange(units), flat.shape[1]), totals.astype(np.float64))
+    rounded = controlled_round(fitted, np.repeat(np.arange(units), flat.shape[1]), totals)
+    return rounded.reshape(joint.shape)

@@ -134,12 +134,12 @@ class EmbeddedEngine(Engine):
     def noise(self, plan: Plan, key: ReleaseKey, progress: ProgressHook) -> dict[str, np.ndarray]:
         """Noise of every cell of every table, in parallel over cell ranges (same values for any split)."""
         jobs = []
-        for t in plan.tables:
+        for t in plan.measured():
             kind, parameter = _mechanism_args(plan, t.name)
             for start in range(0, t.n_cells, NOISE_RANGE_CELLS):
                 jobs.append((t.name, start, min(start + NOISE_RANGE_CELLS, t.n_cells), kind, parameter))
-        noise = {t.name: np.empty(t.n_cells, dtype=np.int64) for t in plan.tables}
-        total_cells = sum(t.n_cells for t in plan.tables)
+        noise = {t.name: np.zeros(t.n_cells, dtype=np.int64) for t in plan.tables}
+        total_cells = sum(t.n_cells for t in plan.measured())
         if self.workers <= 1 or total_cells < 50_000:
             for i, (name, start, stop, kind, parameter) in enumerate(jobs):
                 noise[name][start:stop] = _noise_range(key, name, start, stop, kind, parameter)

@@ -16,6 +16,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from .segments import run_positions
+
 _MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX_2 = np.uint64(0x94D049BB133111EB)
 
@@ -105,18 +107,6 @@ def priorities(subkey: bytes, fingerprints: np.ndarray, keys: np.ndarray, duplic
     return second[:, 0].copy()
 
 
-def _run_positions(sorted_a: np.ndarray, sorted_b: np.ndarray | None = None) -> np.ndarray:
-    """Position of each element within its run of equal (a[, b]) values in sorted order."""
-    n = sorted_a.size
-    starts = np.ones(n, dtype=bool)
-    if n:
-        starts[1:] = sorted_a[1:] != sorted_a[:-1]
-        if sorted_b is not None:
-            starts[1:] |= sorted_b[1:] != sorted_b[:-1]
-    index = np.arange(n)
-    return index - np.maximum.accumulate(np.where(starts, index, 0))
-
-
 def bound_contributions(
     units: pa.Array | pa.ChunkedArray, keys: np.ndarray, k: int, subkey: bytes
 ) -> np.ndarray:
@@ -134,10 +124,10 @@ def bound_contributions(
     units, rec = dense_unit_ids(over_units), keys[over]
     order = np.lexsort((rec, units))
     duplicate = np.empty(over.size, dtype=np.int64)
-    duplicate[order] = _run_positions(units[order], rec[order])
+    duplicate[order] = run_positions(units[order], rec[order])
     priority = priorities(subkey, fingerprints, rec, duplicate)
     order = np.lexsort((priority, units))
     rank = np.empty(over.size, dtype=np.int64)
-    rank[order] = _run_positions(units[order])
+    rank[order] = run_positions(units[order])
     keep[over] = rank < k
     return keep

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .segments import run_positions
+
 
 def project_to_simplex(values: np.ndarray, segments: np.ndarray, totals: np.ndarray) -> np.ndarray:
     """Per segment s: the closest (least squares) x >= 0 with sum(x) = totals[s].
@@ -23,9 +25,7 @@ def project_to_simplex(values: np.ndarray, segments: np.ndarray, totals: np.ndar
     order = np.lexsort((-values, segments))
     seg_sorted = segments[order]
     v_sorted = values[order]
-    starts = np.ones(n, dtype=bool)
-    starts[1:] = seg_sorted[1:] != seg_sorted[:-1]
-    start_index = np.maximum.accumulate(np.where(starts, np.arange(n), 0))
+    start_index = np.arange(n) - run_positions(seg_sorted)
     cumulative = np.cumsum(v_sorted)
     before = np.where(start_index > 0, cumulative[start_index - 1], 0.0)
     seg_cumsum = cumulative - before
@@ -58,12 +58,8 @@ def controlled_round(values: np.ndarray, segments: np.ndarray, totals: np.ndarra
     fraction = values - floors
     order = np.lexsort((np.arange(values.size), -fraction, segments))
     seg_sorted = segments[order]
-    n = values.size
-    starts = np.ones(n, dtype=bool)
-    if n:
-        starts[1:] = seg_sorted[1:] != seg_sorted[:-1]
-    rank = np.arange(n) - np.maximum.accumulate(np.where(starts, np.arange(n), 0))
-    bump = np.zeros(n, dtype=np.int64)
+    rank = run_positions(seg_sorted)
+    bump = np.zeros(values.size, dtype=np.int64)
     bump[order] = (rank < shortfall[seg_sorted]).astype(np.int64)
     result = floors + bump
     return result
@@ -92,8 +88,7 @@ def top_down_hierarchy(levels: list[np.ndarray], parent_maps: list[np.ndarray | 
             continue
         parent = results[-1]
         units, cells = noisy.shape
-        parent_units = parent_maps[i]
-        segment = (parent_units[:, None] * cells + np.arange(cells)[None, :]).ravel()
+        segment = _parent_cell_segments(parent_maps[i], cells)
         fitted = nonnegative_integer_children(noisy.ravel().astype(np.float64), segment, parent.ravel())
         results.append(fitted.reshape(units, cells))
     return results
@@ -104,10 +99,15 @@ def clamp_nonnegative(noisy: np.ndarray) -> np.ndarray:
     return np.maximum(np.asarray(noisy, dtype=np.int64), 0)
 
 
+def _parent_cell_segments(parent: np.ndarray, cells: int) -> np.ndarray:
+    """Segment id (parent unit, attribute cell) of every (unit, cell) entry, flattened C order."""
+    return (parent[:, None] * cells + np.arange(cells)[None, :]).ravel()
+
+
 def _sum_by_parent(values: np.ndarray, parent: np.ndarray, n_parents: int) -> np.ndarray:
     """Row sums of `values` (units, cells) grouped by parent unit: shape (n_parents, cells)."""
     cells = values.shape[1]
-    index = (parent[:, None] * cells + np.arange(cells)[None, :]).ravel()
+    index = _parent_cell_segments(parent, cells)
     return np.bincount(index, weights=values.ravel(), minlength=n_parents * cells).reshape(n_parents, cells)
 
 

@@ -39,7 +39,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=7.4", "scipy>=1.11", "dp-accounting>=0.4", "opendp>=0.12"],
-        "spark": [],
+        "spark": ["pyspark>=4.0", "pandas>=2.2,<3"],
         "beam": [],
         "validate": [],
         "bench": ["psutil>=5.9"],

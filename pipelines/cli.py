@@ -108,10 +108,11 @@ def plan(spec: Path) -> None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Publish under this directory instead of the spec's output.dir.")
 @click.option("--input", "input_path", help="Read this input instead of the spec's input.path.")
-@click.option("--engine", type=click.Choice(["embedded"]), help="Engine (default: the spec's, embedded).")
+@click.option("--engine", type=click.Choice(["embedded", "spark"]), help="Engine (default: the spec's, embedded).")
+@click.option("--master", help="Spark master URL (spark engine only; default local[*]): spark://host:7077, yarn, k8s://...")
 @click.option("--workers", type=click.IntRange(1, 256), help="Noise worker processes (default: CPU count).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing release directory of the same id.")
-def run(spec: Path, key_file, out_dir, input_path, engine, workers, overwrite) -> None:
+def run(spec: Path, key_file, out_dir, input_path, engine, workers, overwrite, master) -> None:
     """Run a release: bound, aggregate, add noise, post-process, publish atomically."""
     from .run import run_release
 
@@ -125,7 +126,8 @@ def run(spec: Path, key_file, out_dir, input_path, engine, workers, overwrite) -
             progress.update(tasks[stage], completed=done, total=total)
 
         result = run_release(spec, key_file=key_file, out_dir=out_dir, input_path=input_path, engine=engine,
-                             workers=workers, overwrite=overwrite, progress=hook, command_line=sys.argv)
+                             workers=workers, overwrite=overwrite, master=master, progress=hook,
+                             command_line=sys.argv)
     plan_ = result.plan
     console.print(f"[bold green]Published[/] release [bold]{plan_.spec.release_id}[/] to {result.release_dir}")
     console.print(_totals_text(plan_))

@@ -56,15 +56,24 @@ def resolve_key(key_file: Path | None, spec_dir: Path, release_id: str, created_
     return key, key_file, False
 
 
-def make_engine(name: str, workers: int | None) -> Engine:
+ENGINES = ("embedded", "spark")
+
+
+def make_engine(name: str, workers: int | None, master: str | None = None) -> Engine:
     if name == "embedded":
+        if master:
+            raise SpecError(f"--master = {master!r}: only the spark engine takes a master URL")
         return EmbeddedEngine(workers=workers)
-    raise SpecError(f"--engine = {name!r}: allowed: embedded")
+    if name == "spark":
+        from .engines.spark import SparkEngine
+
+        return SparkEngine(master=master)
+    raise SpecError(f"--engine = {name!r}: allowed: {', '.join(ENGINES)}")
 
 
 def run_release(
     spec_path: Path, *, key_file: Path | None = None, out_dir: Path | None = None, input_path: str | None = None,
-    engine: str | None = None, workers: int | None = None, overwrite: bool = False,
+    engine: str | None = None, workers: int | None = None, overwrite: bool = False, master: str | None = None,
     progress: ProgressHook = no_progress, command_line: list[str] | None = None,
 ) -> RunResult:
     """Run a release end to end. Everything that can abort on public grounds (spec, domain files,
@@ -78,7 +87,7 @@ def run_release(
     final_dir = root / spec.release_id
     if final_dir.exists() and not overwrite:
         raise SpecError(f"output: release directory {final_dir} already exists; pass --overwrite to replace it")
-    runner = make_engine(engine or spec.engine, workers)
+    runner = make_engine(engine or spec.engine, workers, master)
     source = open_input(plan, spec_dir, input_path)
     LOG.info("input: %d %s file(s); engine %s", len(source.files()), source.format, runner.name)
     key, key_path, reused = resolve_key(key_file, spec_dir, spec.release_id, created_at)

@@ -183,7 +183,7 @@ class ReleaseSpec(Frozen):
 
     release_id: str = Field(pattern=IDENTIFIER, description="Required. Identifier of this release.")
     dataset_id: str = Field(pattern=IDENTIFIER, description="Required. Identifier of the confidential dataset.")
-    engine: Literal["embedded"] = Field("embedded", description="Defaulted (embedded). The engine that runs it.")
+    engine: Literal["embedded", "spark"] = Field("embedded", description="Defaulted (embedded). The engine that runs it.")
     input: InputSpec
     privacy_unit: str | None = Field(
         description="Required. Column identifying a privacy unit (person, household); null: each record is a unit."

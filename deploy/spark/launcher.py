@@ -1,0 +1,5 @@
+"""Entry point for spark-submit: runs the dprelease CLI inside the submitted driver."""
+from dprelease.pipelines.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""The Spark engine: the same kernels as the embedded engine, run by Spark executors.
+
+    read (Spark Parquet/CSV) -> encode (mapInArrow: encode kernel)
+    -> shuffle by privacy unit -> bound + count per partition (mapInArrow: bounding and
+       aggregation kernels, emitting sparse partial counts)
+    -> sum partial counts (Spark groupBy) -> noise per (table, cell range) on the executors
+       (applyInArrow: sampler kernel; every public cell, empty ones included)
+    -> the driver receives only noisy counts (one per public cell), never row-level data.
+
+Because bounding sees all records of a unit in one partition and the noise of a cell is a
+pure function of (key, table, cell), the result is bit-identical to the embedded engine's,
+and a retried task redraws exactly the same values. The release key travels to executors
+inside the task closures: enable Spark's RPC authentication and encryption on shared
+clusters (see deploy/spark/README.md).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from fractions import Fraction
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dprelease.accounting.errors import DPReleaseError, SpecError
+from dprelease.transforms.bound import bound_contributions, record_keys
+from dprelease.transforms.csprng import CellStream, ReleaseKey
+from dprelease.transforms.encode import ColumnEncoder, encode_batch
+from dprelease.transforms.samplers import sample_cells
+
+from ..plan import Plan
+from ..source import InputSource
+from .base import Engine, ProgressHook, no_progress
+
+UNIT = "__unit__"
+NOISE_RANGE_CELLS = 1 << 18
+ROWS_PER_PARTITION = 2_000_000
+FAIL_FIRST_ATTEMPT_ENV = "DPRELEASE_TEST_FAIL_FIRST_ATTEMPT"
+"""Test hook, read on the driver when the job is built: 'noise' makes every noise task fail on its
+first attempt (retry-safety tests)."""
+
+
+def _import_pyspark():
+    try:
+        import pyspark  # noqa: F401
+        from pyspark.sql import SparkSession
+    except ImportError:
+        raise SpecError("--engine spark needs pyspark: pip install \"dprelease[spark]\"") from None
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        raise SpecError("--engine spark needs a Java runtime (17 or newer) on PATH or in JAVA_HOME")
+    return SparkSession
+
+
+def _encode_function(plan: Plan, unit: str | None):
+    columns = plan.used_columns()
+    encoders = {c: ColumnEncoder(plan.domains[c]) for c in columns}
+
+    def encode(batches):
+        for batch in batches:
+            codes, keep = encode_batch(batch, encoders)
+            if unit:
+                keep &= pc.is_valid(batch.column(unit)).to_numpy(zero_copy_only=False)
+            mask = pa.array(keep)
+            data = {c: pa.array(codes[c].astype(np.int32)).filter(mask) for c in columns}
+            if unit:
+                data[UNIT] = batch.column(unit).filter(mask)
+            yield pa.RecordBatch.from_pydict(data)
+
+    return encode
+
+
+def _bound_count_function(plan: Plan, unit: str | None, subkey: bytes):
+    columns = plan.used_columns()
+    sizes = [plan.domains[c].size for c in columns]
+    layouts = [t.layout for t in plan.tables]
+    k = plan.bounds.max_records_per_unit
+
+    def bound_and_count(batches):
+        batches = list(batches)
+        if not batches:
+            return
+        table = pa.Table.from_batches(batches)
+        codes = {c: table.column(c).to_numpy() for c in columns}
+        if unit:
+            keys = record_keys([codes[c] for c in columns], sizes)
+            keep = bound_contributions(table.column(UNIT), keys, k, subkey)
+            codes = {c: v[keep] for c, v in codes.items()}
+        n_rows = len(next(iter(codes.values()))) if codes else 0
+        for table_id, layout in enumerate(layouts):
+            counts = layout.count(codes, n_rows)
+            cells = np.flatnonzero(counts)
+            yield pa.RecordBatch.from_pydict({
+                "table_id": pa.array(np.full(cells.size, table_id, dtype=np.int32)),
+                "cell": pa.array(cells.astype(np.int64)),
+                "count": pa.array(counts[cells]),
+            })
+
+    return bound_and_count
+
+
+def _noise_function(plan: Plan, key: ReleaseKey, chunk: int):
+    tables = [(t.name, t.n_cells, t.event) for t in plan.tables]
+    fail_first_attempt = os.environ.get(FAIL_FIRST_ATTEMPT_ENV) == "noise"
+
+    def noise(group: pa.Table) -> pa.Table:
+        if fail_first_attempt:
+            from pyspark import TaskContext
+
+            context = TaskContext.get()
+            if context is not None and context.attemptNumber() == 0:
+                raise RuntimeError("test hook: failing the first attempt of a noise task")
+        table_id = int(group.column("table_id")[0].as_py())
+        range_id = int(group.column("range_id")[0].as_py())
+        name, n_cells, event = tables[table_id]
+        start, stop = range_id * chunk, min((range_id + 1) * chunk, n_cells)
+        values = np.zeros(stop - start, dtype=np.int64)
+        cells = group.column("cell").to_numpy()
+        real = cells >= 0
+        np.add.at(values, cells[real] - start, group.column("count").to_numpy()[real])
+        if event is not None:
+            mechanism = event.mechanism
+            parameter: Fraction = mechanism.scale if mechanism.kind == "discrete_laplace" else mechanism.sigma2
+            values += sample_cells(CellStream.for_table(key, name), start, stop, mechanism.kind, parameter)
+        return pa.table({"table_id": pa.array(np.full(stop - start, table_id, dtype=np.int32)),
+                         "cell": pa.array(np.arange(start, stop, dtype=np.int64)),
+                         "noisy": pa.array(values)})
+
+    return noise
+
+
+class SparkEngine(Engine):
+    name = "spark"
+
+    def __init__(self, master: str | None = None, app_name: str = "dprelease"):
+        self.master = master
+        self.app_name = app_name
+
+    def session(self):
+        SparkSession = _import_pyspark()
+        builder = SparkSession.builder.appName(self.app_name)
+        if self.master:
+            builder = builder.master(self.master)
+        elif "PYSPARK_GATEWAY_PORT" not in os.environ:  # not under spark-submit, which sets the master
+            builder = builder.master("local[*]")
+        return builder.config("spark.sql.execution.arrow.pyspark.enabled", "true").getOrCreate()
+
+    def _read(self, spark, source: InputSource):
+        files = source.files()
+        if source.format == "parquet":
+            frame = spark.read.parquet(*files)
+        else:
+            frame = spark.read.csv(files, header=True, inferSchema=False, mode="DROPMALFORMED")
+        return frame.select(*source.columns)
+
+    def noisy_measurements(self, plan: Plan, source: InputSource, key: ReleaseKey,
+                           progress: ProgressHook = no_progress) -> dict[str, np.ndarray]:
+        from pyspark.sql import functions as F
+
+        spark = self.session()
+        try:
+            unit = source.unit_column
+            frame = self._read(spark, source)
+            encoded_schema = ", ".join([f"`{c}` int" for c in plan.used_columns()] +
+                                       ([f"`{UNIT}` {dict(frame.dtypes)[unit]}"] if unit else []))
+            encoded = frame.mapInArrow(_encode_function(plan, unit), encoded_schema)
+            progress("read", 1, 1)
+            if unit:
+                partitions = max(spark.sparkContext.defaultParallelism,
+                                 -(-source.estimated_rows() // ROWS_PER_PARTITION))
+                encoded = encoded.repartition(partitions, UNIT)
+            partial = encoded.mapInArrow(_bound_count_function(plan, unit, key.derive("dprelease/bound")),
+                                         "table_id int, cell long, count long")
+            counts = (partial.groupBy("table_id", "cell").agg(F.sum("count").alias("count"))
+                      .withColumn("range_id", (F.col("cell") / F.lit(NOISE_RANGE_CELLS)).cast("long")))
+            ranges = [(i, r, -1, 0) for i, t in enumerate(plan.tables)
+                      for r in range(-(-t.n_cells // NOISE_RANGE_CELLS))]
+            markers = spark.createDataFrame(ranges, "table_id int, range_id long, cell long, count long")
+            noisy = (counts.select("table_id", "range_id", "cell", "count").unionByName(markers)
+                     .groupBy("table_id", "range_id")
+                     .applyInArrow(_noise_function(plan, key, NOISE_RANGE_CELLS), "table_id int, cell long, noisy long"))
+            result = noisy.toArrow()
+            progress("noise", 1, 1)
+        except Exception as error:  # Spark wraps executor errors; keep the message public-only
+            if isinstance(error, DPReleaseError):
+                raise
+            raise DPReleaseError(f"the Spark job failed: {type(error).__name__}") from error
+        finally:
+            spark.stop()
+        return self._assemble(plan, result)
+
+    @staticmethod
+    def _assemble(plan: Plan, result: pa.Table) -> dict[str, np.ndarray]:
+        table_ids = result.column("table_id").to_numpy()
+        cells = result.column("cell").to_numpy()
+        values = result.column("noisy").to_numpy()
+        out = {}
+        for i, t in enumerate(plan.tables):
+            mine = table_ids == i
+            vector = np.zeros(t.n_cells, dtype=np.int64)
+            vector[cells[mine]] = values[mine]
+            if np.count_nonzero(mine) != t.n_cells:
+                raise DPReleaseError(f"table {t.name}: the Spark job returned {np.count_nonzero(mine)} of {t.n_cells} cells")
+            out[t.name] = vector
+        return out

@@ -1,8 +1,8 @@
 """The Spark engine: the same kernels as the embedded engine, run by Spark executors.
 
-    read (Spark Parquet/CSV) -> encode (mapInArrow: encode kernel)
-    -> shuffle by privacy unit -> bound + count per partition (mapInArrow: bounding and
-       aggregation kernels, emitting sparse partial counts)
+    read (Spark Parquet/CSV) -> drop null units, shuffle by privacy unit (JVM)
+    -> per partition: encode, bound, count (mapInArrow: the encoding, bounding and aggregation
+       kernels, emitting sparse partial counts)
     -> sum partial counts (Spark groupBy) -> noise per (table, cell range) on the executors
        (applyInArrow: sampler kernel; every public cell, empty ones included)
     -> the driver receives only noisy counts (one per public cell), never row-level data.
@@ -33,9 +33,10 @@ from ..plan import Plan
 from ..source import InputSource
 from .base import Engine, ProgressHook, no_progress
 
-UNIT = "__unit__"
 NOISE_RANGE_CELLS = 1 << 18
 ROWS_PER_PARTITION = 2_000_000
+ARROW_BATCH_ROWS = 1 << 19
+"""Rows per Arrow batch handed to the kernels (Spark's default, 10,000, costs a kernel call per 10k rows)."""
 FAIL_FIRST_ATTEMPT_ENV = "DPRELEASE_TEST_FAIL_FIRST_ATTEMPT"
 """Test hook, read on the driver when the job is built: 'noise' makes every noise task fail on its
 first attempt (retry-safety tests)."""
@@ -52,41 +53,35 @@ def _import_pyspark():
     return SparkSession
 
 
-def _encode_function(plan: Plan, unit: str | None):
+def _encode_bound_count_function(plan: Plan, unit: str | None, subkey: bytes):
+    """Per partition (all records of a unit together): encode every batch (encoding kernel),
+    bound contributions (bounding kernel) and count every table (aggregation kernel); emit the
+    nonzero cells as sparse partial counts."""
     columns = plan.used_columns()
     encoders = {c: ColumnEncoder(plan.domains[c]) for c in columns}
-
-    def encode(batches):
-        for batch in batches:
-            codes, keep = encode_batch(batch, encoders)
-            if unit:
-                keep &= pc.is_valid(batch.column(unit)).to_numpy(zero_copy_only=False)
-            mask = pa.array(keep)
-            data = {c: pa.array(codes[c].astype(np.int32)).filter(mask) for c in columns}
-            if unit:
-                data[UNIT] = batch.column(unit).filter(mask)
-            yield pa.RecordBatch.from_pydict(data)
-
-    return encode
-
-
-def _bound_count_function(plan: Plan, unit: str | None, subkey: bytes):
-    columns = plan.used_columns()
     sizes = [plan.domains[c].size for c in columns]
     layouts = [t.layout for t in plan.tables]
     k = plan.bounds.max_records_per_unit
 
-    def bound_and_count(batches):
-        batches = list(batches)
-        if not batches:
+    def encode_bound_count(batches):
+        parts: dict[str, list] = {c: [] for c in columns}
+        units = []
+        for batch in batches:
+            codes, keep = encode_batch(batch, encoders)
+            for c in columns:
+                parts[c].append(codes[c][keep].astype(np.int32))
+            if unit:
+                units.append(batch.column(unit).filter(pa.array(keep)))
+        if not units and not any(parts.values()):
             return
-        table = pa.Table.from_batches(batches)
-        codes = {c: table.column(c).to_numpy() for c in columns}
-        if unit:
-            keys = record_keys([codes[c] for c in columns], sizes)
-            keep = bound_contributions(table.column(UNIT), keys, k, subkey)
-            codes = {c: v[keep] for c, v in codes.items()}
+        codes = {c: np.concatenate(v) if v else np.empty(0, np.int32) for c, v in parts.items()}
         n_rows = len(next(iter(codes.values()))) if codes else 0
+        if unit and n_rows:
+            unit_values = pa.chunked_array(units).combine_chunks()
+            keys = record_keys([codes[c] for c in columns], sizes)
+            keep = bound_contributions(unit_values, keys, k, subkey)
+            codes = {c: v[keep] for c, v in codes.items()}
+            n_rows = int(keep.sum())
         for table_id, layout in enumerate(layouts):
             counts = layout.count(codes, n_rows)
             cells = np.flatnonzero(counts)
@@ -96,7 +91,7 @@ def _bound_count_function(plan: Plan, unit: str | None, subkey: bytes):
                 "count": pa.array(counts[cells]),
             })
 
-    return bound_and_count
+    return encode_bound_count
 
 
 def _noise_function(plan: Plan, key: ReleaseKey, chunk: int):
@@ -143,12 +138,20 @@ class SparkEngine(Engine):
             builder = builder.master(self.master)
         elif "PYSPARK_GATEWAY_PORT" not in os.environ:  # not under spark-submit, which sets the master
             builder = builder.master("local[*]")
-        return builder.config("spark.sql.execution.arrow.pyspark.enabled", "true").getOrCreate()
+        return (builder.config("spark.sql.execution.arrow.pyspark.enabled", "true")
+                .config("spark.sql.execution.arrow.maxRecordsPerBatch", str(ARROW_BATCH_ROWS))
+                .getOrCreate())
 
     def _read(self, spark, source: InputSource):
         files = source.files()
         if source.format == "parquet":
-            frame = spark.read.parquet(*files)
+            from pyspark.sql.pandas.types import from_arrow_schema
+
+            schema = source.dataset.schema
+            fields = [schema.field(c) for c in source.columns]
+            plain = pa.schema([pa.field(f.name, f.type.value_type if pa.types.is_dictionary(f.type) else f.type)
+                               for f in fields])
+            frame = spark.read.schema(from_arrow_schema(plain)).parquet(*files)
         else:
             frame = spark.read.csv(files, header=True, inferSchema=False, mode="DROPMALFORMED")
         return frame.select(*source.columns)
@@ -161,16 +164,13 @@ class SparkEngine(Engine):
         try:
             unit = source.unit_column
             frame = self._read(spark, source)
-            encoded_schema = ", ".join([f"`{c}` int" for c in plan.used_columns()] +
-                                       ([f"`{UNIT}` {dict(frame.dtypes)[unit]}"] if unit else []))
-            encoded = frame.mapInArrow(_encode_function(plan, unit), encoded_schema)
-            progress("read", 1, 1)
-            if unit:
+            if unit:  # records of a unit must meet in one partition; null units are dropped by policy
                 partitions = max(spark.sparkContext.defaultParallelism,
                                  -(-source.estimated_rows() // ROWS_PER_PARTITION))
-                encoded = encoded.repartition(partitions, UNIT)
-            partial = encoded.mapInArrow(_bound_count_function(plan, unit, key.derive("dprelease/bound")),
-                                         "table_id int, cell long, count long")
+                frame = frame.where(F.col(unit).isNotNull()).repartition(partitions, unit)
+            partial = frame.mapInArrow(_encode_bound_count_function(plan, unit, key.derive("dprelease/bound")),
+                                       "table_id int, cell long, count long")
+            progress("read", 1, 1)
             counts = (partial.groupBy("table_id", "cell").agg(F.sum("count").alias("count"))
                       .withColumn("range_id", (F.col("cell") / F.lit(NOISE_RANGE_CELLS)).cast("long")))
             ranges = [(i, r, -1, 0) for i, t in enumerate(plan.tables)

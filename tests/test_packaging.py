@@ -1,7 +1,6 @@
 """Packaging: one namespace, no generic top-level names, a console command, no float noise."""
 from __future__ import annotations
 
-import importlib.metadata
 import re
 import shutil
 import site

@@ -1,7 +1,6 @@
 """Spec validation: every bad-input class gets one error naming the field, the value, what is allowed."""
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import sys

@@ -21,7 +21,6 @@ from fractions import Fraction
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from dprelease.accounting.errors import DPReleaseError, SpecError
 from dprelease.transforms.bound import bound_contributions, record_keys

@@ -19,12 +19,10 @@ def read_exact(entry: dict) -> Fraction:
 def measurement_record(event: MeasurementEvent) -> dict:
     """Mechanism, sensitivity, allocation, actual loss and expected error of one measurement."""
     mechanism = event.mechanism
-    parameter = mechanism.scale if mechanism.kind == "discrete_laplace" else mechanism.sigma2
     variance = mechanism.variance()
     return {
-        "mechanism": {"kind": mechanism.kind,
-                      "parameter": "scale" if mechanism.kind == "discrete_laplace" else "sigma2",
-                      "value": exact(parameter)},
+        "mechanism": {"kind": mechanism.kind, "parameter": mechanism.parameter_name,
+                      "value": exact(mechanism.parameter)},
         "sensitivity": {"l1": event.sensitivity.l1, "l2_squared": event.sensitivity.l2_squared,
                         "derivation": event.sensitivity.derivation},
         "allocated": exact(event.allocated),

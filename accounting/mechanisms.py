@@ -29,6 +29,12 @@ class DiscreteLaplace:
 
     scale: Fraction
     kind: Literal["discrete_laplace"] = "discrete_laplace"
+    parameter_name = "scale"
+
+    @property
+    def parameter(self) -> Fraction:
+        """What the sampler takes: the scale."""
+        return self.scale
 
     def privacy_loss(self, sensitivity: CountSensitivity) -> Fraction:
         """Pure epsilon of one release of a vector with this L1 sensitivity."""
@@ -64,6 +70,12 @@ class DiscreteGaussian:
 
     sigma2: Fraction
     kind: Literal["discrete_gaussian"] = "discrete_gaussian"
+    parameter_name = "sigma2"
+
+    @property
+    def parameter(self) -> Fraction:
+        """What the sampler takes: the variance parameter sigma^2."""
+        return self.sigma2
 
     def privacy_loss(self, sensitivity: CountSensitivity) -> Fraction:
         """rho of one release of a vector with this squared L2 sensitivity."""

@@ -72,12 +72,6 @@ def _noise_range(key: ReleaseKey, table: str, start: int, stop: int, kind: str, 
     return sample_cells(stream, start, stop, kind, parameter)
 
 
-def _mechanism_args(plan: Plan, name: str) -> tuple[str, Fraction]:
-    mechanism = plan.table(name).event.mechanism
-    parameter = mechanism.scale if mechanism.kind == "discrete_laplace" else mechanism.sigma2
-    return mechanism.kind, parameter
-
-
 class EmbeddedEngine(Engine):
     name = "embedded"
 
@@ -135,9 +129,10 @@ class EmbeddedEngine(Engine):
         """Noise of every cell of every table, in parallel over cell ranges (same values for any split)."""
         jobs = []
         for t in plan.measured():
-            kind, parameter = _mechanism_args(plan, t.name)
+            mechanism = t.event.mechanism
             for start in range(0, t.n_cells, NOISE_RANGE_CELLS):
-                jobs.append((t.name, start, min(start + NOISE_RANGE_CELLS, t.n_cells), kind, parameter))
+                jobs.append((t.name, start, min(start + NOISE_RANGE_CELLS, t.n_cells), mechanism.kind,
+                             mechanism.parameter))
         noise = {t.name: np.zeros(t.n_cells, dtype=np.int64) for t in plan.tables}
         total_cells = sum(t.n_cells for t in plan.measured())
         if self.workers <= 1 or total_cells < 50_000:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from fractions import Fraction
 
 import numpy as np
 import pyarrow as pa
@@ -114,8 +113,7 @@ def _noise_function(plan: Plan, key: ReleaseKey, chunk: int):
         np.add.at(values, cells[real] - start, group.column("count").to_numpy()[real])
         if event is not None:
             mechanism = event.mechanism
-            parameter: Fraction = mechanism.scale if mechanism.kind == "discrete_laplace" else mechanism.sigma2
-            values += sample_cells(CellStream.for_table(key, name), start, stop, mechanism.kind, parameter)
+            values += sample_cells(CellStream.for_table(key, name), start, stop, mechanism.kind, mechanism.parameter)
         return pa.table({"table_id": pa.array(np.full(stop - start, table_id, dtype=np.int32)),
                          "cell": pa.array(np.arange(start, stop, dtype=np.int64)),
                          "noisy": pa.array(values)})

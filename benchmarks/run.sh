@@ -6,16 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 sizes=("$@")
 [ "${#sizes[@]}" -gt 0 ] || sizes=(1000000 10000000)
-measure() {  # measure LABEL ROWS COMMAND...
-  local label="$1" rows="$2"; shift 2
-  local log; log=$(mktemp)
-  /usr/bin/time -v "$@" >/dev/null 2>"$log" || { cat "$log" >&2; exit 1; }
-  local wall rss
-  wall=$(awk -F': ' '/Elapsed \(wall clock\)/ {n=split($2,a,":"); s=0; for(i=1;i<=n;i++) s=s*60+a[i]; print s}' "$log")
-  rss=$(awk -F': ' '/Maximum resident set size/ {printf "%.2f", $2/1048576}' "$log")
-  printf '%-28s %12s rows %8.2f s %12.0f rows/s %6s GiB peak\n' "$label" "$rows" "$wall" "$(echo "$rows / $wall" | bc -l)" "$rss"
-  rm -f "$log"
-}
+# shellcheck source=measure.sh
+source ./measure.sh
 for rows in "${sizes[@]}"; do
   data="out/rows-$rows"
   [ -f "$data/persons.parquet" ] || dprelease demo-data --rows "$rows" --out "$data" >/dev/null

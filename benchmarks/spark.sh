@@ -7,16 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 sizes=("$@")
 [ "${#sizes[@]}" -gt 0 ] || sizes=(10000000 50000000)
-measure() {  # measure LABEL ROWS COMMAND...
-  local label="$1" rows="$2"; shift 2
-  local log; log=$(mktemp)
-  /usr/bin/time -v "$@" >/dev/null 2>"$log" || { tail -20 "$log" >&2; exit 1; }
-  local wall rss
-  wall=$(awk -F': ' '/Elapsed \(wall clock\)/ {n=split($2,a,":"); s=0; for(i=1;i<=n;i++) s=s*60+a[i]; print s}' "$log")
-  rss=$(awk -F': ' '/Maximum resident set size/ {printf "%.2f", $2/1048576}' "$log")
-  printf '%-34s %12s rows %8.2f s %12.0f rows/s %6s GiB driver peak\n' "$label" "$rows" "$wall" "$(echo "$rows / $wall" | bc -l)" "$rss"
-  rm -f "$log"
-}
+# shellcheck source=measure.sh
+source ./measure.sh
 run_dir=$(mktemp -d)
 trap '../deploy/spark/stop-cluster.sh "$run_dir" >/dev/null 2>&1 || true; rm -rf "$run_dir"' EXIT
 url=$(PYTHON=python ../deploy/spark/start-cluster.sh "$run_dir" 2 | tail -n 1)
@@ -31,6 +23,6 @@ for rows in "${sizes[@]}"; do
   measure "count job (dprelease spark local[2])" "$rows" dprelease run count_spec.yaml --engine spark \
     --master "local[2]" --input "$data/persons.parquet" --out out/spark-releases/count --key-file "out/keys/c-$rows.key"
   if python -c "import pipeline_dp" 2>/dev/null && [ "$rows" -le "${PEER_MAX_ROWS:-1000000}" ]; then
-    measure "count job (PipelineDP SparkRDD)" "$rows" python pipelinedp_spark_count.py "$data/persons.parquet" "$data/geography.txt"
+    measure "count job (PipelineDP SparkRDD)" "$rows" python pipelinedp_count.py "$data/persons.parquet" "$data/geography.txt" --backend spark
   fi
 done

@@ -36,6 +36,7 @@ setup(
         "cryptography>=41",
         "click>=8.1",
         "rich>=13",
+        "SQLAlchemy>=2.0",
     ],
     extras_require={
         "test": ["pytest>=7.4", "scipy>=1.11", "dp-accounting>=0.4", "opendp>=0.12"],

@@ -112,7 +112,10 @@ def plan(spec: Path) -> None:
 @click.option("--master", help="Spark master URL (spark engine only; default local[*]): spark://host:7077, yarn, k8s://...")
 @click.option("--workers", type=click.IntRange(1, 256), help="Noise worker processes (default: CPU count).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing release directory of the same id.")
-def run(spec: Path, key_file, out_dir, input_path, engine, workers, overwrite, master) -> None:
+@click.option("--ledger", envvar="DPRELEASE_LEDGER",
+              help="Privacy-loss ledger (SQLite file or SQLAlchemy URL; env DPRELEASE_LEDGER): reserve the "
+                   "release's spend before any noise is drawn, refuse with exit 3 if over budget.")
+def run(spec: Path, key_file, out_dir, input_path, engine, workers, overwrite, master, ledger) -> None:
     """Run a release: bound, aggregate, add noise, post-process, publish atomically."""
     from .run import run_release
 
@@ -126,8 +129,8 @@ def run(spec: Path, key_file, out_dir, input_path, engine, workers, overwrite, m
             progress.update(tasks[stage], completed=done, total=total)
 
         result = run_release(spec, key_file=key_file, out_dir=out_dir, input_path=input_path, engine=engine,
-                             workers=workers, overwrite=overwrite, master=master, progress=hook,
-                             command_line=sys.argv)
+                             workers=workers, overwrite=overwrite, master=master, ledger=ledger,
+                             progress=hook, command_line=sys.argv)
     plan_ = result.plan
     console.print(f"[bold green]Published[/] release [bold]{plan_.spec.release_id}[/] to {result.release_dir}")
     console.print(_totals_text(plan_))
@@ -163,6 +166,83 @@ def verify(release_dir: Path) -> None:
         errors.print(f"[bold red]MISMATCH[/] {problem}", highlight=False, soft_wrap=True)
     errors.print(f"[bold red]{len(report.problems)} mismatch(es)[/]: this release does not match its manifest.")
     sys.exit(1)
+
+
+LEDGER_OPTION = click.option("--ledger", envvar="DPRELEASE_LEDGER", required=True,
+                             help="SQLite file or SQLAlchemy URL (env DPRELEASE_LEDGER).")
+
+
+@main.group()
+def ledger() -> None:
+    """The privacy-loss ledger: lifetime budgets and the spend of every release, per dataset."""
+
+
+@ledger.command("set-budget")
+@click.argument("dataset")
+@click.option("--epsilon", "epsilon", help="Lifetime pure-DP budget (for pure releases).")
+@click.option("--rho", "rho", help="Lifetime zCDP budget (for zcdp and approx releases).")
+@LEDGER_OPTION
+def ledger_set_budget(dataset: str, epsilon, rho, ledger: str) -> None:
+    """Create or change a dataset's lifetime budget (never below what it has spent)."""
+    from fractions import Fraction
+
+    from dprelease.accounting.errors import SpecError
+    from dprelease.accounting.ledger import open_ledger, set_budget
+    from dprelease.accounting.rationals import parse_rational
+
+    with _handled():
+        if (epsilon is None) == (rho is None):
+            raise SpecError("ledger set-budget: give exactly one of --epsilon or --rho")
+        unit, value = ("epsilon", epsilon) if epsilon is not None else ("rho", rho)
+        try:
+            amount = parse_rational(value)
+        except ValueError as error:
+            raise SpecError(f"--{unit} = {value!r}: {error}") from None
+        set_budget(open_ledger(ledger), dataset, unit, Fraction(amount))
+    console.print(f"Dataset {dataset}: lifetime budget {amount} {unit}")
+
+
+@ledger.command("show")
+@click.argument("dataset")
+@LEDGER_OPTION
+def ledger_show(dataset: str, ledger: str) -> None:
+    """A dataset's budget, spend and every release."""
+    _print_ledger(ledger, dataset)
+
+
+@ledger.command("list")
+@LEDGER_OPTION
+def ledger_list(ledger: str) -> None:
+    """Every dataset with its budget and spend."""
+    _print_ledger(ledger, None)
+
+
+def _print_ledger(location: str, dataset: str | None) -> None:
+    from fractions import Fraction
+
+    from dprelease.accounting.errors import SpecError
+    from dprelease.accounting.ledger import COMMITTED, RESERVED, history, open_ledger
+
+    with _handled():
+        rows, releases = history(open_ledger(location), dataset)
+        if dataset and not rows:
+            raise SpecError(f"ledger: no dataset {dataset!r}")
+    summary = Table(title="Datasets")
+    for header in ("dataset", "unit", "lifetime", "spent", "remaining"):
+        summary.add_column(header)
+    for row in rows:
+        spent = sum((Fraction(r.spend) for r in releases
+                     if r.dataset_id == row.dataset_id and r.status in (COMMITTED, RESERVED)), Fraction(0))
+        lifetime = Fraction(row.lifetime_budget)
+        summary.add_row(row.dataset_id, row.unit, str(lifetime), str(spent), str(lifetime - spent))
+    console.print(summary)
+    if dataset:
+        detail = Table(title=f"Releases of {dataset}")
+        for header in ("release", "key id", "spend", "status", "reserved at", "manifest sha256"):
+            detail.add_column(header)
+        for r in releases:
+            detail.add_row(r.release_id, r.key_id, r.spend, r.status, str(r.reserved_at), (r.manifest_sha256 or "")[:16])
+        console.print(detail)
 
 
 @main.command("demo-data")

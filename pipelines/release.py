@@ -54,7 +54,7 @@ def _file_entry(root: Path, path: Path) -> dict:
 def write_release(
     plan: Plan, noisy: dict[str, np.ndarray], published: dict[str, np.ndarray], final_dir: Path,
     *, engine: str, key_id: str, created_at: str, command_line: list[str], overwrite: bool = False,
-    progress=lambda stage, done, total: None,
+    progress=lambda stage, done, total: None, ledger: dict | None = None,
 ) -> Path:
     """Write and atomically publish the release directory `final_dir`."""
     final_dir = Path(final_dir)
@@ -82,7 +82,7 @@ def write_release(
                 files.append(path)
                 domain_files[name] = path.relative_to(staging).as_posix()
         entries = [_file_entry(staging, p) for p in sorted(files)]
-        manifest = build_manifest(plan, engine, key_id, entries, domain_files, created_at, command_line)
+        manifest = build_manifest(plan, engine, key_id, entries, domain_files, created_at, command_line, ledger)
         (staging / "manifest.json").write_bytes(dump_manifest(manifest))
         _publish(staging, final_dir)
     except BaseException:

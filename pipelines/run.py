@@ -9,12 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dprelease.accounting.errors import SpecError
+from dprelease.accounting.ledger import finish, open_ledger, reserve
 from dprelease.transforms.csprng import ReleaseKey
 
 from .engines.base import Engine, ProgressHook, no_progress
 from .engines.embedded import EmbeddedEngine
 from .plan import Plan, build_plan
 from .postprocessing import post_process
+from .manifest import sha256_file
 from .release import write_release
 from .source import open_input
 from .spec import load_spec
@@ -40,8 +42,9 @@ def creation_time() -> str:
 
 
 def resolve_key(key_file: Path | None, spec_dir: Path, release_id: str, created_at: str) -> tuple[ReleaseKey, Path, bool]:
-    """Load `key_file` if it exists; else draw a fresh key from the OS and write it there
-    (default: <spec dir>/keys/<release id>-<time>.key, outside any release directory)."""
+    """Load `key_file` if it exists; else draw a fresh key from the OS, to be saved there
+    (default: <spec dir>/keys/<release id>-<time>.key, outside any release directory) by the caller
+    once the run is allowed to go ahead."""
     if key_file is None:
         stamp = created_at.replace(":", "").replace("-", "").replace("+0000", "Z")
         key_file = spec_dir / "keys" / f"{release_id}-{stamp}-{os.urandom(3).hex()}.key"
@@ -51,12 +54,24 @@ def resolve_key(key_file: Path | None, spec_dir: Path, release_id: str, created_
             return ReleaseKey.load(key_file), key_file, True
         except ValueError as error:
             raise SpecError(f"--key-file = {str(key_file)!r}: {error}") from None
-    key = ReleaseKey.generate()
-    key.save(key_file)
-    return key, key_file, False
+    return ReleaseKey.generate(), key_file, False
 
 
 ENGINES = ("embedded", "spark")
+
+
+def _reserve(ledger: str | Path | None, plan: Plan, key: ReleaseKey):
+    """Reserve the release's composed loss in the ledger (before any noise is drawn), if one is used."""
+    if ledger is None:
+        return None, None
+    book = open_ledger(ledger)
+    totals = plan.totals
+    unit, spend = ("epsilon", totals.pure_epsilon) if totals.pure_epsilon is not None else ("rho", totals.rho)
+    spec = plan.spec
+    reservation = reserve(book, spec.dataset_id, spec.release_id, key.key_id(), spec.spec_hash(), unit, spend)
+    LOG.info("ledger: reserved %s %s of dataset %s", "nothing (re-run)" if reservation.rerun else spend, unit,
+             spec.dataset_id)
+    return book, reservation
 
 
 def make_engine(name: str, workers: int | None, master: str | None = None) -> Engine:
@@ -74,7 +89,7 @@ def make_engine(name: str, workers: int | None, master: str | None = None) -> En
 def run_release(
     spec_path: Path, *, key_file: Path | None = None, out_dir: Path | None = None, input_path: str | None = None,
     engine: str | None = None, workers: int | None = None, overwrite: bool = False, master: str | None = None,
-    progress: ProgressHook = no_progress, command_line: list[str] | None = None,
+    ledger: str | Path | None = None, progress: ProgressHook = no_progress, command_line: list[str] | None = None,
 ) -> RunResult:
     """Run a release end to end. Everything that can abort on public grounds (spec, domain files,
     input schema, existing release) is checked before the key is drawn or any noise is sampled."""
@@ -91,13 +106,23 @@ def run_release(
     source = open_input(plan, spec_dir, input_path)
     LOG.info("input: %d %s file(s); engine %s", len(source.files()), source.format, runner.name)
     key, key_path, reused = resolve_key(key_file, spec_dir, spec.release_id, created_at)
+    book, reservation = _reserve(ledger, plan, key)
     LOG.info("key %s (%s)", key.key_id(), "reused" if reused else "new")
-    noisy = runner.noisy_measurements(plan, source, key, progress)
-    LOG.info("noisy measurements drawn for %d tables", len(plan.tables))
-    published = post_process(plan, noisy)
-    LOG.info("post-processed %d tables", len(plan.tables))
-    write_release(plan, noisy, published, final_dir, engine=runner.name, key_id=key.key_id(),
-                  created_at=created_at, command_line=command_line or sys.argv, overwrite=overwrite,
-                  progress=progress)
+    try:
+        if not reused:
+            key.save(key_path)
+        noisy = runner.noisy_measurements(plan, source, key, progress)
+        LOG.info("noisy measurements drawn for %d tables", len(plan.tables))
+        published = post_process(plan, noisy)
+        LOG.info("post-processed %d tables", len(plan.tables))
+        write_release(plan, noisy, published, final_dir, engine=runner.name, key_id=key.key_id(),
+                      created_at=created_at, command_line=command_line or sys.argv, overwrite=overwrite,
+                      progress=progress, ledger=reservation.record() if reservation else None)
+    except BaseException:
+        if reservation:
+            finish(book, reservation, None)
+        raise
+    if reservation:
+        finish(book, reservation, sha256_file(final_dir / "manifest.json"))
     LOG.info("published %s", final_dir)
     return RunResult(final_dir, key_path, reused, plan)

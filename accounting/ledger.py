@@ -1,0 +1,179 @@
+"""The privacy-loss ledger: per dataset, a lifetime budget and every release's spend, in a real
+database through SQLAlchemy (a SQLite file by default, any SQLAlchemy URL such as PostgreSQL).
+
+A run reserves its spend in one transaction before any noise is drawn (refusing, with nothing
+written, if the budget would be exceeded), and commits the reservation after publishing or aborts
+it on failure. Reservation is serialised per dataset: SQLite transactions start with BEGIN IMMEDIATE
+(one writer at a time), other databases lock the dataset row (SELECT ... FOR UPDATE), so two
+concurrent runs can never both spend the last budget. A re-run of a committed (dataset, release,
+key) costs nothing: the same key on the same input reproduces the same release.
+Spends are exact fractions in the dataset's unit: epsilon (pure DP) or rho (zCDP; approximate-DP
+releases are accounted in rho, which is how their noise is calibrated).
+"""
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+from sqlalchemy import (Column, DateTime, ForeignKey, Integer, MetaData, String, Table, create_engine, event,
+                        func, select)
+from sqlalchemy.engine import Engine
+
+from .errors import BudgetError, SpecError
+
+SCHEMA_VERSION = 1
+metadata = MetaData()
+schema_version = Table("schema_version", metadata, Column("version", Integer, nullable=False))
+datasets = Table(
+    "datasets", metadata,
+    Column("dataset_id", String(128), primary_key=True),
+    Column("unit", String(16), nullable=False),
+    Column("lifetime_budget", String(64), nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=False),
+)
+releases = Table(
+    "releases", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("dataset_id", String(128), ForeignKey("datasets.dataset_id"), nullable=False),
+    Column("release_id", String(128), nullable=False),
+    Column("key_id", String(32), nullable=False),
+    Column("spec_sha256", String(64), nullable=False),
+    Column("manifest_sha256", String(64)),
+    Column("spend", String(64), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("reserved_at", DateTime(timezone=True), nullable=False),
+    Column("finished_at", DateTime(timezone=True)),
+)
+RESERVED, COMMITTED, ABORTED = "reserved", "committed", "aborted"
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+
+
+def ledger_url(location: str | Path) -> str:
+    """A SQLAlchemy URL for a path (SQLite file) or the URL itself."""
+    text = str(location)
+    return text if "://" in text else f"sqlite:///{Path(text).expanduser().resolve()}"
+
+
+def open_ledger(location: str | Path) -> Engine:
+    """Open (creating and migrating if needed) a ledger database."""
+    url = ledger_url(location)
+    if url.startswith("sqlite:///"):
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, future=True)
+    if engine.dialect.name == "sqlite":
+        @event.listens_for(engine, "connect")
+        def _autocommit_driver(dbapi_connection, record):  # let SQLAlchemy's begin issue BEGIN IMMEDIATE
+            dbapi_connection.isolation_level = None
+            dbapi_connection.execute("PRAGMA busy_timeout = 30000")
+
+        @event.listens_for(engine, "begin")
+        def _begin_immediate(connection):
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+    with engine.begin() as connection:
+        metadata.create_all(connection)
+        version = connection.execute(select(schema_version.c.version)).scalar()
+        if version is None:
+            connection.execute(schema_version.insert().values(version=SCHEMA_VERSION))
+        elif version > SCHEMA_VERSION:
+            raise SpecError(f"--ledger {location}: schema version {version} is newer than this dprelease ({SCHEMA_VERSION})")
+    return engine
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A spend held for one run: committed after publish, aborted on failure."""
+
+    row_id: int | None
+    dataset_id: str
+    unit: str
+    spend: Fraction
+    spent_before: Fraction
+    lifetime_budget: Fraction
+    rerun: bool
+
+    def record(self) -> dict:
+        """The manifest's ledger block."""
+        after = self.spent_before if self.rerun else self.spent_before + self.spend
+        return {"dataset_id": self.dataset_id, "unit": self.unit, "lifetime_budget": str(self.lifetime_budget),
+                "spent_before": str(self.spent_before), "spent_after": str(after),
+                "charged": "0" if self.rerun else str(self.spend), "rerun_of_committed_release": self.rerun}
+
+
+def set_budget(engine: Engine, dataset_id: str, unit: str, lifetime: Fraction) -> None:
+    if unit not in ("epsilon", "rho"):
+        raise SpecError(f"unit ({unit!r}) must be epsilon or rho")
+    if lifetime <= 0:
+        raise SpecError(f"lifetime budget ({lifetime}) must be > 0")
+    with engine.begin() as connection:
+        row = connection.execute(select(datasets).where(datasets.c.dataset_id == dataset_id)).first()
+        if row is not None and row.unit != unit:
+            raise SpecError(f"dataset {dataset_id!r} is accounted in {row.unit}; cannot switch to {unit}")
+        spent = _spent(connection, dataset_id)
+        if lifetime < spent:
+            raise BudgetError(f"dataset {dataset_id!r} has already spent {spent} {unit}; the budget cannot be {lifetime}")
+        values = {"unit": unit, "lifetime_budget": str(lifetime), "updated_at": _now()}
+        if row is None:
+            connection.execute(datasets.insert().values(dataset_id=dataset_id, **values))
+        else:
+            connection.execute(datasets.update().where(datasets.c.dataset_id == dataset_id).values(**values))
+
+
+def _spent(connection, dataset_id: str) -> Fraction:
+    spends = connection.execute(select(releases.c.spend).where(
+        (releases.c.dataset_id == dataset_id) & (releases.c.status.in_([RESERVED, COMMITTED])))).scalars()
+    return sum((Fraction(s) for s in spends), Fraction(0))
+
+
+def reserve(engine: Engine, dataset_id: str, release_id: str, key_id: str, spec_sha256: str,
+            unit: str, spend: Fraction) -> Reservation:
+    """Hold `spend` for a run, or raise BudgetError (exit 3) leaving the ledger unchanged."""
+    with engine.begin() as connection:
+        row = connection.execute(
+            select(datasets).where(datasets.c.dataset_id == dataset_id).with_for_update()).first()
+        if row is None:
+            raise BudgetError(f"dataset {dataset_id!r} has no budget in the ledger; set one with "
+                              f"`dprelease ledger set-budget {dataset_id} --{unit} VALUE`")
+        if row.unit != unit:
+            raise BudgetError(f"dataset {dataset_id!r} is accounted in {row.unit}, this release spends {unit}")
+        lifetime = Fraction(row.lifetime_budget)
+        spent = _spent(connection, dataset_id)
+        done = connection.execute(select(func.count()).select_from(releases).where(
+            (releases.c.dataset_id == dataset_id) & (releases.c.release_id == release_id) &
+            (releases.c.key_id == key_id) & (releases.c.status == COMMITTED))).scalar()
+        if done:
+            return Reservation(None, dataset_id, unit, spend, spent, lifetime, rerun=True)
+        if spent + spend > lifetime:
+            raise BudgetError(
+                f"dataset {dataset_id!r}: this release needs {spend} {unit} ({float(spend):.6g}) but only "
+                f"{lifetime - spent} ({float(lifetime - spent):.6g}) of the lifetime {lifetime} remains; lower the "
+                f"budget in the spec or raise it with `dprelease ledger set-budget`")
+        result = connection.execute(releases.insert().values(
+            dataset_id=dataset_id, release_id=release_id, key_id=key_id, spec_sha256=spec_sha256,
+            spend=str(spend), status=RESERVED, reserved_at=_now()))
+        return Reservation(result.inserted_primary_key[0], dataset_id, unit, spend, spent, lifetime, rerun=False)
+
+
+def finish(engine: Engine, reservation: Reservation, manifest_sha256: str | None) -> None:
+    """Commit the reservation (with the manifest's hash) or, with None, abort it."""
+    if reservation.row_id is None:
+        return
+    status = COMMITTED if manifest_sha256 else ABORTED
+    with engine.begin() as connection:
+        connection.execute(releases.update().where(releases.c.id == reservation.row_id).values(
+            status=status, manifest_sha256=manifest_sha256, finished_at=_now()))
+
+
+def history(engine: Engine, dataset_id: str | None = None) -> tuple[list, list]:
+    """(datasets rows, release rows), optionally for one dataset."""
+    with engine.connect() as connection:
+        query_d = select(datasets).order_by(datasets.c.dataset_id)
+        query_r = select(releases).order_by(releases.c.id)
+        if dataset_id:
+            query_d = query_d.where(datasets.c.dataset_id == dataset_id)
+            query_r = query_r.where(releases.c.dataset_id == dataset_id)
+        return list(connection.execute(query_d)), list(connection.execute(query_r))

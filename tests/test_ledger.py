@@ -1,0 +1,114 @@
+"""The privacy-loss ledger: reservations, refusals (exit 3), free re-runs, concurrency, aborts."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import subprocess
+import sys
+from fractions import Fraction
+
+import pytest
+
+from dprelease.accounting.errors import BudgetError, SpecError
+from dprelease.accounting.ledger import COMMITTED, history, open_ledger, reserve, set_budget
+from dprelease.pipelines import release as release_module
+from dprelease.pipelines.run import run_release
+from dprelease.pipelines.verify import verify_release
+
+
+def cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", *map(str, args)],
+                          capture_output=True, text=True)
+
+
+def test_monthly_series_stops_when_the_budget_is_spent(case, tmp_path):
+    spec = case(budget={"definition": "zcdp", "rho": "1/2"})
+    book = tmp_path / "ledger.sqlite"
+    assert cli("ledger", "set-budget", "test-data", "--rho", 1, "--ledger", book).returncode == 0
+    for month in (1, 2):
+        ran = cli("run", spec, "--ledger", book, "--out", tmp_path / f"m{month}", "--key-file", tmp_path / f"{month}.key")
+        assert ran.returncode == 0, ran.stderr
+        manifest = json.loads((tmp_path / f"m{month}" / "test-release" / "manifest.json").read_text())
+        assert manifest["ledger"]["spent_before"] == str(Fraction(month - 1, 2))
+        assert manifest["ledger"]["spent_after"] == str(Fraction(month, 2))
+        assert verify_release(tmp_path / f"m{month}" / "test-release").ok
+    refused = cli("run", spec, "--ledger", book, "--out", tmp_path / "m3", "--key-file", tmp_path / "3.key")
+    assert refused.returncode == 3
+    assert "needs 1/2 rho" in refused.stderr and "only 0" in refused.stderr and "set-budget" in refused.stderr
+    assert not (tmp_path / "m3").exists() and not (tmp_path / "3.key").exists()
+    _, rows = history(open_ledger(book), "test-data")
+    assert [r.status for r in rows] == [COMMITTED, COMMITTED]
+    shown = cli("ledger", "show", "test-data", "--ledger", book)
+    assert shown.returncode == 0 and "committed" in shown.stdout
+
+
+def test_rerun_with_the_same_key_is_free_and_a_new_key_is_charged(case, tmp_path):
+    spec = case(budget={"definition": "pure", "epsilon": 1})
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "test-data", "epsilon", Fraction(3, 2))
+    first = run_release(spec, ledger=book, key_file=tmp_path / "a.key", out_dir=tmp_path / "1")
+    again = run_release(spec, ledger=book, key_file=tmp_path / "a.key", out_dir=tmp_path / "2")
+    assert json.loads((again.release_dir / "manifest.json").read_text())["ledger"]["charged"] == "0"
+    assert (first.release_dir / "tables" / "pop.tract.csv").read_bytes() == \
+        (again.release_dir / "tables" / "pop.tract.csv").read_bytes()
+    with pytest.raises(BudgetError):
+        run_release(spec, ledger=book, key_file=tmp_path / "b.key", out_dir=tmp_path / "3")
+
+
+def test_unknown_dataset_is_refused(case, tmp_path):
+    with pytest.raises(BudgetError, match="no budget in the ledger"):
+        run_release(case(), ledger=tmp_path / "ledger.sqlite", key_file=tmp_path / "k.key")
+
+
+def test_failure_after_reservation_releases_the_spend(case, tmp_path, monkeypatch):
+    spec = case(budget={"definition": "pure", "epsilon": 1})
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "test-data", "epsilon", Fraction(1))
+
+    def explode(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(release_module, "dump_manifest", explode)
+    with pytest.raises(RuntimeError):
+        run_release(spec, ledger=book, key_file=tmp_path / "k.key")
+    monkeypatch.undo()
+    _, rows = history(open_ledger(book), "test-data")
+    assert [r.status for r in rows] == ["aborted"]
+    assert run_release(spec, ledger=book, key_file=tmp_path / "k2.key").release_dir.exists()
+
+
+def test_budget_changes_are_checked(tmp_path):
+    book = open_ledger(tmp_path / "ledger.sqlite")
+    set_budget(book, "d", "rho", Fraction(1))
+    reserve(book, "d", "r", "k", "h", "rho", Fraction(1, 2))
+    with pytest.raises(BudgetError, match="already spent"):
+        set_budget(book, "d", "rho", Fraction(1, 4))
+    with pytest.raises(SpecError, match="cannot switch"):
+        set_budget(book, "d", "epsilon", Fraction(5))
+    assert cli("ledger", "set-budget", "d", "--rho", -1, "--ledger", tmp_path / "ledger.sqlite").returncode == 2
+
+
+def _race(path, release: str, barrier, results) -> None:
+    book = open_ledger(path)
+    barrier.wait()
+    try:
+        reserve(book, "d", release, release, "h", "rho", Fraction(1))
+        results.put("reserved")
+    except BudgetError:
+        results.put("refused")
+
+
+def test_two_processes_never_both_spend_the_last_budget(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(path), "d", "rho", Fraction(3, 2))
+    context = multiprocessing.get_context("spawn")
+    for round_ in range(3):
+        set_budget(open_ledger(path), "d", "rho", Fraction(3, 2) + round_)
+        barrier, results = context.Barrier(2), context.Queue()
+        workers = [context.Process(target=_race, args=(path, f"{round_}-{i}", barrier, results)) for i in range(2)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+        outcomes = sorted(results.get(timeout=10) for _ in workers)
+        assert outcomes == ["refused", "reserved"]

@@ -115,7 +115,9 @@ def plan(spec: Path) -> None:
 @click.option("--ledger", envvar="DPRELEASE_LEDGER",
               help="Privacy-loss ledger (SQLite file or SQLAlchemy URL; env DPRELEASE_LEDGER): reserve the "
                    "release's spend before any noise is drawn, refuse with exit 3 if over budget.")
-def run(spec: Path, key_file, out_dir, input_path, engine, workers, overwrite, master, ledger) -> None:
+@click.option("--sign-key", type=click.Path(dir_okay=False, path_type=Path),
+              help="Sign the manifest with this Ed25519 private key (PEM; openssl genpkey -algorithm ed25519).")
+def run(spec: Path, key_file, out_dir, input_path, engine, workers, overwrite, master, ledger, sign_key) -> None:
     """Run a release: bound, aggregate, add noise, post-process, publish atomically."""
     from .run import run_release
 
@@ -129,7 +131,7 @@ def run(spec: Path, key_file, out_dir, input_path, engine, workers, overwrite, m
             progress.update(tasks[stage], completed=done, total=total)
 
         result = run_release(spec, key_file=key_file, out_dir=out_dir, input_path=input_path, engine=engine,
-                             workers=workers, overwrite=overwrite, master=master, ledger=ledger,
+                             workers=workers, overwrite=overwrite, master=master, ledger=ledger, sign_key=sign_key,
                              progress=hook, command_line=sys.argv)
     plan_ = result.plan
     console.print(f"[bold green]Published[/] release [bold]{plan_.spec.release_id}[/] to {result.release_dir}")
@@ -143,12 +145,14 @@ def run(spec: Path, key_file, out_dir, input_path, engine, workers, overwrite, m
 
 @main.command()
 @click.argument("release_dir", type=click.Path(file_okay=False, path_type=Path))
-def verify(release_dir: Path) -> None:
+@click.option("--public-key", type=click.Path(dir_okay=False, path_type=Path),
+              help="Check the manifest's Ed25519 signature against this public key (PEM).")
+def verify(release_dir: Path, public_key) -> None:
     """Recompute hashes, accounting and budget totals of a release; exit 1 on any mismatch."""
     from .verify import verify_release
 
     with _handled():
-        report = verify_release(release_dir)
+        report = verify_release(release_dir, public_key)
     manifest = report.manifest or {}
     console.print(f"Release {manifest.get('release_id', '?')} of dataset {manifest.get('dataset_id', '?')}, "
                   f"engine {manifest.get('engine', '?')}, dprelease {manifest.get('software', {}).get('version', '?')}")
@@ -158,7 +162,7 @@ def verify(release_dir: Path) -> None:
         console.print(_plan_table(report.plan))
         console.print(_totals_text(report.plan) + f"; declared budget {manifest['privacy']['declared_budget']}")
         console.print(f"Invariants (published without protection): {manifest.get('invariants') or 'none'}")
-    console.print(f"Files checked: {report.checked_files}")
+    console.print(f"Files checked: {report.checked_files}; signature: {report.signature}")
     if report.ok:
         console.print("[bold green]OK[/]: every file hash, allocation, mechanism and total matches.")
         return

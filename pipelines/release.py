@@ -16,6 +16,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from dprelease.accounting.errors import SpecError
+from dprelease.accounting.signing import SIGNATURE_FILE, fingerprint, sign
 from dprelease.transforms.aggregate import unravel_cells
 from dprelease.transforms.domains import GeographyDomain, dimension_labels
 
@@ -54,8 +55,9 @@ def _file_entry(root: Path, path: Path) -> dict:
 def write_release(
     plan: Plan, noisy: dict[str, np.ndarray], published: dict[str, np.ndarray], final_dir: Path,
     *, engine: str, key_id: str, created_at: str, command_line: list[str], overwrite: bool = False,
-    progress=lambda stage, done, total: None, ledger: dict | None = None,
+    progress=lambda stage, done, total: None, ledger: dict | None = None, sign_key=None,
 ) -> Path:
+    """`sign_key`: an Ed25519 private key; the manifest then names its public key and is signed."""
     """Write and atomically publish the release directory `final_dir`."""
     final_dir = Path(final_dir)
     if final_dir.exists() and not overwrite:
@@ -83,7 +85,13 @@ def write_release(
                 domain_files[name] = path.relative_to(staging).as_posix()
         entries = [_file_entry(staging, p) for p in sorted(files)]
         manifest = build_manifest(plan, engine, key_id, entries, domain_files, created_at, command_line, ledger)
-        (staging / "manifest.json").write_bytes(dump_manifest(manifest))
+        if sign_key is not None:
+            manifest["signature"] = {"algorithm": "Ed25519", "file": SIGNATURE_FILE,
+                                     "public_key_sha256": fingerprint(sign_key.public_key())}
+        manifest_bytes = dump_manifest(manifest)
+        (staging / "manifest.json").write_bytes(manifest_bytes)
+        if sign_key is not None:
+            (staging / SIGNATURE_FILE).write_bytes(sign(sign_key, manifest_bytes))
         _publish(staging, final_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dprelease.accounting.errors import SpecError
 from dprelease.accounting.ledger import finish, open_ledger, reserve
+from dprelease.accounting.signing import load_private_key
 from dprelease.transforms.csprng import ReleaseKey
 
 from .engines.base import Engine, ProgressHook, no_progress
@@ -89,7 +90,8 @@ def make_engine(name: str, workers: int | None, master: str | None = None) -> En
 def run_release(
     spec_path: Path, *, key_file: Path | None = None, out_dir: Path | None = None, input_path: str | None = None,
     engine: str | None = None, workers: int | None = None, overwrite: bool = False, master: str | None = None,
-    ledger: str | Path | None = None, progress: ProgressHook = no_progress, command_line: list[str] | None = None,
+    ledger: str | Path | None = None, sign_key: Path | None = None, progress: ProgressHook = no_progress,
+    command_line: list[str] | None = None,
 ) -> RunResult:
     """Run a release end to end. Everything that can abort on public grounds (spec, domain files,
     input schema, existing release) is checked before the key is drawn or any noise is sampled."""
@@ -103,6 +105,7 @@ def run_release(
     if final_dir.exists() and not overwrite:
         raise SpecError(f"output: release directory {final_dir} already exists; pass --overwrite to replace it")
     runner = make_engine(engine or spec.engine, workers, master)
+    signer = load_private_key(sign_key) if sign_key else None
     source = open_input(plan, spec_dir, input_path)
     LOG.info("input: %d %s file(s); engine %s", len(source.files()), source.format, runner.name)
     key, key_path, reused = resolve_key(key_file, spec_dir, spec.release_id, created_at)
@@ -117,7 +120,7 @@ def run_release(
         LOG.info("post-processed %d tables", len(plan.tables))
         write_release(plan, noisy, published, final_dir, engine=runner.name, key_id=key.key_id(),
                       created_at=created_at, command_line=command_line or sys.argv, overwrite=overwrite,
-                      progress=progress, ledger=reservation.record() if reservation else None)
+                      progress=progress, ledger=reservation.record() if reservation else None, sign_key=signer)
     except BaseException:
         if reservation:
             finish(book, reservation, None)

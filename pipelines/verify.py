@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dprelease.accounting.errors import DPReleaseError
+from dprelease.accounting.signing import SIGNATURE_FILE, check, fingerprint, load_public_key
 
 from .manifest import accounting_section, sha256_file
 from .plan import Plan, build_plan
@@ -32,6 +33,7 @@ class VerifyReport:
     checked_files: int = 0
     manifest: dict | None = None
     plan: Plan | None = None
+    signature: str = "not checked"
 
     @property
     def ok(self) -> bool:
@@ -52,6 +54,8 @@ def _check_files(root: Path, manifest: dict, report: VerifyReport) -> None:
             report.problems.append(f"file {entry['path']}: SHA-256 differs from the manifest")
         report.checked_files += 1
     present = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()} - {"manifest.json"}
+    if manifest.get("signature"):
+        present.discard(SIGNATURE_FILE)
     for extra in sorted(present - listed):
         report.problems.append(f"file {extra}: present but not listed in the manifest")
 
@@ -118,16 +122,38 @@ def _check_measurements(root: Path, plan: Plan, report: VerifyReport) -> None:
                 report.problems.append(f"{folder}/{table.name}: column {column!r} must hold integers")
 
 
-def verify_release(release_dir: Path) -> VerifyReport:
+def _check_signature(root: Path, manifest: dict, manifest_bytes: bytes, public_key_path: Path | None,
+                     report: VerifyReport) -> None:
+    """With --public-key: the manifest must name that key and carry a valid Ed25519 signature."""
+    declared = manifest.get("signature")
+    if public_key_path is None:
+        report.signature = "signed (not checked: pass --public-key)" if declared else "not signed"
+        return
+    public_key = load_public_key(public_key_path)
+    if not declared:
+        report.problems.append("signature: the release is not signed, but --public-key was given")
+        return
+    if declared.get("public_key_sha256") != fingerprint(public_key):
+        report.problems.append("signature: the manifest names a different signing key")
+    signature_path = root / SIGNATURE_FILE
+    if not signature_path.is_file() or not check(public_key, manifest_bytes, signature_path.read_bytes()):
+        report.problems.append(f"signature: {SIGNATURE_FILE} is missing or does not match manifest.json")
+    else:
+        report.signature = f"valid Ed25519 signature by key {fingerprint(public_key)[:16]}"
+
+
+def verify_release(release_dir: Path, public_key: Path | None = None) -> VerifyReport:
     root = Path(release_dir)
     report = VerifyReport(root)
     manifest_path = root / "manifest.json"
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        manifest_bytes = manifest_path.read_bytes()
+        manifest = json.loads(manifest_bytes.decode("utf-8"))
     except (OSError, ValueError) as error:
         report.problems.append(f"manifest.json: cannot be read as JSON ({error})")
         return report
     report.manifest = manifest
+    _check_signature(root, manifest, manifest_bytes, public_key, report)
     _check_files(root, manifest, report)
     plan = _replan(root, manifest, report)
     if plan is None:

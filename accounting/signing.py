@@ -1,0 +1,55 @@
+"""Ed25519 signatures of release manifests (optional): the agency signs, auditors check.
+
+The manifest names the signer's public key by its SHA-256 fingerprint; the signature over the
+manifest's exact bytes is written beside it as `manifest.json.sig` (base64).
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from .errors import SpecError
+
+SIGNATURE_FILE = "manifest.json.sig"
+
+
+def load_private_key(path: Path) -> Ed25519PrivateKey:
+    try:
+        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    except (OSError, ValueError, TypeError) as error:
+        raise SpecError(f"--sign-key = {str(path)!r}: not a readable unencrypted PEM private key ({type(error).__name__})") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise SpecError(f"--sign-key = {str(path)!r}: must be an Ed25519 key (openssl genpkey -algorithm ed25519)")
+    return key
+
+
+def load_public_key(path: Path) -> Ed25519PublicKey:
+    try:
+        key = serialization.load_pem_public_key(Path(path).read_bytes())
+    except (OSError, ValueError, TypeError) as error:
+        raise SpecError(f"--public-key = {str(path)!r}: not a readable PEM public key ({type(error).__name__})") from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise SpecError(f"--public-key = {str(path)!r}: must be an Ed25519 public key")
+    return key
+
+
+def fingerprint(public_key: Ed25519PublicKey) -> str:
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).hexdigest()
+
+
+def sign(private_key: Ed25519PrivateKey, manifest: bytes) -> bytes:
+    return base64.b64encode(private_key.sign(manifest)) + b"\n"
+
+
+def check(public_key: Ed25519PublicKey, manifest: bytes, signature: bytes) -> bool:
+    try:
+        public_key.verify(base64.b64decode(signature.strip(), validate=True), manifest)
+    except (InvalidSignature, ValueError):
+        return False
+    return True

@@ -134,13 +134,15 @@ def run(spec: Path, key_file, out_dir, input_path, engine, workers, overwrite, m
                              workers=workers, overwrite=overwrite, master=master, ledger=ledger, sign_key=sign_key,
                              progress=hook, command_line=sys.argv)
     plan_ = result.plan
-    console.print(f"[bold green]Published[/] release [bold]{plan_.spec.release_id}[/] to {result.release_dir}")
+    # scripts parse these lines (deploy/): never wrap them
+    console.print(f"[bold green]Published[/] release [bold]{plan_.spec.release_id}[/] to {result.release_dir}",
+                  soft_wrap=True)
     console.print(_totals_text(plan_))
     console.print(f"{len(plan_.tables)} tables, {sum(t.n_cells for t in plan_.tables):,} cells; "
                   f"tables/ (post-processed), measurements/ (raw noisy), manifest.json")
     state = "reused" if result.key_reused else "new"
-    console.print(f"Key ({state}): {result.key_file}  [dim]keep it secret; never publish it[/]")
-    console.print(f"Check it: dprelease verify {result.release_dir}")
+    console.print(f"Key ({state}): {result.key_file}  [dim]keep it secret; never publish it[/]", soft_wrap=True)
+    console.print(f"Check it: dprelease verify {result.release_dir}", soft_wrap=True)
 
 
 @main.command()

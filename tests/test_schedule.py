@@ -1,0 +1,38 @@
+"""A scheduled monthly series (deploy/schedule) against one ledger: the third month is refused."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+from dprelease.examples.generator import write_demo_data
+
+from .conftest import REPO
+
+
+def test_three_monthly_releases_with_budget_for_two(tmp_path):
+    series = tmp_path / "series"
+    series.mkdir()
+    shutil.copy(REPO / "examples" / "demo" / "monthly.yaml", series / "monthly.yaml")
+    shutil.copy(REPO / "examples" / "demo" / "geography.txt", series / "geography.txt")
+    write_demo_data(series / "data", 20_000)
+    ledger = tmp_path / "ledger.sqlite"
+    budget = subprocess.run(["dprelease", "ledger", "set-budget", "demo-census", "--rho", "2", "--ledger", str(ledger)],
+                            capture_output=True, text=True)
+    assert budget.returncode == 0, budget.stderr
+    script = REPO / "deploy" / "schedule" / "monthly-release.sh"
+    statuses = []
+    for month in ("2026-01", "2026-02", "2026-03"):
+        run = subprocess.run(["bash", str(script), str(series / "monthly.yaml"), month, str(ledger), str(tmp_path / "keys")],
+                             capture_output=True, text=True)
+        statuses.append(run.returncode)
+        if run.returncode == 0:
+            assert "OK" in run.stdout
+        else:
+            assert "budget refused" in run.stderr and "only 0" in run.stderr
+    assert statuses == [0, 0, 3]
+    published = sorted(p.name for p in (series / "releases").iterdir() if not p.name.startswith("."))
+    assert published == ["demo-2026-01", "demo-2026-02"]
+    assert sorted(p.name for p in (tmp_path / "keys").iterdir()) == ["2026-01.key", "2026-02.key"]
+    shown = subprocess.run(["dprelease", "ledger", "show", "demo-census", "--ledger", str(ledger)],
+                           capture_output=True, text=True)
+    assert shown.stdout.count("committed") == 2

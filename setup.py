@@ -26,7 +26,7 @@ setup(
     package_dir=PACKAGES,
     package_data={
         "dprelease.examples": ["demo/*.yaml", "adult/*.yaml"],
-        "dprelease.accounting": ["*.json"],
+        "dprelease.accounting": ["manifest.schema.json"],
     },
     install_requires=[
         "numpy>=1.26",
@@ -39,7 +39,7 @@ setup(
         "SQLAlchemy>=2.0",
     ],
     extras_require={
-        "test": ["pytest>=7.4", "scipy>=1.11", "dp-accounting>=0.4", "opendp>=0.12"],
+        "test": ["pytest>=7.4", "scipy>=1.11", "dp-accounting>=0.4", "opendp>=0.12", "jsonschema>=4"],
         "spark": ["pyspark>=4.0", "pandas>=2.2,<3"],
         "beam": [],
         "validate": [],

@@ -49,8 +49,14 @@ def main(verbose: bool) -> None:
 
 
 @main.command()
-def schema() -> None:
-    """Print the JSON Schema of the release spec."""
+@click.option("--manifest", is_flag=True, help="Print the release manifest's JSON Schema instead.")
+def schema(manifest: bool) -> None:
+    """Print the JSON Schema of the release spec (or, with --manifest, of the release manifest)."""
+    if manifest:
+        from dprelease.accounting.manifest_model import manifest_json_schema
+
+        click.echo(json.dumps(manifest_json_schema(), indent=2))
+        return
     from .spec import json_schema
 
     click.echo(json.dumps(json_schema(), indent=2))

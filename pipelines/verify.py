@@ -18,7 +18,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pydantic import ValidationError
+
 from dprelease.accounting.errors import DPReleaseError
+from dprelease.accounting.manifest_model import Manifest
 from dprelease.accounting.signing import SIGNATURE_FILE, check, fingerprint, load_public_key
 
 from .manifest import accounting_section, sha256_file
@@ -153,6 +156,11 @@ def verify_release(release_dir: Path, public_key: Path | None = None) -> VerifyR
         report.problems.append(f"manifest.json: cannot be read as JSON ({error})")
         return report
     report.manifest = manifest
+    try:
+        Manifest.model_validate(manifest)
+    except ValidationError as error:
+        for item in error.errors()[:20]:
+            report.problems.append(f"manifest schema: {'.'.join(map(str, item['loc']))}: {item['msg']}")
     _check_signature(root, manifest, manifest_bytes, public_key, report)
     _check_files(root, manifest, report)
     plan = _replan(root, manifest, report)

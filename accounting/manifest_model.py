@@ -1,0 +1,171 @@
+"""The release manifest as a pydantic model: its JSON Schema is published with the package
+(`dprelease schema --manifest`, accounting/manifest.schema.json) and `verify` checks manifests
+against it. Unknown fields are errors, so the schema documents every field a manifest holds."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_FILE = Path(__file__).with_name("manifest.schema.json")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Exact(Strict):
+    fraction: str = Field(description="Exact rational, 'p/q' or 'p'.")
+    decimal: float
+
+
+class Software(Strict):
+    name: Literal["dprelease"]
+    version: str
+
+
+class Privacy(Strict):
+    unit: str = Field(description="The privacy-unit column, or 'record'.")
+    neighbouring: Literal["add_remove", "replace"]
+    neighbouring_note: str
+    definition: Literal["pure", "approx", "zcdp"]
+    declared_budget: dict[str, Any]
+    contribution_bounds: dict[str, int]
+    invalid_value_policy: dict[str, Literal["other", "drop"]]
+
+
+class AllocationBudget(Exact):
+    unit: Literal["epsilon", "rho"]
+
+
+class Dimension(Strict):
+    column: str
+    level: str | None
+    size: int
+
+
+class Mechanism(Strict):
+    kind: Literal["discrete_laplace", "discrete_gaussian"]
+    parameter: Literal["scale", "sigma2"]
+    value: Exact
+
+
+class Sensitivity(Strict):
+    l1: int
+    l2_squared: int
+    derivation: str
+
+
+class ExpectedError(Strict):
+    variance: float
+    std: float
+    margin_95: int
+
+
+class TableRecord(Strict):
+    name: str
+    query: str
+    kind: Literal["histogram", "marginals", "hierarchy"]
+    cells: int
+    dimensions: list[Dimension]
+    invariant: bool
+    mechanism: Mechanism | None
+    note: str | None = None
+    sensitivity: Sensitivity | None = None
+    allocated: Exact | None = None
+    loss: Exact | None = None
+    expected_error: ExpectedError | None = None
+
+
+class Totals(Strict):
+    definition: Literal["pure", "approx", "zcdp"]
+    allocated_sum: Exact
+    epsilon: Exact | None = None
+    rho: Exact | None = None
+    epsilon_at_delta: float | None = None
+    delta: float | None = None
+
+
+class ImpliedLoss(Strict):
+    by_attribute: dict[str, dict[str, Any]]
+    by_geography_level: dict[str, dict[str, Any]]
+
+
+class Invariant(Strict):
+    table: str
+    protected: Literal[False]
+    note: str
+
+
+class Step(Strict):
+    query: str
+    step: str
+
+
+class Ledger(Strict):
+    dataset_id: str
+    unit: Literal["epsilon", "rho"]
+    lifetime_budget: str
+    spent_before: str
+    spent_after: str
+    charged: str
+    rerun_of_committed_release: bool
+
+
+class FileEntry(Strict):
+    path: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    bytes: int
+
+
+class Provenance(Strict):
+    git_commit: str | None
+    versions: dict[str, str]
+    command_line: list[str]
+    created_at: str = Field(description="Start of the run, before any data is read (or SOURCE_DATE_EPOCH).")
+
+
+class Signature(Strict):
+    algorithm: Literal["Ed25519"]
+    file: str
+    public_key_sha256: str
+
+
+class Manifest(Strict):
+    """A published release's manifest: no true counts, no row counts, no key."""
+
+    manifest_version: Literal[1]
+    release_id: str
+    dataset_id: str
+    software: Software
+    engine: Literal["embedded", "spark"]
+    spec: dict[str, Any]
+    spec_sha256: str
+    privacy: Privacy
+    allocation_budget: AllocationBudget
+    tables: list[TableRecord]
+    totals: Totals
+    implied_loss: ImpliedLoss
+    invariants: list[Invariant]
+    post_processing: list[Step]
+    ledger: Ledger | None
+    key_id: str
+    domain_files: dict[str, str]
+    files: list[FileEntry]
+    provenance: Provenance
+    signature: Signature | None = None
+
+
+def manifest_json_schema() -> dict:
+    return Manifest.model_json_schema()
+
+
+def write_schema_file() -> None:
+    """Regenerate accounting/manifest.schema.json (run after changing the model)."""
+    SCHEMA_FILE.write_text(json.dumps(manifest_json_schema(), indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    write_schema_file()

@@ -180,6 +180,24 @@ def verify(release_dir: Path, public_key) -> None:
     sys.exit(1)
 
 
+@main.command()
+@click.argument("release_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="HTML file to write (default: <release dir>.report.html beside the release).")
+@click.option("--public-key", type=click.Path(dir_okay=False, path_type=Path), help="Check the signature too.")
+@click.option("--ledger", envvar="DPRELEASE_LEDGER", help="Add the dataset's ledger history.")
+def report(release_dir: Path, out, public_key, ledger) -> None:
+    """Write a self-contained HTML report of a release for auditors (verifies it first)."""
+    from .report import write_report
+
+    with _handled():
+        path, result = write_report(release_dir, out, public_key, ledger)
+    console.print(f"Report written to {path}" + ("" if result.ok else f" ({len(result.problems)} mismatches shown)"),
+                  soft_wrap=True)
+    if not result.ok:
+        sys.exit(1)
+
+
 LEDGER_OPTION = click.option("--ledger", envvar="DPRELEASE_LEDGER", required=True,
                              help="SQLite file or SQLAlchemy URL (env DPRELEASE_LEDGER).")
 

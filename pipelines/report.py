@@ -1,0 +1,126 @@
+"""`dprelease report DIR`: a self-contained HTML page for auditors (no scripts, no network).
+
+Built from the manifest after `verify` has re-checked it: the verification result, the budget
+split (an inline SVG chart), each table's expected error (standard deviation and 95% margin, drawn
+as error bars), the post-processing steps, the invariants (unprotected), the ledger (the manifest's
+block, and the dataset's history when a ledger is given), the signature status and the file hashes.
+Written beside the release directory, never inside it (the release stays exactly as published).
+"""
+from __future__ import annotations
+
+from html import escape
+from pathlib import Path
+
+from .verify import VerifyReport, verify_release
+
+STYLE = """
+body{font-family:system-ui,sans-serif;margin:2rem;max-width:72rem;color:#1b1b1b}
+h1{margin-bottom:.2rem} h2{margin-top:2rem;border-bottom:1px solid #ccc}
+table{border-collapse:collapse;width:100%;font-size:.9rem} td,th{border:1px solid #ddd;padding:.25rem .5rem;text-align:left}
+th{background:#f3f3f3} .ok{color:#0a6b2d;font-weight:bold} .bad{color:#b00020;font-weight:bold}
+code{font-size:.8rem} .num{text-align:right;font-variant-numeric:tabular-nums}
+"""
+
+
+def _rows(headers: list[str], rows: list[list[str]], numeric: set[int] = frozenset()) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f'<td class="{"num" if i in numeric else ""}">{cell}</td>'
+                                    for i, cell in enumerate(row)) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _budget_chart(tables: list[dict]) -> str:
+    measured = [t for t in tables if t.get("allocated")]
+    total = sum(t["allocated"]["decimal"] for t in measured) or 1.0
+    width, bar, gap = 640, 18, 6
+    height = len(measured) * (bar + gap) + 10
+    parts = [f'<svg role="img" aria-label="budget split" width="{width + 320}" height="{height}" '
+             f'xmlns="http://www.w3.org/2000/svg">']
+    for i, t in enumerate(measured):
+        share = t["allocated"]["decimal"] / total
+        y = 5 + i * (bar + gap)
+        parts.append(f'<text x="0" y="{y + 13}" font-size="12">{escape(t["name"])}</text>')
+        parts.append(f'<rect x="260" y="{y}" width="{max(share * width, 1):.1f}" height="{bar}" fill="#3b6ea5"/>')
+        parts.append(f'<text x="{266 + share * width:.1f}" y="{y + 13}" font-size="12">'
+                     f'{escape(t["allocated"]["fraction"])} ({share:.1%})</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _error_bar(margin: int, scale: float) -> str:
+    half = margin * scale
+    return (f'<svg width="220" height="16" xmlns="http://www.w3.org/2000/svg"><line x1="{110 - half:.1f}" y1="8" '
+            f'x2="{110 + half:.1f}" y2="8" stroke="#b35c00" stroke-width="2"/><line x1="110" y1="2" x2="110" y2="14" '
+            f'stroke="#1b1b1b"/></svg>')
+
+
+def render(report: VerifyReport, ledger_history: list | None = None) -> str:
+    manifest = report.manifest or {}
+    tables = manifest.get("tables", [])
+    margins = [t["expected_error"]["margin_95"] for t in tables if t.get("expected_error")]
+    scale = 100 / max(margins) if margins and max(margins) > 0 else 1.0
+    status = ('<p class="ok">Verified: every file hash, allocation, mechanism and total matches.</p>' if report.ok
+              else '<p class="bad">MISMATCH:</p><ul>' + "".join(f"<li>{escape(p)}</li>" for p in report.problems) + "</ul>")
+    totals = manifest.get("totals", {})
+    total_text = (f"epsilon = {escape(totals['epsilon']['fraction'])}" if totals.get("epsilon")
+                  else f"rho = {escape(totals.get('rho', {}).get('fraction', '?'))}, i.e. "
+                       f"({totals.get('epsilon_at_delta', 0):.4f}, {totals.get('delta')})-DP")
+    error_rows = []
+    for t in tables:
+        if t.get("invariant"):
+            error_rows.append([escape(t["name"]), f"{t['cells']:,}", "exact (invariant)", "0", "0", ""])
+            continue
+        mechanism = t["mechanism"]
+        error_rows.append([escape(t["name"]), f"{t['cells']:,}",
+                           f"{escape(mechanism['kind'])} {escape(mechanism['parameter'])}={escape(mechanism['value']['fraction'])}",
+                           f"{t['expected_error']['std']:.3f}", f"±{t['expected_error']['margin_95']}",
+                           _error_bar(t["expected_error"]["margin_95"], scale)])
+    privacy = manifest.get("privacy", {})
+    sections = [
+        f"<h1>Release {escape(manifest.get('release_id', '?'))}</h1>",
+        f"<p>Dataset <b>{escape(manifest.get('dataset_id', '?'))}</b> · engine {escape(str(manifest.get('engine')))} · "
+        f"dprelease {escape(str(manifest.get('software', {}).get('version')))} · created "
+        f"{escape(str(manifest.get('provenance', {}).get('created_at')))} · key id <code>{escape(str(manifest.get('key_id')))}</code>"
+        f" · signature: {escape(report.signature)}</p>",
+        status,
+        "<h2>Privacy guarantee</h2>",
+        f"<p>Privacy unit: <b>{escape(str(privacy.get('unit')))}</b>; {escape(str(privacy.get('neighbouring_note', '')))}. "
+        f"Definition {escape(str(privacy.get('definition')))}; total {total_text}; at most "
+        f"{escape(str(privacy.get('contribution_bounds', {}).get('max_records_per_unit')))} records per unit.</p>",
+        "<h2>Budget split</h2>", _budget_chart(tables),
+        "<h2>Expected error per cell</h2>",
+        _rows(["table", "cells", "noise", "std dev", "95% margin", "error bar"], error_rows, {1, 3, 4}),
+        "<h2>Post-processing</h2>",
+        "<ol>" + "".join(f"<li><b>{escape(s['query'])}</b>: {escape(s['step'])}</li>"
+                          for s in manifest.get("post_processing", [])) + "</ol>",
+        "<h2>Invariants (published without protection)</h2>",
+        ("<ul>" + "".join(f"<li>{escape(i['table'])}: {escape(i['note'])}</li>" for i in manifest["invariants"]) + "</ul>")
+        if manifest.get("invariants") else "<p>None.</p>",
+        "<h2>Ledger</h2>",
+        _rows(list(manifest["ledger"]), [[escape(str(v)) for v in manifest["ledger"].values()]])
+        if manifest.get("ledger") else "<p>This release was not run against a ledger.</p>",
+    ]
+    if ledger_history:
+        sections.append(_rows(["release", "key id", "spend", "status", "reserved at"],
+                              [[escape(r.release_id), f"<code>{escape(r.key_id)}</code>", escape(r.spend),
+                                escape(r.status), escape(str(r.reserved_at))] for r in ledger_history]))
+    sections += ["<h2>Files</h2>",
+                 _rows(["path", "bytes", "SHA-256"], [[escape(f["path"]), f"{f['bytes']:,}", f"<code>{escape(f['sha256'])}</code>"]
+                                                      for f in manifest.get("files", [])], {1})]
+    title = escape(f"dprelease report: {manifest.get('release_id', '?')}")
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
+            f"<style>{STYLE}</style></head><body>{''.join(sections)}</body></html>\n")
+
+
+def write_report(release_dir: Path, out: Path | None = None, public_key: Path | None = None,
+                 ledger: str | None = None) -> tuple[Path, VerifyReport]:
+    release_dir = Path(release_dir)
+    report = verify_release(release_dir, public_key)
+    history_rows = None
+    if ledger and report.manifest:
+        from dprelease.accounting.ledger import history, open_ledger
+
+        _, history_rows = history(open_ledger(ledger), report.manifest.get("dataset_id"))
+    out = Path(out) if out else release_dir.parent / f"{release_dir.name}.report.html"
+    out.write_text(render(report, history_rows), encoding="utf-8")
+    return out, report

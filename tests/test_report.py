@@ -1,0 +1,60 @@
+"""`dprelease report`: a self-contained HTML page, rendered in headless Chromium without errors."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from dprelease.pipelines.report import write_report
+from dprelease.pipelines.run import run_release
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture
+def released(case, tmp_path):
+    return run_release(case(invariants=["pop.state"]), key_file=tmp_path / "k.key").release_dir
+
+
+def test_report_holds_what_an_auditor_needs(released):
+    path, report = write_report(released)
+    assert report.ok and path.parent == released.parent and path.name == "test-release.report.html"
+    html = path.read_text()
+    manifest = json.loads((released / "manifest.json").read_text())
+    for table in manifest["tables"]:
+        assert table["name"] in html
+    for entry in manifest["files"]:
+        assert entry["sha256"] in html
+    for heading in ("Budget split", "Expected error per cell", "Post-processing", "Invariants", "Ledger", "Files"):
+        assert heading in html
+    assert "<script" not in html and "http" not in html.replace("http://www.w3.org/2000/svg", "")
+    assert "Verified" in html
+
+
+def test_report_shows_mismatches_and_exits_1(released):
+    (released / "tables" / "pop.state.csv").write_text("tampered\n")
+    result = subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", "report", str(released)],
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "MISMATCH" in (released.parent / "test-release.report.html").read_text()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
+def test_report_renders_in_headless_chromium(released, tmp_path):
+    path, _ = write_report(released)
+    screenshot = tmp_path / "report.png"
+    shot = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,2000",
+                           "--enable-logging=stderr", "--v=0", f"--screenshot={screenshot}", path.as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    assert screenshot.is_file() and screenshot.stat().st_size > 20_000, shot.stderr[-2000:]
+    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page_errors = [line for line in shot.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert page_errors == []
+    dom = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile2'}", "--dump-dom", path.as_uri()],
+                         capture_output=True, text=True, timeout=120).stdout
+    assert "Release test-release" in dom and "pop.tract" in dom and "<svg" in dom

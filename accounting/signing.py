@@ -18,24 +18,26 @@ from .errors import SpecError
 SIGNATURE_FILE = "manifest.json.sig"
 
 
-def load_private_key(path: Path) -> Ed25519PrivateKey:
+def _load_pem(path: Path, option: str, private: bool):
+    """An Ed25519 key from a PEM file; errors name the option, the path and what is allowed."""
+    kind = "unencrypted PEM private key" if private else "PEM public key"
     try:
-        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+        data = Path(path).read_bytes()
+        key = (serialization.load_pem_private_key(data, password=None) if private
+               else serialization.load_pem_public_key(data))
     except (OSError, ValueError, TypeError) as error:
-        raise SpecError(f"--sign-key = {str(path)!r}: not a readable unencrypted PEM private key ({type(error).__name__})") from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise SpecError(f"--sign-key = {str(path)!r}: must be an Ed25519 key (openssl genpkey -algorithm ed25519)")
+        raise SpecError(f"{option} = {str(path)!r}: not a readable {kind} ({type(error).__name__})") from None
+    if not isinstance(key, Ed25519PrivateKey if private else Ed25519PublicKey):
+        raise SpecError(f"{option} = {str(path)!r}: must be an Ed25519 key (openssl genpkey -algorithm ed25519)")
     return key
+
+
+def load_private_key(path: Path) -> Ed25519PrivateKey:
+    return _load_pem(path, "--sign-key", private=True)
 
 
 def load_public_key(path: Path) -> Ed25519PublicKey:
-    try:
-        key = serialization.load_pem_public_key(Path(path).read_bytes())
-    except (OSError, ValueError, TypeError) as error:
-        raise SpecError(f"--public-key = {str(path)!r}: not a readable PEM public key ({type(error).__name__})") from None
-    if not isinstance(key, Ed25519PublicKey):
-        raise SpecError(f"--public-key = {str(path)!r}: must be an Ed25519 public key")
-    return key
+    return _load_pem(path, "--public-key", private=False)
 
 
 def fingerprint(public_key: Ed25519PublicKey) -> str:

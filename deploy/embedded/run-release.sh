@@ -9,11 +9,4 @@ spec="$1"; key_dir="$2"; shift 2
 mkdir -p "$key_dir"
 chmod 700 "$key_dir"
 key_file="$key_dir/$(basename "$spec" .yaml)-$(date -u +%Y%m%dT%H%M%SZ).key"
-set +e
-output=$(dprelease run "$spec" --key-file "$key_file" "$@")
-status=$?
-set -e
-printf '%s\n' "$output"
-[ "$status" -eq 0 ] || exit "$status"
-release_dir=$(printf '%s\n' "$output" | sed -n 's/^Published release .* to //p' | tail -n 1)
-dprelease verify "$release_dir"
+exec "$(dirname "$0")/../run-and-verify.sh" "$spec" --key-file "$key_file" "$@"

@@ -14,11 +14,4 @@ shift 4
 spec="$(dirname "$template")/.$(basename "$template" .yaml)-$month.yaml"
 sed "s/{{MONTH}}/$month/g" "$template" >"$spec"
 mkdir -p "$key_dir" && chmod 700 "$key_dir"
-set +e
-output=$(dprelease run "$spec" --ledger "$ledger" --key-file "$key_dir/$month.key" "$@")
-status=$?
-set -e
-printf '%s\n' "$output"
-[ "$status" -eq 0 ] || exit "$status"
-release_dir=$(printf '%s\n' "$output" | sed -n 's/^Published release .* to //p' | tail -n 1)
-dprelease verify "$release_dir"
+exec "$(dirname "$0")/../run-and-verify.sh" "$spec" --ledger "$ledger" --key-file "$key_dir/$month.key" "$@"

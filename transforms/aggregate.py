@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
+
+from .bound import bound_contributions, record_keys
 
 
 @dataclass(frozen=True)
@@ -51,3 +54,19 @@ def unravel_cells(sizes: tuple[int, ...]) -> list[np.ndarray]:
         return []
     grids = np.unravel_index(np.arange(int(np.prod(sizes)), dtype=np.int64), sizes)
     return [np.asarray(g, dtype=np.int64) for g in grids]
+
+
+def bounded_counts(layouts: list[TableLayout], codes: dict[str, np.ndarray], sizes: list[int],
+                   units: pa.Array | pa.ChunkedArray | None, k: int, subkey: bytes) -> list[np.ndarray]:
+    """True counts of every table over records that hold all records of their units (a partition).
+
+    Privacy: with `units`, each unit's records are first bounded to k (`bound_contributions`);
+    with None every record is its own unit and is counted as is.
+    """
+    n_rows = len(next(iter(codes.values()))) if codes else 0
+    if units is not None and n_rows:
+        columns = list(codes)
+        keep = bound_contributions(units, record_keys([codes[c] for c in columns], sizes), k, subkey)
+        codes = {c: values[keep] for c, values in codes.items()}
+        n_rows = int(keep.sum())
+    return [layout.count(codes, n_rows) for layout in layouts]

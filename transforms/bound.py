@@ -14,8 +14,7 @@ import hashlib
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-
+from .csprng import prf_blocks
 from .segments import run_positions
 
 _MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -94,16 +93,10 @@ def record_keys(codes: list[np.ndarray], sizes: list[int]) -> np.ndarray:
     return key
 
 
-def _prf_blocks(subkey: bytes, first: np.ndarray, second: np.ndarray) -> np.ndarray:
-    data = np.column_stack((first, second)).astype("<u8").tobytes()
-    encryptor = Cipher(algorithms.AES(subkey), modes.ECB()).encryptor()
-    return np.frombuffer(encryptor.update(data), dtype="<u8").reshape(-1, 2)
-
-
 def priorities(subkey: bytes, fingerprints: np.ndarray, keys: np.ndarray, duplicate: np.ndarray) -> np.ndarray:
     """PRF(unit, record, duplicate index) as a 2-block CBC-MAC with AES-256 (fixed-length input)."""
-    first = _prf_blocks(subkey, fingerprints, keys)
-    second = _prf_blocks(subkey, first[:, 0] ^ duplicate.astype(np.uint64), first[:, 1])
+    first = prf_blocks(subkey, fingerprints, keys)
+    second = prf_blocks(subkey, first[:, 0] ^ duplicate.astype(np.uint64), first[:, 1])
     return second[:, 0].copy()
 
 

@@ -90,12 +90,9 @@ def _zeros(size: int) -> memoryview | bytes:
     return _ZEROS[:size] if size <= len(_ZEROS) else bytes(size)
 
 
-def keyed_prf64(subkey: bytes, blocks: np.ndarray) -> np.ndarray:
-    """AES-256 as a pseudorandom function: one uint64 output per 16-byte input row.
-
-    `blocks` is a (n, 2) uint64 array; the output is the first word of each encrypted block.
-    """
-    data = np.ascontiguousarray(blocks, dtype="<u8").tobytes()
+def prf_blocks(subkey: bytes, first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """AES-256 as a pseudorandom permutation on 128-bit blocks (first || second, uint64 each):
+    one encrypted block per input row, shape (n, 2) uint64."""
+    data = np.column_stack((first, second)).astype("<u8").tobytes()
     encryptor = Cipher(algorithms.AES(subkey), modes.ECB()).encryptor()
-    out = encryptor.update(data) + encryptor.finalize()
-    return np.frombuffer(out, dtype="<u8").reshape(-1, 2)[:, 0].copy()
+    return np.frombuffer(encryptor.update(data), dtype="<u8").reshape(-1, 2)

@@ -82,3 +82,9 @@ def sample_cells(stream: CellStream, start: int, stop: int, kind: str, parameter
         chunk_stop = min(chunk_start + CHUNK_CELLS, stop)
         out[chunk_start - start: chunk_stop - start] = _sample_chunk(stream, chunk_start, chunk_stop, code, p1, p2)
     return out
+
+
+def table_noise(key, table: str, mechanism, start: int, stop: int) -> np.ndarray:
+    """Noise of cells [start, stop) of one table: from the table's own keyed stream, for its
+    calibrated mechanism (`dprelease.accounting.mechanisms`)."""
+    return sample_cells(CellStream.for_table(key, table), start, stop, mechanism.kind, mechanism.parameter)

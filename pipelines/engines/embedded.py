@@ -10,17 +10,17 @@ from __future__ import annotations
 import os
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
-from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dprelease.transforms.bound import bound_contributions, record_keys, splitmix64, unit_fingerprints
-from dprelease.transforms.csprng import CellStream, ReleaseKey
+from dprelease.transforms.aggregate import bounded_counts
+from dprelease.transforms.bound import splitmix64, unit_fingerprints
+from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.encode import ColumnEncoder, encode_batch
-from dprelease.transforms.samplers import sample_cells
+from dprelease.transforms.samplers import table_noise
 
 from ..plan import Plan
 from ..source import InputSource
@@ -67,11 +67,6 @@ class SpillPartitions:
                 yield pa.ipc.open_file(source).read_all()
 
 
-def _noise_range(key: ReleaseKey, table: str, start: int, stop: int, kind: str, parameter: Fraction) -> np.ndarray:
-    stream = CellStream.for_table(key, table)
-    return sample_cells(stream, start, stop, kind, parameter)
-
-
 class EmbeddedEngine(Engine):
     name = "embedded"
 
@@ -101,49 +96,41 @@ class EmbeddedEngine(Engine):
                     if unit:
                         data[UNIT] = batch.column(unit).filter(mask)
                     table = pa.table(data)
-                    if not unit:
-                        self._accumulate(plan, self._codes(table, columns), table.num_rows, counts)
-                    else:
+                    if unit:
                         spill.add(table)
+                    else:
+                        self._accumulate(plan, table, None, sizes, subkey, counts)
                 progress("read", done + 1, len(files))
             for part in spill.tables():
-                codes = self._codes(part, columns)
-                keys = record_keys([codes[c] for c in columns], sizes)
-                keep = bound_contributions(part.column(UNIT), keys, plan.bounds.max_records_per_unit, subkey)
-                del keys, part
-                kept = {c: values[keep] for c, values in codes.items()}
-                del codes
-                self._accumulate(plan, kept, int(keep.sum()), counts)
+                self._accumulate(plan, part, part.column(UNIT), sizes, subkey, counts)
+                del part
         return counts
 
     @staticmethod
-    def _codes(table: pa.Table, columns: list[str]) -> dict[str, np.ndarray]:
-        return {c: table.column(c).to_numpy() for c in columns}
-
-    @staticmethod
-    def _accumulate(plan: Plan, codes: dict[str, np.ndarray], n_rows: int, counts: dict[str, np.ndarray]) -> None:
-        for t in plan.tables:
-            counts[t.name] += t.layout.count(codes, n_rows)
+    def _accumulate(plan: Plan, table: pa.Table, units, sizes: list[int], subkey: bytes,
+                    counts: dict[str, np.ndarray]) -> None:
+        # the codes dict is built inline so the kernel holds its only reference and can drop
+        # the unbounded arrays once filtered (peak memory)
+        partial = bounded_counts([t.layout for t in plan.tables],
+                                 {c: table.column(c).to_numpy() for c in plan.used_columns()},
+                                 sizes, units, plan.bounds.max_records_per_unit, subkey)
+        for t, values in zip(plan.tables, partial):
+            counts[t.name] += values
 
     def noise(self, plan: Plan, key: ReleaseKey, progress: ProgressHook) -> dict[str, np.ndarray]:
         """Noise of every cell of every table, in parallel over cell ranges (same values for any split)."""
-        jobs = []
-        for t in plan.measured():
-            mechanism = t.event.mechanism
-            for start in range(0, t.n_cells, NOISE_RANGE_CELLS):
-                jobs.append((t.name, start, min(start + NOISE_RANGE_CELLS, t.n_cells), mechanism.kind,
-                             mechanism.parameter))
+        jobs = [(t.name, t.event.mechanism, start, min(start + NOISE_RANGE_CELLS, t.n_cells))
+                for t in plan.measured() for start in range(0, t.n_cells, NOISE_RANGE_CELLS)]
         noise = {t.name: np.zeros(t.n_cells, dtype=np.int64) for t in plan.tables}
         total_cells = sum(t.n_cells for t in plan.measured())
         if self.workers <= 1 or total_cells < 50_000:
-            for i, (name, start, stop, kind, parameter) in enumerate(jobs):
-                noise[name][start:stop] = _noise_range(key, name, start, stop, kind, parameter)
+            for i, (name, mechanism, start, stop) in enumerate(jobs):
+                noise[name][start:stop] = table_noise(key, name, mechanism, start, stop)
                 progress("noise", i + 1, len(jobs))
             return noise
         with ProcessPoolExecutor(max_workers=self.workers) as pool:
-            futures = [pool.submit(_noise_range, key, *job) for job in jobs]
-            for i, (job, future) in enumerate(zip(jobs, futures)):
-                name, start, stop = job[:3]
+            futures = [pool.submit(table_noise, key, *job) for job in jobs]
+            for i, ((name, _, start, stop), future) in enumerate(zip(jobs, futures)):
                 noise[name][start:stop] = future.result()
                 progress("noise", i + 1, len(jobs))
         return noise

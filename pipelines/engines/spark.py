@@ -22,10 +22,10 @@ import numpy as np
 import pyarrow as pa
 
 from dprelease.accounting.errors import DPReleaseError, SpecError
-from dprelease.transforms.bound import bound_contributions, record_keys
-from dprelease.transforms.csprng import CellStream, ReleaseKey
+from dprelease.transforms.aggregate import bounded_counts
+from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.encode import ColumnEncoder, encode_batch
-from dprelease.transforms.samplers import sample_cells
+from dprelease.transforms.samplers import table_noise
 
 from ..plan import Plan
 from ..source import InputSource
@@ -59,7 +59,6 @@ def _encode_bound_count_function(plan: Plan, unit: str | None, subkey: bytes):
     encoders = {c: ColumnEncoder(plan.domains[c]) for c in columns}
     sizes = [plan.domains[c].size for c in columns]
     layouts = [t.layout for t in plan.tables]
-    k = plan.bounds.max_records_per_unit
 
     def encode_bound_count(batches):
         parts: dict[str, list] = {c: [] for c in columns}
@@ -73,15 +72,9 @@ def _encode_bound_count_function(plan: Plan, unit: str | None, subkey: bytes):
         if not units and not any(parts.values()):
             return
         codes = {c: np.concatenate(v) if v else np.empty(0, np.int32) for c, v in parts.items()}
-        n_rows = len(next(iter(codes.values()))) if codes else 0
-        if unit and n_rows:
-            unit_values = pa.chunked_array(units).combine_chunks()
-            keys = record_keys([codes[c] for c in columns], sizes)
-            keep = bound_contributions(unit_values, keys, k, subkey)
-            codes = {c: v[keep] for c, v in codes.items()}
-            n_rows = int(keep.sum())
-        for table_id, layout in enumerate(layouts):
-            counts = layout.count(codes, n_rows)
+        unit_values = pa.chunked_array(units).combine_chunks() if unit else None
+        partial = bounded_counts(layouts, codes, sizes, unit_values, plan.bounds.max_records_per_unit, subkey)
+        for table_id, counts in enumerate(partial):
             cells = np.flatnonzero(counts)
             yield pa.RecordBatch.from_pydict({
                 "table_id": pa.array(np.full(cells.size, table_id, dtype=np.int32)),
@@ -112,8 +105,7 @@ def _noise_function(plan: Plan, key: ReleaseKey, chunk: int):
         real = cells >= 0
         np.add.at(values, cells[real] - start, group.column("count").to_numpy()[real])
         if event is not None:
-            mechanism = event.mechanism
-            values += sample_cells(CellStream.for_table(key, name), start, stop, mechanism.kind, mechanism.parameter)
+            values += table_noise(key, name, event.mechanism, start, stop)
         return pa.table({"table_id": pa.array(np.full(stop - start, table_id, dtype=np.int32)),
                          "cell": pa.array(np.arange(start, stop, dtype=np.int64)),
                          "noisy": pa.array(values)})

@@ -1,6 +1,9 @@
 """The privacy-loss ledger: per dataset, a lifetime budget and every release's spend, in a real
 database through SQLAlchemy (a SQLite file by default, any SQLAlchemy URL such as PostgreSQL).
 
+A dataset may also have a per-period budget for a release series (e.g. monthly): a release
+that names its `period` is then charged against both the lifetime budget and that period's.
+
 A run reserves its spend in one transaction before any noise is drawn (refusing, with nothing
 written, if the budget would be exceeded), and commits the reservation after publishing or aborts
 it on failure. Reservation is serialised per dataset: SQLite transactions start with BEGIN IMMEDIATE
@@ -23,7 +26,12 @@ from sqlalchemy.engine import Engine
 
 from .errors import BudgetError, SpecError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+MIGRATIONS = {
+    2: ["ALTER TABLE datasets ADD COLUMN period_budget VARCHAR(64)",
+        "ALTER TABLE releases ADD COLUMN period VARCHAR(128)"],
+}
+"""Statements that bring a ledger of version (n - 1) to version n, applied in order on open."""
 metadata = MetaData()
 schema_version = Table("schema_version", metadata, Column("version", Integer, nullable=False))
 datasets = Table(
@@ -31,6 +39,7 @@ datasets = Table(
     Column("dataset_id", String(128), primary_key=True),
     Column("unit", String(16), nullable=False),
     Column("lifetime_budget", String(64), nullable=False),
+    Column("period_budget", String(64)),
     Column("updated_at", DateTime(timezone=True), nullable=False),
 )
 releases = Table(
@@ -38,6 +47,7 @@ releases = Table(
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("dataset_id", String(128), ForeignKey("datasets.dataset_id"), nullable=False),
     Column("release_id", String(128), nullable=False),
+    Column("period", String(128)),
     Column("key_id", String(32), nullable=False),
     Column("spec_sha256", String(64), nullable=False),
     Column("manifest_sha256", String(64)),
@@ -51,6 +61,14 @@ RESERVED, COMMITTED, ABORTED = "reserved", "committed", "aborted"
 
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+
+
+def default_ledger_location() -> Path:
+    """The ledger used when none is named: ledger.sqlite in the user's data directory
+    (on Linux $XDG_DATA_HOME/dprelease, else ~/.local/share/dprelease)."""
+    import platformdirs
+
+    return platformdirs.user_data_path("dprelease") / "ledger.sqlite"
 
 
 def ledger_url(location: str | Path) -> str:
@@ -81,7 +99,17 @@ def open_ledger(location: str | Path) -> Engine:
             connection.execute(schema_version.insert().values(version=SCHEMA_VERSION))
         elif version > SCHEMA_VERSION:
             raise SpecError(f"--ledger {location}: schema version {version} is newer than this dprelease ({SCHEMA_VERSION})")
+        else:
+            _migrate(connection, version)
     return engine
+
+
+def _migrate(connection, version: int) -> None:
+    """Apply the migrations after `version`, in the caller's transaction (all or nothing)."""
+    for target in range(version + 1, SCHEMA_VERSION + 1):
+        for statement in MIGRATIONS[target]:
+            connection.exec_driver_sql(statement)
+        connection.execute(schema_version.update().values(version=target))
 
 
 @dataclass(frozen=True)
@@ -95,20 +123,36 @@ class Reservation:
     spent_before: Fraction
     lifetime_budget: Fraction
     rerun: bool
+    period: str | None = None
+    period_budget: Fraction | None = None
+    period_spent_before: Fraction | None = None
 
     def record(self) -> dict:
         """The manifest's ledger block."""
-        after = self.spent_before if self.rerun else self.spent_before + self.spend
-        return {"dataset_id": self.dataset_id, "unit": self.unit, "lifetime_budget": str(self.lifetime_budget),
-                "spent_before": str(self.spent_before), "spent_after": str(after),
-                "charged": "0" if self.rerun else str(self.spend), "rerun_of_committed_release": self.rerun}
+        charged = Fraction(0) if self.rerun else self.spend
+        record = {"dataset_id": self.dataset_id, "unit": self.unit, "lifetime_budget": str(self.lifetime_budget),
+                  "spent_before": str(self.spent_before), "spent_after": str(self.spent_before + charged),
+                  "charged": str(charged), "rerun_of_committed_release": self.rerun, "period": self.period,
+                  "period_budget": None, "period_spent_before": None, "period_spent_after": None}
+        if self.period_budget is not None:
+            record.update({"period_budget": str(self.period_budget),
+                           "period_spent_before": str(self.period_spent_before),
+                           "period_spent_after": str(self.period_spent_before + charged)})
+        return record
 
 
-def set_budget(engine: Engine, dataset_id: str, unit: str, lifetime: Fraction) -> None:
+KEEP = object()
+"""set_budget(per_period=KEEP): leave the dataset's per-period budget as it is."""
+
+
+def set_budget(engine: Engine, dataset_id: str, unit: str, lifetime: Fraction, per_period=KEEP) -> None:
+    """Create or update a dataset's lifetime budget and (Fraction, None = no limit, KEEP) per-period budget."""
     if unit not in ("epsilon", "rho"):
         raise SpecError(f"unit ({unit!r}) must be epsilon or rho")
     if lifetime <= 0:
         raise SpecError(f"lifetime budget ({lifetime}) must be > 0")
+    if per_period is not KEEP and per_period is not None and not 0 < per_period <= lifetime:
+        raise SpecError(f"--per-period = {per_period}: must be > 0 and at most the lifetime budget ({lifetime})")
     with engine.begin() as connection:
         row = connection.execute(select(datasets).where(datasets.c.dataset_id == dataset_id)).first()
         if row is not None and row.unit != unit:
@@ -117,20 +161,25 @@ def set_budget(engine: Engine, dataset_id: str, unit: str, lifetime: Fraction) -
         if lifetime < spent:
             raise BudgetError(f"dataset {dataset_id!r} has already spent {spent} {unit}; the budget cannot be {lifetime}")
         values = {"unit": unit, "lifetime_budget": str(lifetime), "updated_at": _now()}
+        if per_period is not KEEP:
+            values["period_budget"] = None if per_period is None else str(per_period)
         if row is None:
             connection.execute(datasets.insert().values(dataset_id=dataset_id, **values))
         else:
             connection.execute(datasets.update().where(datasets.c.dataset_id == dataset_id).values(**values))
 
 
-def _spent(connection, dataset_id: str) -> Fraction:
-    spends = connection.execute(select(releases.c.spend).where(
-        (releases.c.dataset_id == dataset_id) & (releases.c.status.in_([RESERVED, COMMITTED])))).scalars()
+def _spent(connection, dataset_id: str, period: str | None = None) -> Fraction:
+    """Reserved + committed spend of the dataset (of one period when `period` is given)."""
+    condition = (releases.c.dataset_id == dataset_id) & (releases.c.status.in_([RESERVED, COMMITTED]))
+    if period is not None:
+        condition &= releases.c.period == period
+    spends = connection.execute(select(releases.c.spend).where(condition)).scalars()
     return sum((Fraction(s) for s in spends), Fraction(0))
 
 
 def reserve(engine: Engine, dataset_id: str, release_id: str, key_id: str, spec_sha256: str,
-            unit: str, spend: Fraction) -> Reservation:
+            unit: str, spend: Fraction, period: str | None = None) -> Reservation:
     """Hold `spend` for a run, or raise BudgetError (exit 3) leaving the ledger unchanged."""
     with engine.begin() as connection:
         row = connection.execute(
@@ -145,17 +194,29 @@ def reserve(engine: Engine, dataset_id: str, release_id: str, key_id: str, spec_
         done = connection.execute(select(func.count()).select_from(releases).where(
             (releases.c.dataset_id == dataset_id) & (releases.c.release_id == release_id) &
             (releases.c.key_id == key_id) & (releases.c.status == COMMITTED))).scalar()
+        period_budget = Fraction(row.period_budget) if row.period_budget is not None else None
+        if period_budget is not None and period is None:
+            raise BudgetError(f"dataset {dataset_id!r} has a per-period budget ({period_budget} {unit}); the spec "
+                              f"must name the period this release covers (period: e.g. 2026-11)")
+        period_spent = _spent(connection, dataset_id, period) if period_budget is not None else None
+        fields = dict(period=period, period_budget=period_budget, period_spent_before=period_spent)
         if done:
-            return Reservation(None, dataset_id, unit, spend, spent, lifetime, rerun=True)
+            return Reservation(None, dataset_id, unit, spend, spent, lifetime, rerun=True, **fields)
         if spent + spend > lifetime:
             raise BudgetError(
                 f"dataset {dataset_id!r}: this release needs {spend} {unit} ({float(spend):.6g}) but only "
                 f"{lifetime - spent} ({float(lifetime - spent):.6g}) of the lifetime {lifetime} remains; lower the "
                 f"budget in the spec or raise it with `dprelease ledger set-budget`")
+        if period_budget is not None and period_spent + spend > period_budget:
+            raise BudgetError(
+                f"dataset {dataset_id!r}, period {period!r}: this release needs {spend} {unit} "
+                f"({float(spend):.6g}) but only {period_budget - period_spent} "
+                f"({float(period_budget - period_spent):.6g}) of the per-period budget {period_budget} remains")
         result = connection.execute(releases.insert().values(
-            dataset_id=dataset_id, release_id=release_id, key_id=key_id, spec_sha256=spec_sha256,
+            dataset_id=dataset_id, release_id=release_id, period=period, key_id=key_id, spec_sha256=spec_sha256,
             spend=str(spend), status=RESERVED, reserved_at=_now()))
-        return Reservation(result.inserted_primary_key[0], dataset_id, unit, spend, spent, lifetime, rerun=False)
+        return Reservation(result.inserted_primary_key[0], dataset_id, unit, spend, spent, lifetime, rerun=False,
+                           **fields)
 
 
 def finish(engine: Engine, reservation: Reservation, manifest_sha256: str | None) -> None:

@@ -112,6 +112,20 @@ class Ledger(Strict):
     spent_after: str
     charged: str
     rerun_of_committed_release: bool
+    period: str | None
+    period_budget: str | None
+    period_spent_before: str | None
+    period_spent_after: str | None
+
+
+class InputValidation(Strict):
+    tool: Literal["great_expectations"]
+    suite_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the suite generated from the spec.")
+    expectations: int
+    schema_failures: str
+    value_failures: str
+    invalid_value_policy: dict[str, Literal["other", "drop"]]
+    null_privacy_unit: str
 
 
 class FileEntry(Strict):
@@ -140,7 +154,7 @@ class Manifest(Strict):
     release_id: str
     dataset_id: str
     software: Software
-    engine: Literal["embedded", "spark"]
+    engine: Literal["embedded", "spark", "beam"]
     spec: dict[str, Any]
     spec_sha256: str
     privacy: Privacy
@@ -151,6 +165,8 @@ class Manifest(Strict):
     invariants: list[Invariant]
     post_processing: list[Step]
     ledger: Ledger | None
+    input_validation: InputValidation | None = Field(
+        description="Present when the input was validated: the suite's hash and the policies, never pass/fail.")
     key_id: str
     domain_files: dict[str, str]
     files: list[FileEntry]

@@ -107,25 +107,49 @@ def plan(spec: Path) -> None:
     console.print(f"{len(result.tables)} tables, {sum(t.n_cells for t in result.tables):,} cells")
 
 
-@main.command()
+@main.command(context_settings={"allow_interspersed_args": True})
 @click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("pipeline_options", nargs=-1, type=click.UNPROCESSED)
 @click.option("--key-file", type=click.Path(dir_okay=False, path_type=Path),
               help="Use this key (created fresh if the file does not exist). Default: a fresh key in <spec dir>/keys/.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Publish under this directory instead of the spec's output.dir.")
 @click.option("--input", "input_path", help="Read this input instead of the spec's input.path.")
-@click.option("--engine", type=click.Choice(["embedded", "spark"]), help="Engine (default: the spec's, embedded).")
+@click.option("--engine", type=click.Choice(["embedded", "spark", "beam"]),
+              help="Engine (default: the spec's, embedded).")
 @click.option("--master", help="Spark master URL (spark engine only; default local[*]): spark://host:7077, yarn, k8s://...")
-@click.option("--workers", type=click.IntRange(1, 256), help="Noise worker processes (default: CPU count).")
+@click.option("--runner", help="Beam runner (beam engine only; default DirectRunner): FlinkRunner, SparkRunner, "
+                               "DataflowRunner, ...; further Beam pipeline options go after --.")
+@click.option("--workers", type=click.IntRange(1, 256),
+              help="Worker processes (default: CPU count): noise workers, or the DirectRunner's workers.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing release directory of the same id.")
 @click.option("--ledger", envvar="DPRELEASE_LEDGER",
-              help="Privacy-loss ledger (SQLite file or SQLAlchemy URL; env DPRELEASE_LEDGER): reserve the "
-                   "release's spend before any noise is drawn, refuse with exit 3 if over budget.")
+              help="Privacy-loss ledger (SQLite file or SQLAlchemy URL; env DPRELEASE_LEDGER; default "
+                   "ledger.sqlite in the user data directory): reserves the release's spend before any noise is "
+                   "drawn, refuses with exit 3 if over budget or if the dataset has no budget.")
+@click.option("--no-ledger", is_flag=True, help="Run without budget accounting (the manifest's ledger is null).")
+@click.option("--internal-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Validate the input with the spec's great-expectations suite and write the detailed report "
+                   "(confidential) here; never inside the release.")
+@click.option("--strict", is_flag=True,
+              help="Abort (exit 1) when any value-level expectation fails. Makes whether a release exists depend "
+                   "on the data: an internal choice. Needs --internal-dir.")
 @click.option("--sign-key", type=click.Path(dir_okay=False, path_type=Path),
               help="Sign the manifest with this Ed25519 private key (PEM; openssl genpkey -algorithm ed25519).")
-def run(spec: Path, key_file, out_dir, input_path, engine, workers, overwrite, master, ledger, sign_key) -> None:
-    """Run a release: bound, aggregate, add noise, post-process, publish atomically."""
+def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_path, engine, workers, overwrite,
+        master, runner, ledger, no_ledger, internal_dir, strict, sign_key) -> None:
+    """Run a release: bound, aggregate, add noise, post-process, publish atomically.
+
+    Beam pipeline options (beam engine) follow a `--`: dprelease run SPEC --engine beam --runner
+    FlinkRunner -- --flink_master=host:8081 --parallelism=8
+    """
+    from dprelease.accounting.ledger import default_ledger_location
+
     from .run import run_release
+
+    if no_ledger and ledger:
+        raise click.UsageError("--no-ledger and --ledger (or DPRELEASE_LEDGER) exclude each other")
+    ledger = None if no_ledger else (ledger or default_ledger_location())
 
     with _handled(), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                               TimeElapsedColumn(), console=errors, transient=False) as progress:
@@ -138,7 +162,8 @@ def run(spec: Path, key_file, out_dir, input_path, engine, workers, overwrite, m
 
         result = run_release(spec, key_file=key_file, out_dir=out_dir, input_path=input_path, engine=engine,
                              workers=workers, overwrite=overwrite, master=master, ledger=ledger, sign_key=sign_key,
-                             progress=hook, command_line=sys.argv)
+                             progress=hook, command_line=sys.argv, internal_dir=internal_dir, strict=strict,
+                             runner=runner, beam_options=list(pipeline_options))
     plan_ = result.plan
     # scripts parse these lines (deploy/): never wrap them
     console.print(f"[bold green]Published[/] release [bold]{plan_.spec.release_id}[/] to {result.release_dir}",
@@ -149,6 +174,26 @@ def run(spec: Path, key_file, out_dir, input_path, engine, workers, overwrite, m
     state = "reused" if result.key_reused else "new"
     console.print(f"Key ({state}): {result.key_file}  [dim]keep it secret; never publish it[/]", soft_wrap=True)
     console.print(f"Check it: dprelease verify {result.release_dir}", soft_wrap=True)
+
+
+@main.command()
+@click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--internal-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Private directory for the detailed (confidential) report.")
+@click.option("--input", "input_path", help="Validate this input instead of the spec's input.path.")
+@click.option("--engine", type=click.Choice(["embedded", "spark", "beam"]), help="Engine (default: the spec's).")
+@click.option("--master", help="Spark master URL (spark engine only).")
+def validate(spec: Path, internal_dir: Path, input_path, engine, master) -> None:
+    """Check an input against the spec's great-expectations suite; release nothing, spend nothing.
+
+    Exit 2 on schema-level failures (missing column, wrong type). Value-level results are confidential:
+    they go to the report in --internal-dir only, and the exit code does not depend on them.
+    """
+    from .run import validate_only
+
+    with _handled():
+        path = validate_only(spec, internal_dir, input_path=input_path, engine=engine, master=master)
+    console.print(f"Schema-level expectations met; the value-level report (confidential) is {path}", soft_wrap=True)
 
 
 @main.command()
@@ -198,7 +243,14 @@ def report(release_dir: Path, out, public_key, ledger) -> None:
         sys.exit(1)
 
 
-LEDGER_OPTION = click.option("--ledger", envvar="DPRELEASE_LEDGER", required=True,
+def _default_ledger() -> str:
+    from dprelease.accounting.ledger import default_ledger_location
+
+    return str(default_ledger_location())
+
+
+LEDGER_OPTION = click.option("--ledger", envvar="DPRELEASE_LEDGER", default=_default_ledger,
+                             show_default="ledger.sqlite in the user data directory",
                              help="SQLite file or SQLAlchemy URL (env DPRELEASE_LEDGER).")
 
 
@@ -211,13 +263,16 @@ def ledger() -> None:
 @click.argument("dataset")
 @click.option("--epsilon", "epsilon", help="Lifetime pure-DP budget (for pure releases).")
 @click.option("--rho", "rho", help="Lifetime zCDP budget (for zcdp and approx releases).")
+@click.option("--per-period", "per_period",
+              help="Budget per period of a release series (releases name their period in the spec: period: "
+                   "2026-11), in the same unit; 'none' removes it. Default: keep the current one.")
 @LEDGER_OPTION
-def ledger_set_budget(dataset: str, epsilon, rho, ledger: str) -> None:
+def ledger_set_budget(dataset: str, epsilon, rho, per_period, ledger: str) -> None:
     """Create or change a dataset's lifetime budget (never below what it has spent)."""
     from fractions import Fraction
 
     from dprelease.accounting.errors import SpecError
-    from dprelease.accounting.ledger import open_ledger, set_budget
+    from dprelease.accounting.ledger import KEEP, open_ledger, set_budget
     from dprelease.accounting.rationals import parse_rational
 
     with _handled():
@@ -228,8 +283,15 @@ def ledger_set_budget(dataset: str, epsilon, rho, ledger: str) -> None:
             amount = parse_rational(value)
         except ValueError as error:
             raise SpecError(f"--{unit} = {value!r}: {error}") from None
-        set_budget(open_ledger(ledger), dataset, unit, Fraction(amount))
-    console.print(f"Dataset {dataset}: lifetime budget {amount} {unit}")
+        period = KEEP
+        if per_period is not None:
+            try:
+                period = None if per_period.lower() == "none" else Fraction(parse_rational(per_period))
+            except ValueError as error:
+                raise SpecError(f"--per-period = {per_period!r}: {error}; or 'none'") from None
+        set_budget(open_ledger(ledger), dataset, unit, Fraction(amount), period)
+    text = "" if period is KEEP else f"; per-period budget {period if period is not None else 'none'}"
+    console.print(f"Dataset {dataset}: lifetime budget {amount} {unit}{text}")
 
 
 @ledger.command("show")
@@ -258,20 +320,22 @@ def _print_ledger(location: str, dataset: str | None) -> None:
         if dataset and not rows:
             raise SpecError(f"ledger: no dataset {dataset!r}")
     summary = Table(title="Datasets")
-    for header in ("dataset", "unit", "lifetime", "spent", "remaining"):
+    for header in ("dataset", "unit", "lifetime", "spent", "remaining", "per period"):
         summary.add_column(header)
     for row in rows:
         spent = sum((Fraction(r.spend) for r in releases
                      if r.dataset_id == row.dataset_id and r.status in (COMMITTED, RESERVED)), Fraction(0))
         lifetime = Fraction(row.lifetime_budget)
-        summary.add_row(row.dataset_id, row.unit, str(lifetime), str(spent), str(lifetime - spent))
+        summary.add_row(row.dataset_id, row.unit, str(lifetime), str(spent), str(lifetime - spent),
+                        row.period_budget or "-")
     console.print(summary)
     if dataset:
         detail = Table(title=f"Releases of {dataset}")
-        for header in ("release", "key id", "spend", "status", "reserved at", "manifest sha256"):
+        for header in ("release", "period", "key id", "spend", "status", "reserved at", "manifest sha256"):
             detail.add_column(header)
         for r in releases:
-            detail.add_row(r.release_id, r.key_id, r.spend, r.status, str(r.reserved_at), (r.manifest_sha256 or "")[:16])
+            detail.add_row(r.release_id, r.period or "-", r.key_id, r.spend, r.status, str(r.reserved_at),
+                           (r.manifest_sha256 or "")[:16])
         console.print(detail)
 
 

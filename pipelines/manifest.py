@@ -109,7 +109,8 @@ def accounting_section(plan: Plan) -> dict:
 
 
 def build_manifest(plan: Plan, engine: str, key_id: str, files: list[dict], domain_files: dict[str, str],
-                   created_at: str, command_line: list[str], ledger: dict | None = None) -> dict:
+                   created_at: str, command_line: list[str], ledger: dict | None = None,
+                   input_validation: dict | None = None) -> dict:
     spec = plan.spec
     return {
         "manifest_version": MANIFEST_VERSION,
@@ -134,6 +135,7 @@ def build_manifest(plan: Plan, engine: str, key_id: str, files: list[dict], doma
                        for t in plan.tables if t.invariant],
         "post_processing": steps_applied(plan),
         "ledger": ledger,
+        "input_validation": input_validation,
         "key_id": key_id,
         "domain_files": domain_files,
         "files": files,

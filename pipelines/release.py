@@ -56,6 +56,7 @@ def write_release(
     plan: Plan, noisy: dict[str, np.ndarray], published: dict[str, np.ndarray], final_dir: Path,
     *, engine: str, key_id: str, created_at: str, command_line: list[str], overwrite: bool = False,
     progress=lambda stage, done, total: None, ledger: dict | None = None, sign_key=None,
+    input_validation: dict | None = None,
 ) -> Path:
     """`sign_key`: an Ed25519 private key; the manifest then names its public key and is signed."""
     """Write and atomically publish the release directory `final_dir`."""
@@ -84,7 +85,8 @@ def write_release(
                 files.append(path)
                 domain_files[name] = path.relative_to(staging).as_posix()
         entries = [_file_entry(staging, p) for p in sorted(files)]
-        manifest = build_manifest(plan, engine, key_id, entries, domain_files, created_at, command_line, ledger)
+        manifest = build_manifest(plan, engine, key_id, entries, domain_files, created_at, command_line, ledger,
+                                  input_validation)
         if sign_key is not None:
             manifest["signature"] = {"algorithm": "Ed25519", "file": SIGNATURE_FILE,
                                      "public_key_sha256": fingerprint(sign_key.public_key())}

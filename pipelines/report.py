@@ -8,6 +8,8 @@ Written beside the release directory, never inside it (the release stays exactly
 """
 from __future__ import annotations
 
+import json
+
 from html import escape
 from pathlib import Path
 
@@ -101,9 +103,15 @@ def render(report: VerifyReport, ledger_history: list | None = None) -> str:
         if manifest.get("ledger") else "<p>This release was not run against a ledger.</p>",
     ]
     if ledger_history:
-        sections.append(_rows(["release", "key id", "spend", "status", "reserved at"],
-                              [[escape(r.release_id), f"<code>{escape(r.key_id)}</code>", escape(r.spend),
-                                escape(r.status), escape(str(r.reserved_at))] for r in ledger_history]))
+        sections.append(_rows(["release", "period", "key id", "spend", "status", "reserved at"],
+                              [[escape(r.release_id), escape(r.period or "-"), f"<code>{escape(r.key_id)}</code>",
+                                escape(r.spend), escape(r.status), escape(str(r.reserved_at))]
+                               for r in ledger_history]))
+    validation = manifest.get("input_validation")
+    sections += ["<h2>Input validation</h2>",
+                 _rows(list(validation), [[escape(json.dumps(v) if isinstance(v, dict) else str(v))
+                                           for v in validation.values()]])
+                 if validation else "<p>The input was not validated with an expectation suite.</p>"]
     sections += ["<h2>Files</h2>",
                  _rows(["path", "bytes", "SHA-256"], [[escape(f["path"]), f"{f['bytes']:,}", f"<code>{escape(f['sha256'])}</code>"]
                                                       for f in manifest.get("files", [])], {1})]

@@ -19,8 +19,10 @@ from .plan import Plan, build_plan
 from .postprocessing import post_process
 from .manifest import sha256_file
 from .release import write_release
-from .source import open_input
+from .source import InputSource, open_input
 from .spec import load_spec
+from .validation import (StrictValidationError, SuiteRunner, check_schema, expectations_from_spec, manifest_record,
+                         write_internal_report)
 
 
 LOG = logging.getLogger("dprelease")
@@ -58,24 +60,29 @@ def resolve_key(key_file: Path | None, spec_dir: Path, release_id: str, created_
     return ReleaseKey.generate(), key_file, False
 
 
-ENGINES = ("embedded", "spark")
+ENGINES = ("embedded", "spark", "beam")
 
 
 def _reserve(ledger: str | Path | None, plan: Plan, key: ReleaseKey):
     """Reserve the release's composed loss in the ledger (before any noise is drawn), if one is used."""
     if ledger is None:
+        LOG.warning("no ledger: this release's spend is not accounted against the dataset's budget")
         return None, None
     book = open_ledger(ledger)
     totals = plan.totals
     unit, spend = ("epsilon", totals.pure_epsilon) if totals.pure_epsilon is not None else ("rho", totals.rho)
     spec = plan.spec
-    reservation = reserve(book, spec.dataset_id, spec.release_id, key.key_id(), spec.spec_hash(), unit, spend)
+    reservation = reserve(book, spec.dataset_id, spec.release_id, key.key_id(), spec.spec_hash(), unit, spend,
+                          spec.period)
     LOG.info("ledger: reserved %s %s of dataset %s", "nothing (re-run)" if reservation.rerun else spend, unit,
              spec.dataset_id)
     return book, reservation
 
 
-def make_engine(name: str, workers: int | None, master: str | None = None) -> Engine:
+def make_engine(name: str, workers: int | None, master: str | None = None, runner: str | None = None,
+                beam_options: list[str] | None = None) -> Engine:
+    if name != "beam" and (runner or beam_options):
+        raise SpecError(f"--runner / pipeline options: only the beam engine takes them (engine is {name})")
     if name == "embedded":
         if master:
             raise SpecError(f"--master = {master!r}: only the spark engine takes a master URL")
@@ -84,17 +91,81 @@ def make_engine(name: str, workers: int | None, master: str | None = None) -> En
         from .engines.spark import SparkEngine
 
         return SparkEngine(master=master)
+    if name == "beam":
+        if master:
+            raise SpecError(f"--master = {master!r}: only the spark engine takes a master URL; "
+                            "pass Beam runner options after --")
+        from .engines.beam import BeamEngine
+
+        return BeamEngine(runner=runner, options=list(beam_options or []), workers=workers)
     raise SpecError(f"--engine = {name!r}: allowed: {', '.join(ENGINES)}")
+
+
+@dataclass
+class InputValidation:
+    """A validation asked for with --internal-dir: the suite, and its schema-level results (public)."""
+
+    suite: SuiteRunner
+    schema_results: dict
+    internal_dir: Path
+    strict: bool
+
+
+def check_input_schema(plan: Plan, engine: Engine, source: InputSource, internal_dir: Path | None,
+                       strict: bool) -> InputValidation | None:
+    """When validation is asked for (internal_dir), build the spec's suite and run its schema-level
+    expectations: a failure is public and raises InputSchemaError (exit 2) before any budget is
+    reserved or any value is read."""
+    if internal_dir is None:
+        if strict:
+            raise SpecError("--strict: needs --internal-dir (where the confidential validation report goes)")
+        return None
+    suite = SuiteRunner(expectations_from_spec(plan))
+    schema_results = check_schema(suite, source.dataset.schema, plan)
+    LOG.info("input validation: schema-level expectations met")
+    return InputValidation(suite, schema_results, Path(internal_dir), strict)
+
+
+def check_input_values(plan: Plan, engine: Engine, source: InputSource, validation: InputValidation,
+                       created_at: str) -> dict:
+    """Run the value-level expectations with the engine; the report goes to the internal directory
+    only. With strict, a failure aborts (exit 1; data-dependent, internal). Returns the manifest's
+    public block (suite hash and policies, no results)."""
+    LOG.info("input validation: checking values (%s engine)", engine.name)
+    outcome = engine.validate_input(plan, source, validation.suite)
+    report = write_internal_report(validation.internal_dir, plan, validation.suite, validation.schema_results,
+                                   outcome, engine.name, source.files(), created_at)
+    LOG.info("input validation: report written to the internal directory %s", validation.internal_dir)
+    if validation.strict and not outcome.success:
+        raise StrictValidationError(f"--strict: the input failed value-level expectations; see {report}")
+    return manifest_record(plan)
+
+
+def validate_only(spec_path: Path, internal_dir: Path, *, input_path: str | None = None, engine: str | None = None,
+                  master: str | None = None) -> Path:
+    """Validate an input against the spec's suite without releasing anything (no key, no budget, no
+    noise): schema failures raise (exit 2); the value-level report goes to `internal_dir`."""
+    created_at = creation_time()
+    spec, spec_dir = load_spec(spec_path)
+    plan = build_plan(spec, spec_dir)
+    engine_ = make_engine(engine or spec.engine, None, master)
+    source = open_input(plan, spec_dir, input_path)
+    validation = check_input_schema(plan, engine_, source, internal_dir, strict=False)
+    outcome = engine_.validate_input(plan, source, validation.suite)
+    return write_internal_report(validation.internal_dir, plan, validation.suite, validation.schema_results,
+                                 outcome, engine_.name, source.files(), created_at)
 
 
 def run_release(
     spec_path: Path, *, key_file: Path | None = None, out_dir: Path | None = None, input_path: str | None = None,
     engine: str | None = None, workers: int | None = None, overwrite: bool = False, master: str | None = None,
     ledger: str | Path | None = None, sign_key: Path | None = None, progress: ProgressHook = no_progress,
-    command_line: list[str] | None = None,
+    command_line: list[str] | None = None, internal_dir: Path | None = None, strict: bool = False,
+    runner: str | None = None, beam_options: list[str] | None = None,
 ) -> RunResult:
     """Run a release end to end. Everything that can abort on public grounds (spec, domain files,
-    input schema, existing release) is checked before the key is drawn or any noise is sampled."""
+    input schema, existing release) is checked before the key is drawn or any noise is sampled,
+    and before the ledger reserves any budget."""
     created_at = creation_time()
     spec, spec_dir = load_spec(spec_path)
     plan = build_plan(spec, spec_dir)
@@ -104,23 +175,26 @@ def run_release(
     final_dir = root / spec.release_id
     if final_dir.exists() and not overwrite:
         raise SpecError(f"output: release directory {final_dir} already exists; pass --overwrite to replace it")
-    runner = make_engine(engine or spec.engine, workers, master)
+    engine_ = make_engine(engine or spec.engine, workers, master, runner, beam_options)
     signer = load_private_key(sign_key) if sign_key else None
     source = open_input(plan, spec_dir, input_path)
-    LOG.info("input: %d %s file(s); engine %s", len(source.files()), source.format, runner.name)
+    LOG.info("input: %d %s file(s); engine %s", len(source.files()), source.format, engine_.name)
+    validation = check_input_schema(plan, engine_, source, internal_dir, strict)
     key, key_path, reused = resolve_key(key_file, spec_dir, spec.release_id, created_at)
     book, reservation = _reserve(ledger, plan, key)
     LOG.info("key %s (%s)", key.key_id(), "reused" if reused else "new")
     try:
+        validation_record = check_input_values(plan, engine_, source, validation, created_at) if validation else None
         if not reused:
             key.save(key_path)
-        noisy = runner.noisy_measurements(plan, source, key, progress)
+        noisy = engine_.noisy_measurements(plan, source, key, progress)
         LOG.info("noisy measurements drawn for %d tables", len(plan.tables))
         published = post_process(plan, noisy)
         LOG.info("post-processed %d tables", len(plan.tables))
-        write_release(plan, noisy, published, final_dir, engine=runner.name, key_id=key.key_id(),
+        write_release(plan, noisy, published, final_dir, engine=engine_.name, key_id=key.key_id(),
                       created_at=created_at, command_line=command_line or sys.argv, overwrite=overwrite,
-                      progress=progress, ledger=reservation.record() if reservation else None, sign_key=signer)
+                      progress=progress, ledger=reservation.record() if reservation else None, sign_key=signer,
+                      input_validation=validation_record)
     except BaseException:
         if reservation:
             finish(book, reservation, None)

@@ -183,7 +183,13 @@ class ReleaseSpec(Frozen):
 
     release_id: str = Field(pattern=IDENTIFIER, description="Required. Identifier of this release.")
     dataset_id: str = Field(pattern=IDENTIFIER, description="Required. Identifier of the confidential dataset.")
-    engine: Literal["embedded", "spark"] = Field("embedded", description="Defaulted (embedded). The engine that runs it.")
+    period: str | None = Field(
+        None, pattern=IDENTIFIER,
+        description="Optional. The period this release of a series covers (e.g. 2026-11); the ledger charges the "
+                    "release against the dataset's per-period budget for it.",
+    )
+    engine: Literal["embedded", "spark", "beam"] = Field(
+        "embedded", description="Defaulted (embedded). The engine that runs it: embedded, spark or beam.")
     input: InputSpec
     privacy_unit: str | None = Field(
         description="Required. Column identifying a privacy unit (person, household); null: each record is a unit."

@@ -25,6 +25,7 @@ from dprelease.accounting.manifest_model import Manifest
 from dprelease.accounting.signing import SIGNATURE_FILE, check, fingerprint, load_public_key
 
 from .manifest import accounting_section, sha256_file
+from .validation import manifest_record
 from .plan import Plan, build_plan
 from .spec import parse_spec
 
@@ -170,6 +171,8 @@ def verify_release(release_dir: Path, public_key: Path | None = None) -> VerifyR
     expected = accounting_section(plan)
     for key, value in expected.items():
         _compare(key, value, manifest.get(key), report.problems)
+    if manifest.get("input_validation") is not None:
+        _compare("input_validation", manifest_record(plan), manifest["input_validation"], report.problems)
     _check_budget(plan, report)
     _check_measurements(root, plan, report)
     return report

@@ -55,6 +55,13 @@ def write_case(directory: Path, spec: dict, rows: dict | None = None, schema: pa
     return path
 
 
+@pytest.fixture(autouse=True)
+def private_user_data(tmp_path_factory, monkeypatch):
+    """Every test gets its own user data directory (where the default ledger lives), never the real one."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg-data")))
+    monkeypatch.delenv("DPRELEASE_LEDGER", raising=False)
+
+
 @pytest.fixture
 def case(tmp_path):
     """Factory: case(spec_overrides..., rows=...) -> spec path in a fresh directory."""

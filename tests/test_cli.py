@@ -28,6 +28,12 @@ def test_demo_release_end_to_end(tmp_path):
     assert planned.returncode == 0, planned.stderr
     assert "population.tract" in planned.stdout and "rho = 1" in planned.stdout
     key = tmp_path / "demo.key"
+    refused = cli("run", DEMO_SPEC, "--input", data / "persons.parquet", "--out", tmp_path / "releases",
+                  "--key-file", key)
+    assert refused.returncode == 3 and "no budget in the ledger" in refused.stderr, refused.stderr
+    assert not key.exists() and not (tmp_path / "releases").exists()
+    budget = cli("ledger", "set-budget", "demo-census", "--rho", 2)  # the default ledger, in the user data dir
+    assert budget.returncode == 0, budget.stderr
     ran = cli("run", DEMO_SPEC, "--input", data / "persons.parquet", "--out", tmp_path / "releases",
               "--key-file", key)
     assert ran.returncode == 0, ran.stderr
@@ -36,6 +42,7 @@ def test_demo_release_end_to_end(tmp_path):
     manifest = json.loads((release / "manifest.json").read_text())
     assert manifest["engine"] == "embedded" and manifest["privacy"]["unit"] == "person_id"
     assert len(manifest["tables"]) == 4 + 6
+    assert manifest["ledger"]["spent_before"] == "0" and manifest["ledger"]["spent_after"] == "1"
     nation = pq.read_table(release / "tables" / "population.nation.parquet").to_pydict()["count"][0]
     assert abs(nation - 50_000) < 50
     verified = cli("verify", release)
@@ -46,7 +53,7 @@ def test_demo_release_end_to_end(tmp_path):
 
 @pytest.mark.skipif(not SHARED_ADULT.is_file(), reason="shared Adult data not beside the repository")
 def test_adult_release_end_to_end(tmp_path):
-    ran = cli("run", ADULT_SPEC, "--out", tmp_path, "--key-file", tmp_path / "adult.key")
+    ran = cli("run", ADULT_SPEC, "--out", tmp_path, "--key-file", tmp_path / "adult.key", "--no-ledger")
     assert ran.returncode == 0, ran.stderr
     release = tmp_path / "adult-2way"
     manifest = json.loads((release / "manifest.json").read_text())

@@ -9,6 +9,8 @@ from .conftest import REPO
 def test_run_release_wrapper(case, tmp_path):
     spec_path = case()
     keys = tmp_path / "keys"
+    budget = subprocess.run(["dprelease", "ledger", "set-budget", "test-data", "--epsilon", "5"], capture_output=True)
+    assert budget.returncode == 0, budget.stderr  # in the default ledger, under the test's own XDG_DATA_HOME
     result = subprocess.run(["bash", str(REPO / "deploy" / "embedded" / "run-release.sh"), str(spec_path), str(keys)],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

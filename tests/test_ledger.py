@@ -112,3 +112,64 @@ def test_two_processes_never_both_spend_the_last_budget(tmp_path):
             w.join(60)
         outcomes = sorted(results.get(timeout=10) for _ in workers)
         assert outcomes == ["refused", "reserved"]
+
+
+def test_per_period_budget_caps_each_month_of_a_series(case, tmp_path):
+    book = tmp_path / "ledger.sqlite"
+    assert cli("ledger", "set-budget", "test-data", "--epsilon", 3, "--per-period", 1, "--ledger", book).returncode == 0
+    november = case(period="2026-11")
+    ran = cli("run", november, "--ledger", book, "--out", tmp_path / "a", "--key-file", tmp_path / "a.key")
+    assert ran.returncode == 0, ran.stderr
+    ledger_block = json.loads((tmp_path / "a" / "test-release" / "manifest.json").read_text())["ledger"]
+    assert ledger_block["period"] == "2026-11" and ledger_block["period_budget"] == "1"
+    assert (ledger_block["period_spent_before"], ledger_block["period_spent_after"]) == ("0", "1")
+    again = cli("run", november, "--ledger", book, "--out", tmp_path / "b", "--key-file", tmp_path / "b.key")
+    assert again.returncode == 3 and "period '2026-11'" in again.stderr and "per-period budget 1" in again.stderr
+    assert not (tmp_path / "b").exists() and not (tmp_path / "b.key").exists()
+    unnamed = cli("run", case(), "--ledger", book, "--out", tmp_path / "c", "--key-file", tmp_path / "c.key")
+    assert unnamed.returncode == 3 and "must name the period" in unnamed.stderr
+    december = cli("run", case(period="2026-12"), "--ledger", book, "--out", tmp_path / "d",
+                   "--key-file", tmp_path / "d.key")
+    assert december.returncode == 0, december.stderr
+    assert json.loads((tmp_path / "d" / "test-release" / "manifest.json").read_text())["ledger"]["spent_after"] == "2"
+    with pytest.raises(SpecError, match="per-period"):
+        set_budget(open_ledger(book), "test-data", "epsilon", Fraction(3), Fraction(4))
+
+
+def test_a_version_1_ledger_is_migrated_in_place(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.sqlite"
+    with sqlite3.connect(path) as db:  # the schema dprelease 0.1 created
+        db.executescript("""
+            CREATE TABLE schema_version (version INTEGER NOT NULL);
+            INSERT INTO schema_version VALUES (1);
+            CREATE TABLE datasets (dataset_id VARCHAR(128) PRIMARY KEY, unit VARCHAR(16) NOT NULL,
+                                   lifetime_budget VARCHAR(64) NOT NULL, updated_at DATETIME NOT NULL);
+            CREATE TABLE releases (id INTEGER PRIMARY KEY AUTOINCREMENT, dataset_id VARCHAR(128) NOT NULL,
+                release_id VARCHAR(128) NOT NULL, key_id VARCHAR(32) NOT NULL, spec_sha256 VARCHAR(64) NOT NULL,
+                manifest_sha256 VARCHAR(64), spend VARCHAR(64) NOT NULL, status VARCHAR(16) NOT NULL,
+                reserved_at DATETIME NOT NULL, finished_at DATETIME);
+            INSERT INTO datasets VALUES ('old', 'rho', '1', '2026-01-01 00:00:00');
+            INSERT INTO releases (dataset_id, release_id, key_id, spec_sha256, spend, status, reserved_at)
+                VALUES ('old', 'r1', 'k1', 'x', '3/4', 'committed', '2026-01-02 00:00:00');
+        """)
+    book = open_ledger(path)
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT version FROM schema_version").fetchall() == [(2,)]
+    with pytest.raises(BudgetError, match="only 1/4"):
+        reserve(book, "old", "r2", "k2", "y", "rho", Fraction(1, 2))
+    assert reserve(book, "old", "r2", "k2", "y", "rho", Fraction(1, 4)).spent_before == Fraction(3, 4)
+
+
+def test_the_default_ledger_lives_in_the_user_data_directory(tmp_path, monkeypatch):
+    from dprelease.accounting.ledger import default_ledger_location
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    assert default_ledger_location() == tmp_path / "data" / "dprelease" / "ledger.sqlite"
+    assert cli("ledger", "set-budget", "x", "--rho", 1).returncode == 0
+    assert (tmp_path / "data" / "dprelease" / "ledger.sqlite").is_file()
+    listed = cli("ledger", "list")
+    assert listed.returncode == 0 and "x" in listed.stdout
+    both = cli("run", "spec.yaml", "--no-ledger", "--ledger", tmp_path / "l.sqlite")
+    assert both.returncode == 2 and "exclude each other" in both.stderr

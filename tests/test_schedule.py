@@ -1,4 +1,5 @@
-"""A scheduled monthly series (deploy/schedule) against one ledger: the third month is refused."""
+"""A scheduled monthly series (deploy/schedule) against one ledger: a second release in one month is
+refused by the per-period budget, the third month by the lifetime budget."""
 from __future__ import annotations
 
 import shutil
@@ -16,7 +17,8 @@ def test_three_monthly_releases_with_budget_for_two(tmp_path):
     shutil.copy(REPO / "examples" / "demo" / "geography.txt", series / "geography.txt")
     write_demo_data(series / "data", 20_000)
     ledger = tmp_path / "ledger.sqlite"
-    budget = subprocess.run(["dprelease", "ledger", "set-budget", "demo-census", "--rho", "2", "--ledger", str(ledger)],
+    budget = subprocess.run(["dprelease", "ledger", "set-budget", "demo-census", "--rho", "2", "--per-period", "1",
+                             "--ledger", str(ledger)],
                             capture_output=True, text=True)
     assert budget.returncode == 0, budget.stderr
     script = REPO / "deploy" / "schedule" / "monthly-release.sh"
@@ -29,6 +31,11 @@ def test_three_monthly_releases_with_budget_for_two(tmp_path):
             assert "OK" in run.stdout
         else:
             assert "budget refused" in run.stderr and "only 0" in run.stderr
+        if month == "2026-01":  # a second January release (new key) exceeds January's budget
+            extra = subprocess.run(["bash", str(script), str(series / "monthly.yaml"), month, str(ledger),
+                                    str(tmp_path / "other-keys"), "--overwrite"], capture_output=True, text=True)
+            assert extra.returncode == 3 and "period '2026-01'" in extra.stderr, extra.stderr
+            assert not (tmp_path / "other-keys" / "2026-01.key").exists()
     assert statuses == [0, 0, 3]
     published = sorted(p.name for p in (series / "releases").iterdir() if not p.name.startswith("."))
     assert published == ["demo-2026-01", "demo-2026-02"]

@@ -89,7 +89,7 @@ def test_standalone_cluster_release(demo):
         assert url.startswith("spark://127.0.0.1:") and len(pids) == 3
         submitted = subprocess.run(
             ["bash", str(REPO / "deploy/spark/submit.sh"), url, str(DEMO_SPEC), "--input", str(demo["data"]),
-             "--out", str(demo["root"] / "cluster"), "--key-file", str(demo["key"])],
+             "--out", str(demo["root"] / "cluster"), "--key-file", str(demo["key"]), "--no-ledger"],
             capture_output=True, text=True, env=env, timeout=600)
         assert submitted.returncode == 0, submitted.stderr[-3000:]
         assert_same_release(demo["embedded"], demo["root"] / "cluster" / "demo-2026", "spark")
@@ -113,3 +113,22 @@ def test_missing_pyspark_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "pyspark", None)
     with pytest.raises(SpecError, match=r'pip install "dprelease\[spark\]"'):
         spark_engine._import_pyspark()
+
+
+def test_input_validation_runs_on_the_spark_dataframe(case, tmp_path):
+    """The value-level suite runs on Spark (a Spark DataFrame batch) and counts what pandas counts."""
+    pytest.importorskip("great_expectations")
+    from .test_validation import DIRTY, internal_report
+
+    spec_path = case(rows=DIRTY)
+    reports = {}
+    for engine in ("embedded", "spark"):
+        result = run_release(spec_path, engine=engine, master="local[2]" if engine == "spark" else None,
+                             out_dir=tmp_path / engine, key_file=tmp_path / "k.key",
+                             internal_dir=tmp_path / f"{engine}-internal")
+        assert json.loads((result.release_dir / "manifest.json").read_text())["input_validation"]["expectations"] > 0
+        reports[engine] = internal_report(tmp_path / f"{engine}-internal")
+    assert reports["spark"]["engine"] == "spark" and reports["spark"]["success"] is False
+    counts = {e: [(x["type"], x["kwargs"]["column"], x.get("unexpected_count")) for x in r["expectations"]]
+              for e, r in reports.items()}
+    assert counts["spark"] == counts["embedded"]

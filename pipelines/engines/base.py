@@ -36,3 +36,16 @@ class Engine(ABC):
 
         Privacy: the result must be exactly counts(bounded input) + noise(key, table, cell).
         """
+
+    def validate_input(self, plan: Plan, source: InputSource, runner) -> "ValidationOutcome":
+        """Run the value-level expectations over every record (default: pandas batches).
+
+        Privacy: the outcome is confidential; the caller writes it to the internal directory only.
+        """
+        from ..validation import ValidationOutcome, value_frame
+
+        outcome = ValidationOutcome(runner.expectations)
+        for path in source.files():
+            for batch in source.batches(path):
+                outcome.add(runner.validate(value_frame(batch, plan), "value"))
+        return outcome

@@ -60,7 +60,8 @@ def _in_process(spec_path, caplog) -> tuple[bool, list[str]]:
 
 def _cli(spec_path) -> tuple[int, str]:
     result = subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", "-v", "run", str(spec_path),
-                             "--key-file", str(spec_path.parent / "cli.key"), "--out", str(spec_path.parent / "cli")],
+                             "--key-file", str(spec_path.parent / "cli.key"), "--out", str(spec_path.parent / "cli"),
+                             "--no-ledger"],
                             capture_output=True, text=True)
     text = (result.stdout + result.stderr).replace(str(spec_path.parent), "<dir>")
     text = re.sub(r"\d+:\d\d:\d\d", "<elapsed>", text)

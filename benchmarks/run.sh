@@ -13,9 +13,9 @@ for rows in "${sizes[@]}"; do
   [ -f "$data/persons.parquet" ] || dprelease demo-data --rows "$rows" --out "$data" >/dev/null
   rm -rf out/releases out/keys
   measure "demo release" "$rows" dprelease run ../examples/demo/spec.yaml --input "$data/persons.parquet" \
-    --out out/releases --key-file "out/keys/demo-$rows.key"
+    --out out/releases --key-file "out/keys/demo-$rows.key" --no-ledger
   measure "count job (dprelease)" "$rows" dprelease run count_spec.yaml --input "$data/persons.parquet" \
-    --out out/releases --key-file "out/keys/count-$rows.key"
+    --out out/releases --key-file "out/keys/count-$rows.key" --no-ledger
   if python -c "import pipeline_dp" 2>/dev/null && [ "$rows" -le "${PEER_MAX_ROWS:-1000000}" ]; then
     measure "count job (PipelineDP local)" "$rows" python pipelinedp_count.py "$data/persons.parquet" "$data/geography.txt"
   fi

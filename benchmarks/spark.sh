@@ -17,11 +17,11 @@ for rows in "${sizes[@]}"; do
   [ -f "$data/persons.parquet" ] || dprelease demo-data --rows "$rows" --out "$data" >/dev/null
   rm -rf out/spark-releases
   measure "demo release (spark local[2])" "$rows" dprelease run ../examples/demo/spec.yaml --engine spark \
-    --master "local[2]" --input "$data/persons.parquet" --out out/spark-releases/local --key-file "out/keys/s-$rows.key"
+    --master "local[2]" --input "$data/persons.parquet" --out out/spark-releases/local --key-file "out/keys/s-$rows.key" --no-ledger
   measure "demo release (2-worker cluster)" "$rows" env PYTHON=python ../deploy/spark/submit.sh "$url" \
-    ../examples/demo/spec.yaml --input "$PWD/$data/persons.parquet" --out out/spark-releases/cluster --key-file "out/keys/s-$rows.key"
+    ../examples/demo/spec.yaml --input "$PWD/$data/persons.parquet" --out out/spark-releases/cluster --key-file "out/keys/s-$rows.key" --no-ledger
   measure "count job (dprelease spark local[2])" "$rows" dprelease run count_spec.yaml --engine spark \
-    --master "local[2]" --input "$data/persons.parquet" --out out/spark-releases/count --key-file "out/keys/c-$rows.key"
+    --master "local[2]" --input "$data/persons.parquet" --out out/spark-releases/count --key-file "out/keys/c-$rows.key" --no-ledger
   if python -c "import pipeline_dp" 2>/dev/null && [ "$rows" -le "${PEER_MAX_ROWS:-1000000}" ]; then
     measure "count job (PipelineDP SparkRDD)" "$rows" python pipelinedp_count.py "$data/persons.parquet" "$data/geography.txt" --backend spark
   fi

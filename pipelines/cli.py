@@ -17,7 +17,7 @@ from dprelease.accounting.errors import DPReleaseError
 console = Console(width=None if sys.stdout.isatty() else 120)
 errors = Console(stderr=True)
 STAGES = {"read": "Reading and encoding input files", "noise": "Drawing noise (cell ranges)",
-          "write": "Writing tables"}
+          "write": "Writing tables", "beam": "Beam pipeline (read, bound, count, noise)"}
 
 
 def _fail(error: DPReleaseError) -> None:

@@ -32,6 +32,26 @@ def _skip_malformed_row(row) -> str:
 CSV_PARSE_OPTIONS = pacsv.ParseOptions(invalid_row_handler=_skip_malformed_row)
 
 
+def csv_convert_options(columns: list[str], include: bool) -> pacsv.ConvertOptions:
+    """CSV columns as text; an empty field is null (as Spark reads it), any other text is a value."""
+    return pacsv.ConvertOptions(column_types={c: pa.string() for c in columns}, null_values=[""],
+                                strings_can_be_null=True, include_columns=columns if include else None)
+
+
+def read_batches(path: str, fmt: str, columns: list[str]) -> Iterator[pa.RecordBatch]:
+    """Record batches of `columns` of one Parquet or CSV file. CSV values are read as text and
+    malformed rows skipped (by policy, never an error)."""
+    if fmt == "parquet":
+        yield from pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS, columns=columns)
+        return
+    reader = pacsv.open_csv(
+        path, read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES),
+        parse_options=CSV_PARSE_OPTIONS,
+        convert_options=csv_convert_options(columns, include=True),
+    )
+    yield from reader
+
+
 @dataclass
 class InputSource:
     """The input dataset restricted to the columns the plan needs."""
@@ -46,16 +66,7 @@ class InputSource:
 
     def batches(self, path: str) -> Iterator[pa.RecordBatch]:
         """Record batches of one input file, streamed: memory holds one row group / CSV block at a time."""
-        if self.format == "parquet":
-            yield from pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS, columns=self.columns)
-            return
-        reader = pacsv.open_csv(
-            path, read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES),
-            parse_options=CSV_PARSE_OPTIONS,
-            convert_options=pacsv.ConvertOptions(column_types={c: pa.string() for c in self.columns},
-                                                 include_columns=self.columns),
-        )
-        yield from reader
+        return read_batches(path, self.format, self.columns)
 
     def estimated_rows(self) -> int:
         """Rows (Parquet metadata) or bytes / 40 (CSV): sizing of internal spill partitions only."""
@@ -83,7 +94,7 @@ def open_input(plan: Plan, base_dir: Path, override: str | None = None) -> Input
     if fmt == "csv":
         file_format = ds.CsvFileFormat(
             parse_options=CSV_PARSE_OPTIONS,
-            convert_options=pacsv.ConvertOptions(column_types={c: pa.string() for c in columns}),
+            convert_options=csv_convert_options(columns, include=False),
         )
     else:
         file_format = ds.ParquetFileFormat()

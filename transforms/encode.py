@@ -113,3 +113,29 @@ def encode_batch(batch: pa.RecordBatch | pa.Table, encoders: dict[str, ColumnEnc
         keep &= column_codes != INVALID
         codes[name] = column_codes
     return codes, keep
+
+
+UNIT = "__unit__"
+"""Name of the privacy-unit column in an encoded table."""
+
+
+def code_dtype(domain_size: int) -> type:
+    """The smallest signed integer type holding codes 0..domain_size-1 (less to spill and shuffle)."""
+    for dtype in (np.int8, np.int16, np.int32):
+        if domain_size <= np.iinfo(dtype).max:
+            return dtype
+    return np.int64
+
+
+def encoded_table(batch: pa.RecordBatch | pa.Table, encoders: dict[str, ColumnEncoder],
+                  unit: str | None) -> pa.Table:
+    """A batch as an encoded table: int32 codes per spec column (+ the unit as UNIT), rows dropped
+    by policy and rows with a null unit removed (a record without a unit cannot be bounded)."""
+    codes, keep = encode_batch(batch, encoders)
+    if unit:
+        keep &= pc.is_valid(batch.column(unit)).to_numpy(zero_copy_only=False)
+    mask = pa.array(keep)
+    data = {c: pa.array(codes[c].astype(code_dtype(encoders[c].domain.size))).filter(mask) for c in encoders}
+    if unit:
+        data[UNIT] = batch.column(unit).filter(mask)
+    return pa.table(data)

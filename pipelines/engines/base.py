@@ -8,7 +8,7 @@ and happen in `dprelease.pipelines.release`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -16,6 +16,9 @@ from dprelease.transforms.csprng import ReleaseKey
 
 from ..plan import Plan
 from ..source import InputSource
+
+if TYPE_CHECKING:
+    from ..validation import ValidationOutcome
 
 ProgressHook = Callable[[str, int, int], None]
 """progress(stage, done, total): called with public quantities only (files, tables, cell chunks)."""

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from dprelease.transforms.aggregate import bounded_counts
 from dprelease.transforms.bound import splitmix64, unit_fingerprints
 from dprelease.transforms.csprng import ReleaseKey
-from dprelease.transforms.encode import ColumnEncoder, encode_batch
+from dprelease.transforms.encode import UNIT, ColumnEncoder, encoded_table
 from dprelease.transforms.samplers import table_noise
 
 from ..plan import Plan
@@ -29,7 +28,6 @@ from .base import Engine, ProgressHook, no_progress
 PARTITION_BYTES = 64 << 20
 """Encoded bytes (4 per column + 8 for the unit) per spill partition; bounds peak memory."""
 NOISE_RANGE_CELLS = 1 << 18
-UNIT = "__unit__"
 
 
 class SpillPartitions:
@@ -88,14 +86,7 @@ class EmbeddedEngine(Engine):
             spill = SpillPartitions(partitions, Path(spill_dir))
             for done, path in enumerate(files):
                 for batch in source.batches(path):
-                    codes, keep = encode_batch(batch, encoders)
-                    if unit:
-                        keep &= pc.is_valid(batch.column(unit)).to_numpy(zero_copy_only=False)
-                    mask = pa.array(keep)
-                    data = {c: pa.array(codes[c].astype(np.int32)).filter(mask) for c in columns}
-                    if unit:
-                        data[UNIT] = batch.column(unit).filter(mask)
-                    table = pa.table(data)
+                    table = encoded_table(batch, encoders, unit)
                     if unit:
                         spill.add(table)
                     else:

@@ -1,0 +1,166 @@
+"""The Beam engine: byte-identical to the embedded engine (and Spark) on the DirectRunner with two
+worker processes, safe under bundle retries, with reusable PTransforms and pass-through runner options."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+
+from dprelease.accounting.errors import DPReleaseError, SpecError
+from dprelease.examples.generator import write_demo_data
+from dprelease.pipelines.plan import build_plan
+from dprelease.pipelines.run import run_release
+from dprelease.pipelines.spec import load_spec
+
+from .conftest import DEMO_SPEC
+from .test_spark import assert_same_release
+
+beam = pytest.importorskip("apache_beam")
+
+from dprelease.pipelines.engines.beam import pipeline_options  # noqa: E402
+
+ROWS = 60_000
+DIRECT = ["--direct_running_mode=multi_processing", "--direct_num_workers=2"]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo input split over two Parquet files (several row groups each) and its embedded release."""
+    root = tmp_path_factory.mktemp("beam")
+    data, _ = write_demo_data(root / "one", ROWS, seed=11)
+    table = pq.read_table(data)
+    (root / "data").mkdir()
+    half = table.num_rows // 2
+    pq.write_table(table.slice(0, half), root / "data" / "part-0.parquet", row_group_size=10_000)
+    pq.write_table(table.slice(half), root / "data" / "part-1.parquet", row_group_size=10_000)
+    key = root / "demo.key"
+    embedded = run_release(DEMO_SPEC, input_path=str(root / "data"), out_dir=root / "embedded", key_file=key)
+    return {"root": root, "data": root / "data", "key": key, "embedded": embedded.release_dir}
+
+
+def test_direct_runner_with_two_workers_is_byte_identical_to_embedded(demo):
+    result = run_release(DEMO_SPEC, input_path=str(demo["data"]), out_dir=demo["root"] / "beam", key_file=demo["key"],
+                         engine="beam", beam_options=DIRECT)
+    assert_same_release(demo["embedded"], result.release_dir, "beam")
+
+
+def test_beam_embedded_and_spark_agree_on_csv_input(case, tmp_path):
+    """The three engines on one CSV input (text values, a dirty row, a null unit): one release."""
+    pytest.importorskip("pyspark")
+    rows = {"pid": ["1", "2", "3", "", "5", "5"], "geo": ["01001000100", "02005000100", "x", "01003000100",
+                                                         "02005000300", "02005000300"],
+            "age": ["10", "40", "abc", "70", "5", "6"], "sex": ["F", "M", "F", "M", "F", "F"]}
+    spec_path = case(input={"path": "input.csv"})
+    pacsv.write_csv(__import__("pyarrow").table(rows), spec_path.parent / "input.csv")
+    releases = {}
+    for engine in ("embedded", "beam", "spark"):
+        releases[engine] = run_release(spec_path, engine=engine, key_file=tmp_path / "k.key", out_dir=tmp_path / engine,
+                                       master="local[2]" if engine == "spark" else None,
+                                       beam_options=DIRECT if engine == "beam" else None).release_dir
+    assert_same_release(releases["embedded"], releases["beam"], "beam")
+    assert_same_release(releases["embedded"], releases["spark"], "spark")
+
+
+def test_empty_input_releases_every_public_cell(case, tmp_path):
+    spec_path = case(rows={"pid": [1], "geo": ["not-a-tract"], "age": [10], "sex": ["F"]},
+                     columns={"geo": {"type": "geography", "domain_file": "geo.txt", "on_invalid": "drop",
+                                      "levels": {"state": 2, "county": 5, "tract": 11}},
+                              "age": {"type": "integer", "min": 0, "max": 99, "bins": [0, 18, 65, 100]},
+                              "sex": {"type": "categorical", "values": ["F", "M"]}})
+    embedded = run_release(spec_path, key_file=tmp_path / "k.key", out_dir=tmp_path / "e")
+    beamed = run_release(spec_path, key_file=tmp_path / "k.key", out_dir=tmp_path / "b", engine="beam",
+                         beam_options=DIRECT)
+    assert_same_release(embedded.release_dir, beamed.release_dir, "beam")
+    assert pq.read_table(beamed.release_dir / "measurements" / "pop.tract.parquet").num_rows == 6
+
+
+def test_a_failed_noise_bundle_is_retried_without_changing_the_release(demo, tmp_path, monkeypatch):
+    markers = tmp_path / "attempts"
+    markers.mkdir()
+    monkeypatch.setenv("DPRELEASE_TEST_FAIL_FIRST_ATTEMPT", f"noise:{markers}")
+    with pytest.raises(DPReleaseError, match="Beam pipeline failed"):  # the portable DirectRunner does not retry
+        run_release(DEMO_SPEC, input_path=str(demo["data"]), out_dir=tmp_path / "no-retry", key_file=demo["key"],
+                    engine="beam", beam_options=DIRECT)
+    assert not (tmp_path / "no-retry" / "demo-2026").exists()
+    for marker in markers.iterdir():
+        marker.unlink()
+    retried = run_release(DEMO_SPEC, input_path=str(demo["data"]), out_dir=tmp_path / "retried", key_file=demo["key"],
+                          engine="beam", runner="BundleBasedDirectRunner")
+    assert len(list(markers.iterdir())) >= 10  # every noise range was in a bundle that failed once
+    assert_same_release(demo["embedded"], retried.release_dir, "beam")
+
+
+def test_ptransforms_compose_in_a_users_own_pipeline(demo, tmp_path):
+    """A Beam user builds one table with the exposed transforms; it equals the engine's measurement."""
+    from apache_beam.testing.util import assert_that
+
+    from dprelease.transforms.beam import AddNoise, BoundContributions, EncodeRecords, Hierarchy, ReadInputBatches
+    from dprelease.transforms.csprng import ReleaseKey
+
+    spec, base = load_spec(DEMO_SPEC)
+    plan = build_plan(spec, base)
+    key = ReleaseKey.load(demo["key"])
+    hierarchy = next(q.name for q in spec.queries if q.kind == "hierarchy")
+    tables = [t.name for t in plan.tables if t.query == hierarchy]
+    expected = {name: pq.read_table(demo["embedded"] / "measurements" / f"{name}.parquet").column("noisy_count")
+                for name in tables}
+    files = sorted(str(p) for p in demo["data"].iterdir())
+
+    def matches(results):
+        assert sorted(name for name, _, _ in results) == sorted(tables)
+        for name, start, values in results:
+            assert start == 0 and np.array_equal(values, expected[name].to_numpy()), name
+
+    with beam.Pipeline(options=pipeline_options(None, DIRECT)) as pipeline:
+        noisy = (pipeline | beam.Create(files)
+                 | ReadInputBatches(plan.used_columns() + [spec.privacy_unit])
+                 | EncodeRecords.from_plan(plan)
+                 | BoundContributions.from_plan(plan, key, shards=3)
+                 | Hierarchy(plan, hierarchy)
+                 | AddNoise.from_plan(plan, key, names=tables))
+        assert_that(noisy, matches)
+
+
+def test_runner_options_are_built_and_checked():
+    from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
+
+    direct = pipeline_options(None, [], workers=3)
+    assert direct.view_as(StandardOptions).runner == "DirectRunner"
+    assert direct.view_as(DirectOptions).direct_running_mode == "multi_processing"
+    assert direct.view_as(DirectOptions).direct_num_workers == 3
+    mine = pipeline_options(None, ["--direct_running_mode=in_memory"], workers=3)
+    assert mine.view_as(DirectOptions).direct_running_mode == "in_memory"
+    flink = pipeline_options("FlinkRunner", ["--flink_master=localhost:8081", "--parallelism=8"])
+    flags = flink.get_all_options(drop_default=True, retain_unknown_options=True)
+    assert flags["runner"] == "FlinkRunner" and flags["flink_master"] == "localhost:8081" and flags["parallelism"] == 8
+    spark = pipeline_options(None, ["--runner=SparkRunner", "--spark_master_url=spark://127.0.0.1:7077"])
+    assert spark.view_as(StandardOptions).runner == "SparkRunner"
+    with pytest.raises(SpecError, match="--project, --region, --temp_location"):
+        pipeline_options("DataflowRunner", [])
+    dataflow = pipeline_options("DataflowRunner", ["--project=p", "--region=europe-west1", "--temp_location=gs://b/t"])
+    assert PipelineOptions.from_dictionary(dataflow.get_all_options()).view_as(StandardOptions).runner == "DataflowRunner"
+    with pytest.raises(SpecError, match="give one"):
+        pipeline_options("FlinkRunner", ["--runner=SparkRunner"])
+    with pytest.raises(SpecError, match="allowed"):
+        pipeline_options("NoSuchRunner", [])
+
+
+def test_cli_runs_beam_and_rejects_misplaced_options(case, tmp_path):
+    spec_path = case()
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", *map(str, args)],
+                              capture_output=True, text=True)
+
+    ran = cli("run", spec_path, "--no-ledger", "--engine", "beam", "--out", tmp_path / "out", "--",
+              "--direct_num_workers=2")
+    assert ran.returncode == 0, ran.stderr
+    assert cli("verify", tmp_path / "out" / "test-release").returncode == 0
+    wrong = cli("run", spec_path, "--no-ledger", "--engine", "embedded", "--runner", "FlinkRunner")
+    assert wrong.returncode == 2 and "only the beam engine" in wrong.stderr
+    no_project = cli("run", spec_path, "--no-ledger", "--engine", "beam", "--runner", "DataflowRunner")
+    assert no_project.returncode == 2 and "--project" in no_project.stderr

@@ -1,0 +1,298 @@
+"""Apache Beam PTransforms over column batches, built on the engine-neutral kernels.
+
+Elements are pyarrow Tables (a Parquet row group or CSV block, or a part of one), never single
+rows. The steps, composable in any Beam pipeline:
+
+    ReadInputBatches(columns, fmt)        file paths -> pa.Table batches (Parquet through Beam's
+                                          ReadAllFromParquetBatched; CSV through pyarrow, as text)
+    EncodeRecords(domains, unit)          batches -> encoded tables: int32 codes of the public
+                                          domains (+ the unit), invalid values by declared policy
+    BoundContributions(k, subkey, sizes)  encoded tables -> the same, at most k records per unit:
+                                          shard by a hash of the unit, bound each shard with the
+                                          bounding kernel (a unit's records all meet in one shard)
+    CountCells(layouts)                   bounded tables -> (table, (cells, counts)): a combine of
+                                          sparse per-batch count vectors
+    Histogram / Marginals / Hierarchy     CountCells for the tables of one query of a plan
+    AddNoise(tables, key)                 (table, counts) -> (table, start, noisy int64 vector) for
+                                          every range of every table's public cell domain, empty
+                                          tables and cells included; noise from the sampler kernel
+    WriteNoisyRanges(directory)           one .npy file per range, through Beam's FileSystems
+
+Privacy: a cell's noise is a pure function of (key, table, cell), and the records kept for a unit
+depend only on (key, unit, records), so any sharding, bundling, retry or runner gives the same
+release as the embedded engine. The key travels inside the serialized DoFns: on remote runners the
+staging location must be as private as the key (deploy/beam/README.md).
+"""
+from __future__ import annotations
+
+import io
+import os
+from typing import Any, Iterable
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+
+from .aggregate import TableLayout
+from .bound import bound_contributions, record_keys, splitmix64, unit_fingerprints
+from .csprng import ReleaseKey
+from .encode import UNIT, ColumnEncoder, encoded_table
+from .samplers import table_noise
+
+NOISE_RANGE_CELLS = 1 << 18
+FAIL_FIRST_ATTEMPT_ENV = "DPRELEASE_TEST_FAIL_FIRST_ATTEMPT"
+"""Test hook, read when the pipeline is built: 'noise:DIR' makes every noise range fail on its first
+attempt (a marker file per range in DIR records the attempt), to show that retries change nothing."""
+
+
+class ReadInputBatches(beam.PTransform):
+    """File paths -> pa.Table batches of `columns` (Parquet: Beam's IO, one batch per row group)."""
+
+    def __init__(self, columns: list[str], fmt: str = "parquet"):
+        super().__init__()
+        self.columns, self.fmt = list(columns), fmt
+
+    def expand(self, paths):
+        if self.fmt == "parquet":
+            return paths | "ReadParquet" >> beam.io.ReadAllFromParquetBatched(columns=self.columns).with_output_types(Any)
+        columns = self.columns
+
+        def read_csv(path: str) -> Iterable[pa.Table]:
+            from dprelease.pipelines.source import read_batches
+
+            for batch in read_batches(path, "csv", columns):
+                yield pa.Table.from_batches([batch])
+
+        return paths | "ReadCsv" >> beam.FlatMap(read_csv).with_output_types(Any)
+
+
+class EncodeRecords(beam.PTransform):
+    """Batches -> encoded tables (int32 codes per column, the unit as `__unit__`); rows with an
+    invalid value under policy `drop`, or with a null unit, are removed (never an error)."""
+
+    def __init__(self, domains: dict, unit: str | None):
+        super().__init__()
+        self.encoders = {c: ColumnEncoder(d) for c, d in sorted(domains.items())}
+        self.unit = unit
+
+    @classmethod
+    def from_plan(cls, plan) -> "EncodeRecords":
+        return cls({c: plan.domains[c] for c in plan.used_columns()}, plan.spec.privacy_unit)
+
+    def expand(self, batches):
+        encoders, unit = self.encoders, self.unit
+        return (batches | "Encode" >> beam.Map(lambda batch: encoded_table(batch, encoders, unit)).with_output_types(Any)
+                | "DropEmpty" >> beam.Filter(lambda table: table.num_rows > 0).with_output_types(Any))
+
+
+def _split_by_shard(table: pa.Table, shards: int) -> Iterable[tuple[int, pa.Table]]:
+    """(shard, rows of that shard): shard = a public mix of the unit's fingerprint, mod shards.
+    Each part is a compact copy (a slice would pickle its parent's whole buffers)."""
+    shard = (splitmix64(unit_fingerprints(table.column(UNIT))) % np.uint64(shards)).astype(np.int64)
+    order = np.argsort(shard, kind="stable")
+    bounds = np.searchsorted(shard[order], np.arange(shards + 1))
+    for s in range(shards):
+        if bounds[s + 1] > bounds[s]:
+            yield s, table.take(pa.array(order[bounds[s]:bounds[s + 1]])).combine_chunks()
+
+
+def _bound_shard(tables: Iterable[pa.Table], columns: list[str], sizes: list[int], k: int,
+                 subkey: bytes) -> pa.Table:
+    """All records of a shard's units, bounded to k per unit by the bounding kernel."""
+    table = pa.concat_tables(list(tables)).combine_chunks()
+    keys = record_keys([table.column(c).to_numpy() for c in columns], sizes)
+    keep = bound_contributions(table.column(UNIT), keys, k, subkey)
+    return table.filter(pa.array(keep))
+
+
+class BoundContributions(beam.PTransform):
+    """Encoded tables -> encoded tables with at most k records per privacy unit.
+
+    Shards by a hash of the unit (GroupByKey), so every unit's records meet in one shard; the k
+    kept records are chosen by the keyed PRF of the bounding kernel, independent of the sharding."""
+
+    def __init__(self, k: int, subkey: bytes, sizes: dict[str, int], shards: int = 16):
+        super().__init__()
+        self.k, self.subkey, self.shards = k, subkey, shards
+        self.columns = sorted(sizes)
+        self.sizes = [sizes[c] for c in self.columns]
+
+    @classmethod
+    def from_plan(cls, plan, key: ReleaseKey, shards: int = 16) -> "BoundContributions":
+        sizes = {c: plan.domains[c].size for c in plan.used_columns()}
+        return cls(plan.bounds.max_records_per_unit, key.derive("dprelease/bound"), sizes, shards)
+
+    def expand(self, encoded):
+        shards, columns, sizes, k, subkey = self.shards, self.columns, self.sizes, self.k, self.subkey
+        return (encoded
+                | "ShardByUnit" >> beam.FlatMap(_split_by_shard, shards).with_output_types(tuple[int, Any])
+                | "GroupShards" >> beam.GroupByKey()
+                | "BoundShard" >> beam.MapTuple(lambda _, tables: _bound_shard(tables, columns, sizes, k, subkey)).with_output_types(Any))
+
+
+class _SumSparseCounts(beam.CombineFn):
+    """Sums (cells, counts) pairs of one table; the result is sparse and sorted by cell."""
+
+    def create_accumulator(self):
+        return (np.empty(0, np.int64), np.empty(0, np.int64))
+
+    @staticmethod
+    def _reduce(cells: np.ndarray, counts: np.ndarray):
+        unique, inverse = np.unique(cells, return_inverse=True)
+        return unique, np.bincount(inverse, weights=counts, minlength=unique.size).astype(np.int64)
+
+    def add_input(self, accumulator, element):
+        return self._reduce(np.concatenate([accumulator[0], element[0]]), np.concatenate([accumulator[1], element[1]]))
+
+    def merge_accumulators(self, accumulators):
+        parts = list(accumulators)
+        return self._reduce(np.concatenate([a[0] for a in parts]), np.concatenate([a[1] for a in parts]))
+
+    def extract_output(self, accumulator):
+        return accumulator
+
+
+class CountCells(beam.PTransform):
+    """Bounded encoded tables -> (table name, (cells, counts)) for every table that has records:
+    per batch, the aggregation kernel's count vector over the public domain (nonzero cells kept),
+    combined across batches. AddNoise supplies the empty tables and cells."""
+
+    def __init__(self, layouts: list[TableLayout]):
+        super().__init__()
+        self.layouts = list(layouts)
+
+    def expand(self, bounded):
+        layouts = self.layouts
+
+        def sparse_counts(table: pa.Table):
+            codes = {c: table.column(c).to_numpy() for c in {c for layout in layouts for c in layout.columns}}
+            for layout in layouts:
+                counts = layout.count(codes, table.num_rows)
+                cells = np.flatnonzero(counts)
+                yield layout.name, (cells, counts[cells])
+
+        return (bounded | "SparseCounts" >> beam.FlatMap(sparse_counts).with_output_types(tuple[str, Any])
+                | "SumCounts" >> beam.CombinePerKey(_SumSparseCounts()))
+
+
+class _QueryCounts(CountCells):
+    kind = ""
+
+    def __init__(self, plan, query: str):
+        tables = [t for t in plan.tables if t.query == query]
+        if not tables or tables[0].kind != self.kind:
+            raise ValueError(f"query {query!r}: not a {self.kind} query of this plan")
+        super().__init__([t.layout for t in tables])
+
+
+class Histogram(_QueryCounts):
+    """CountCells for the table of a histogram query of a plan."""
+    kind = "histogram"
+
+
+class Marginals(_QueryCounts):
+    """CountCells for every t-way marginal table of a marginals query of a plan."""
+    kind = "marginals"
+
+
+class Hierarchy(_QueryCounts):
+    """CountCells for every level table of a hierarchy query of a plan."""
+    kind = "hierarchy"
+
+
+class _NoiseRange(beam.DoFn):
+    """One range of one table: its counts (zeros where no record fell) plus the keyed noise."""
+
+    def __init__(self, tables: dict, key: ReleaseKey, range_cells: int, fail_first_dir: str | None):
+        self.tables, self.key, self.range_cells, self.fail_first_dir = tables, key, range_cells, fail_first_dir
+
+    def start_bundle(self):
+        self._ranges_seen: list[str] = []
+
+    def process(self, element):
+        (name, start), parts = element
+        n_cells, mechanism = self.tables[name]
+        stop = min(start + self.range_cells, n_cells)
+        values = np.zeros(stop - start, dtype=np.int64)
+        for part in parts:
+            if part is not None:
+                np.add.at(values, part[0] - start, part[1])
+        if mechanism is not None:
+            values += table_noise(self.key, name, mechanism, start, stop)
+        self._ranges_seen.append(f"{name}-{start}")
+        yield name, start, values
+
+    def finish_bundle(self):
+        """Test hook: a bundle holding a range not attempted before fails after all its noise was
+        drawn and emitted; the runner must discard that output and retry the bundle."""
+        if not self.fail_first_dir:
+            return
+        markers = [os.path.join(self.fail_first_dir, f"{seen}.attempted") for seen in self._ranges_seen]
+        if not all(os.path.exists(marker) for marker in markers):
+            for marker in markers:
+                open(marker, "w").close()
+            raise RuntimeError("test hook: failing the first attempt of a noise bundle")
+
+
+class AddNoise(beam.PTransform):
+    """(table, (cells, counts)) -> (table, start, noisy counts) for every range of every table.
+
+    `tables`: name -> (n_cells, mechanism or None for an invariant). The ranges come from the public
+    domain sizes, so every cell is released whether or not any record fell in it."""
+
+    def __init__(self, tables: dict, key: ReleaseKey, range_cells: int = NOISE_RANGE_CELLS):
+        super().__init__()
+        self.tables, self.key, self.range_cells = dict(tables), key, range_cells
+        hook = os.environ.get(FAIL_FIRST_ATTEMPT_ENV, "")
+        self.fail_first_dir = hook.removeprefix("noise:") if hook.startswith("noise:") else None
+
+    @classmethod
+    def from_plan(cls, plan, key: ReleaseKey, names: Iterable[str] | None = None,
+                  range_cells: int = NOISE_RANGE_CELLS) -> "AddNoise":
+        """AddNoise for the plan's tables (or those in `names`), with their calibrated mechanisms."""
+        wanted = set(names) if names is not None else {t.name for t in plan.tables}
+        return cls({t.name: (t.n_cells, t.event.mechanism if t.event else None)
+                    for t in plan.tables if t.name in wanted}, key, range_cells)
+
+    def expand(self, counts):
+        step = self.range_cells
+        ranges = [((name, start), None) for name, (n_cells, _) in sorted(self.tables.items())
+                  for start in range(0, n_cells, step)]
+
+        def split(element):
+            name, (cells, values) = element
+            first = cells // step
+            for r in np.unique(first):
+                mine = first == r
+                yield (name, int(r) * step), (cells[mine], values[mine])
+
+        return ((counts | "SplitRanges" >> beam.FlatMap(split).with_output_types(tuple[tuple[str, int], Any]),
+                 counts.pipeline | "PublicRanges" >> beam.Create(ranges))
+                | "WithEveryRange" >> beam.Flatten()
+                | "GroupRanges" >> beam.GroupByKey()
+                | "Noise" >> beam.ParDo(_NoiseRange(self.tables, self.key, step, self.fail_first_dir)).with_output_types(Any))
+
+
+class WriteNoisyRanges(beam.PTransform):
+    """(table, start, values) -> one .npy file per range under `directory` (any Beam filesystem).
+    A retried range rewrites the same bytes."""
+
+    def __init__(self, directory: str, table_ids: dict[str, int]):
+        super().__init__()
+        self.directory, self.table_ids = directory.rstrip("/"), dict(table_ids)
+
+    def expand(self, noisy):
+        directory, table_ids = self.directory, self.table_ids
+
+        def write(element):
+            from apache_beam.io.filesystems import FileSystems
+
+            name, start, values = element
+            buffer = io.BytesIO()
+            np.save(buffer, values, allow_pickle=False)
+            path = f"{directory}/{table_ids[name]:05d}-{start:012d}.npy"
+            with FileSystems.create(path) as handle:
+                handle.write(buffer.getvalue())
+            yield path
+
+        return noisy | "WriteRanges" >> beam.FlatMap(write).with_output_types(str)

@@ -11,8 +11,7 @@ sizes=("$@")
 # shellcheck source=measure.sh
 source ./measure.sh
 for rows in "${sizes[@]}"; do
-  data="out/rows-$rows"
-  [ -f "$data/persons.parquet" ] || dprelease demo-data --rows "$rows" --out "$data" >/dev/null
+  data=$(demo_data "$rows")
   rm -rf out/beam-releases
   measure "demo release (beam, 2 workers)" "$rows" dprelease run ../examples/demo/spec.yaml --engine beam \
     --workers 2 --no-ledger --input "$data/persons.parquet" --out out/beam-releases --key-file "out/keys/b-$rows.key"

@@ -1,4 +1,4 @@
-# Sourced by run.sh and spark.sh. measure LABEL ROWS COMMAND...: one whole process under /usr/bin/time -v;
+# Sourced by run.sh, spark.sh and beam.sh. measure LABEL ROWS COMMAND...: one whole process under /usr/bin/time -v;
 # prints wall seconds, rows/s and the largest resident set among the processes the timer waits on.
 measure() {
   local label="$1" rows="$2"; shift 2
@@ -9,4 +9,11 @@ measure() {
   rss=$(awk -F': ' '/Maximum resident set size/ {printf "%.2f", $2/1048576}' "$log")
   printf '%-38s %12s rows %8.2f s %12.0f rows/s %6s GiB peak\n' "$label" "$rows" "$wall" "$(echo "$rows / $wall" | bc -l)" "$rss"
   rm -f "$log"
+}
+
+# demo_data ROWS: the directory holding ROWS generated demo persons (generated once, then reused).
+demo_data() {
+  local data="out/rows-$1"
+  [ -f "$data/persons.parquet" ] || dprelease demo-data --rows "$1" --out "$data" >/dev/null
+  printf '%s\n' "$data"
 }

@@ -9,8 +9,7 @@ sizes=("$@")
 # shellcheck source=measure.sh
 source ./measure.sh
 for rows in "${sizes[@]}"; do
-  data="out/rows-$rows"
-  [ -f "$data/persons.parquet" ] || dprelease demo-data --rows "$rows" --out "$data" >/dev/null
+  data=$(demo_data "$rows")
   rm -rf out/releases out/keys
   measure "demo release" "$rows" dprelease run ../examples/demo/spec.yaml --input "$data/persons.parquet" \
     --out out/releases --key-file "out/keys/demo-$rows.key" --no-ledger

@@ -13,8 +13,7 @@ run_dir=$(mktemp -d)
 trap '../deploy/spark/stop-cluster.sh "$run_dir" >/dev/null 2>&1 || true; rm -rf "$run_dir"' EXIT
 url=$(PYTHON=python ../deploy/spark/start-cluster.sh "$run_dir" 2 | tail -n 1)
 for rows in "${sizes[@]}"; do
-  data="out/rows-$rows"
-  [ -f "$data/persons.parquet" ] || dprelease demo-data --rows "$rows" --out "$data" >/dev/null
+  data=$(demo_data "$rows")
   rm -rf out/spark-releases
   measure "demo release (spark local[2])" "$rows" dprelease run ../examples/demo/spec.yaml --engine spark \
     --master "local[2]" --input "$data/persons.parquet" --out out/spark-releases/local --key-file "out/keys/s-$rows.key" --no-ledger

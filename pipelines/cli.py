@@ -294,22 +294,37 @@ def ledger_set_budget(dataset: str, epsilon, rho, per_period, ledger: str) -> No
     console.print(f"Dataset {dataset}: lifetime budget {amount} {unit}{text}")
 
 
+DELTA_OPTION = click.option("--delta", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=1e-10,
+                            show_default=True, help="δ at which a rho (zCDP) spend is also shown as (ε, δ)-DP.")
+
+
 @ledger.command("show")
 @click.argument("dataset")
 @LEDGER_OPTION
-def ledger_show(dataset: str, ledger: str) -> None:
+@DELTA_OPTION
+def ledger_show(dataset: str, ledger: str, delta: float) -> None:
     """A dataset's budget, spend and every release."""
-    _print_ledger(ledger, dataset)
+    _print_ledger(ledger, dataset, delta)
 
 
 @ledger.command("list")
 @LEDGER_OPTION
-def ledger_list(ledger: str) -> None:
+@DELTA_OPTION
+def ledger_list(ledger: str, delta: float) -> None:
     """Every dataset with its budget and spend."""
-    _print_ledger(ledger, None)
+    _print_ledger(ledger, None, delta)
 
 
-def _print_ledger(location: str, dataset: str | None) -> None:
+def _as_epsilon(unit: str, spent, delta: float) -> str:
+    """The spend under the dataset's definition: ε adds (pure); ρ adds (zCDP), shown as (ε, δ) too."""
+    from dprelease.accounting.conversions import zcdp_to_epsilon
+
+    if unit == "epsilon":
+        return f"ε = {float(spent):.6g}"
+    return f"ε = {zcdp_to_epsilon(float(spent), delta):.6g} at δ = {delta:g}" if spent > 0 else "ε = 0"
+
+
+def _print_ledger(location: str, dataset: str | None, delta: float = 1e-10) -> None:
     from fractions import Fraction
 
     from dprelease.accounting.errors import SpecError
@@ -320,14 +335,14 @@ def _print_ledger(location: str, dataset: str | None) -> None:
         if dataset and not rows:
             raise SpecError(f"ledger: no dataset {dataset!r}")
     summary = Table(title="Datasets")
-    for header in ("dataset", "unit", "lifetime", "spent", "remaining", "per period"):
+    for header in ("dataset", "unit", "lifetime", "spent", "spent as (ε, δ)", "remaining", "per period"):
         summary.add_column(header)
     for row in rows:
         spent = sum((Fraction(r.spend) for r in releases
                      if r.dataset_id == row.dataset_id and r.status in (COMMITTED, RESERVED)), Fraction(0))
         lifetime = Fraction(row.lifetime_budget)
-        summary.add_row(row.dataset_id, row.unit, str(lifetime), str(spent), str(lifetime - spent),
-                        row.period_budget or "-")
+        summary.add_row(row.dataset_id, row.unit, str(lifetime), str(spent), _as_epsilon(row.unit, spent, delta),
+                        str(lifetime - spent), row.period_budget or "-")
     console.print(summary)
     if dataset:
         detail = Table(title=f"Releases of {dataset}")

@@ -38,8 +38,10 @@ def test_monthly_series_stops_when_the_budget_is_spent(case, tmp_path):
     assert not (tmp_path / "m3").exists() and not (tmp_path / "3.key").exists()
     _, rows = history(open_ledger(book), "test-data")
     assert [r.status for r in rows] == [COMMITTED, COMMITTED]
-    shown = cli("ledger", "show", "test-data", "--ledger", book)
+    shown = cli("ledger", "show", "test-data", "--ledger", book, "--delta", "1e-9")
     assert shown.returncode == 0 and "committed" in shown.stdout
+    from dprelease.accounting.conversions import zcdp_to_epsilon
+    assert f"ε = {zcdp_to_epsilon(1.0, 1e-9):.6g} at δ = 1e-09" in shown.stdout  # rho adds, then converts
 
 
 def test_rerun_with_the_same_key_is_free_and_a_new_key_is_charged(case, tmp_path):

@@ -36,6 +36,9 @@ from .plan import Plan
 
 SCHEMA_LEVEL = ("expect_column_to_exist", "expect_column_values_to_be_in_type_list")
 TEXT_TYPES = ["str", "string", "object", "large_string", "StringType"]
+VALIDATION_ROWS = 1 << 22
+"""Rows per great-expectations call: its cost per call (configuration copies that grow with the value
+sets) is large, its cost per row small, so batches are merged up to this size."""
 SAMPLE_VALUES = 20
 """Unexpected values kept per expectation in the internal report (confidential; never published)."""
 
@@ -170,7 +173,8 @@ def schema_frame(schema: pa.Schema, columns: Iterable[str]):
 
 def value_frame(batch: pa.RecordBatch | pa.Table, plan: Plan):
     """One batch in the form the encoder reads it: integer columns as numbers (NaN when not an
-    integer), categorical and geography columns as text (matched as text), the unit unchanged."""
+    integer), categorical and geography columns as text (matched as text; pandas categoricals, so
+    set and null checks run on codes), the unit unchanged."""
     import pandas as pd
 
     data = {}
@@ -181,12 +185,16 @@ def value_frame(batch: pa.RecordBatch | pa.Table, plan: Plan):
         column = batch.column(name)
         if isinstance(plan.domains[name], IntegerDomain):
             data[name] = _integer_values(column)
-        else:
-            encoded = column.dictionary_encode() if not pa.types.is_dictionary(column.type) else column
-            if isinstance(encoded, pa.ChunkedArray):
-                encoded = encoded.combine_chunks()
-            texts = np.array([_as_text(v) for v in encoded.dictionary.to_pylist()] + [None], dtype=object)
-            data[name] = texts[encoded.indices.fill_null(len(encoded.dictionary)).to_numpy(zero_copy_only=False)]
+            continue
+        encoded = column if pa.types.is_dictionary(column.type) else column.dictionary_encode()
+        if isinstance(encoded, pa.ChunkedArray):
+            encoded = encoded.combine_chunks()
+        texts = [_as_text(v) for v in encoded.dictionary.to_pylist()]
+        categories = sorted({t for t in texts if t is not None})
+        position = {text: i for i, text in enumerate(categories)}
+        lookup = np.array([position[t] if t is not None else -1 for t in texts] + [-1], dtype=np.int64)
+        codes = lookup[encoded.indices.fill_null(len(texts)).to_numpy(zero_copy_only=False)]
+        data[name] = pd.Categorical.from_codes(codes, categories=categories)
     return pd.DataFrame(data)
 
 

@@ -45,10 +45,18 @@ class Engine(ABC):
 
         Privacy: the outcome is confidential; the caller writes it to the internal directory only.
         """
-        from ..validation import ValidationOutcome, value_frame
+        import pyarrow as pa
+
+        from ..validation import VALIDATION_ROWS, ValidationOutcome, value_frame
 
         outcome = ValidationOutcome(runner.expectations)
-        for path in source.files():
+        for path in source.files():  # batches merge within a file (one schema), up to VALIDATION_ROWS
+            pending: list = []
             for batch in source.batches(path):
-                outcome.add(runner.validate(value_frame(batch, plan), "value"))
+                pending.append(batch)
+                if sum(b.num_rows for b in pending) >= VALIDATION_ROWS:
+                    outcome.add(runner.validate(value_frame(pa.Table.from_batches(pending), plan), "value"))
+                    pending = []
+            if pending:
+                outcome.add(runner.validate(value_frame(pa.Table.from_batches(pending), plan), "value"))
         return outcome

@@ -67,3 +67,15 @@ def test_kept_multiset_does_not_depend_on_order():
     before = sorted(zip(unit_values[keep], keys[keep]))
     after = sorted(zip(unit_values[order][keep_shuffled], keys[order][keep_shuffled]))
     assert before == after
+
+
+def test_unit_shards_are_keyed_and_keep_a_units_records_together():
+    from dprelease.transforms.bound import shard_salt, unit_shards
+    from dprelease.transforms.csprng import ReleaseKey
+
+    units = pa.array([f"person-{i % 500}" for i in range(5_000)])
+    a, b = (unit_shards(units, 16, shard_salt(ReleaseKey.generate())) for _ in range(2))
+    for shards in (a, b):
+        assert shards.min() >= 0 and shards.max() < 16
+        assert all(len(set(shards[i::500])) == 1 for i in range(500))  # every record of a unit, one shard
+    assert (a != b).mean() > 0.8  # another key, another assignment (15/16 expected)

@@ -8,7 +8,7 @@ rows. The steps, composable in any Beam pipeline:
     EncodeRecords(domains, unit)          batches -> encoded tables: int32 codes of the public
                                           domains (+ the unit), invalid values by declared policy
     BoundContributions(k, subkey, sizes)  encoded tables -> the same, at most k records per unit:
-                                          shard by a hash of the unit, bound each shard with the
+                                          shard by a keyed hash of the unit, bound each shard with the
                                           bounding kernel (a unit's records all meet in one shard)
     CountCells(layouts)                   bounded tables -> (table, (cells, counts)): a combine of
                                           sparse per-batch count vectors
@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from .aggregate import TableLayout
-from .bound import bound_contributions, record_keys, splitmix64, unit_fingerprints
+from .bound import bound_contributions, record_keys, shard_salt, unit_shards
 from .csprng import ReleaseKey
 from .encode import UNIT, ColumnEncoder, encoded_table
 from .samplers import table_noise
@@ -85,10 +85,10 @@ class EncodeRecords(beam.PTransform):
                 | "DropEmpty" >> beam.Filter(lambda table: table.num_rows > 0).with_output_types(Any))
 
 
-def _split_by_shard(table: pa.Table, shards: int) -> Iterable[tuple[int, pa.Table]]:
-    """(shard, rows of that shard): shard = a public mix of the unit's fingerprint, mod shards.
+def _split_by_shard(table: pa.Table, shards: int, salt: int) -> Iterable[tuple[int, pa.Table]]:
+    """(shard, rows of that shard), the shard a keyed hash of the unit (`unit_shards`).
     Each part is a compact copy (a slice would pickle its parent's whole buffers)."""
-    shard = (splitmix64(unit_fingerprints(table.column(UNIT))) % np.uint64(shards)).astype(np.int64)
+    shard = unit_shards(table.column(UNIT), shards, salt)
     order = np.argsort(shard, kind="stable")
     bounds = np.searchsorted(shard[order], np.arange(shards + 1))
     for s in range(shards):
@@ -108,24 +108,24 @@ def _bound_shard(tables: Iterable[pa.Table], columns: list[str], sizes: list[int
 class BoundContributions(beam.PTransform):
     """Encoded tables -> encoded tables with at most k records per privacy unit.
 
-    Shards by a hash of the unit (GroupByKey), so every unit's records meet in one shard; the k
+    Shards by a keyed hash of the unit (GroupByKey), so every unit's records meet in one shard; the k
     kept records are chosen by the keyed PRF of the bounding kernel, independent of the sharding."""
 
-    def __init__(self, k: int, subkey: bytes, sizes: dict[str, int], shards: int = 16):
+    def __init__(self, k: int, subkey: bytes, sizes: dict[str, int], shards: int = 16, salt: int = 0):
         super().__init__()
-        self.k, self.subkey, self.shards = k, subkey, shards
+        self.k, self.subkey, self.shards, self.salt = k, subkey, shards, salt
         self.columns = sorted(sizes)
         self.sizes = [sizes[c] for c in self.columns]
 
     @classmethod
     def from_plan(cls, plan, key: ReleaseKey, shards: int = 16) -> "BoundContributions":
         sizes = {c: plan.domains[c].size for c in plan.used_columns()}
-        return cls(plan.bounds.max_records_per_unit, key.derive("dprelease/bound"), sizes, shards)
+        return cls(plan.bounds.max_records_per_unit, key.derive("dprelease/bound"), sizes, shards, shard_salt(key))
 
     def expand(self, encoded):
         shards, columns, sizes, k, subkey = self.shards, self.columns, self.sizes, self.k, self.subkey
         return (encoded
-                | "ShardByUnit" >> beam.FlatMap(_split_by_shard, shards).with_output_types(tuple[int, Any])
+                | "ShardByUnit" >> beam.FlatMap(_split_by_shard, shards, self.salt).with_output_types(tuple[int, Any])
                 | "GroupShards" >> beam.GroupByKey()
                 | "BoundShard" >> beam.MapTuple(lambda _, tables: _bound_shard(tables, columns, sizes, k, subkey)).with_output_types(Any))
 

@@ -49,6 +49,20 @@ def unit_fingerprints(units: pa.Array | pa.ChunkedArray) -> np.ndarray:
     return table[encoded.indices.fill_null(len(digests)).to_numpy(zero_copy_only=False)]
 
 
+def unit_shards(units: pa.Array | pa.ChunkedArray, shards: int, salt: int) -> np.ndarray:
+    """The shard (0..shards-1) of each record's unit: a keyed mix of the unit's fingerprint, so the
+    assignment is not predictable from the data alone (no crafted units piling into one shard).
+    Used to bring a unit's records together (spill partitions, Beam shards), never for grouping."""
+    with np.errstate(over="ignore"):
+        mixed = splitmix64(unit_fingerprints(units) ^ np.uint64(salt))
+    return (mixed % np.uint64(shards)).astype(np.int64)
+
+
+def shard_salt(key) -> int:
+    """The 64-bit salt of `unit_shards`, derived from the release key."""
+    return int.from_bytes(key.derive("dprelease/shard")[:8], "little")
+
+
 def dense_unit_ids(units: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """Exact grouping: equal unit values get equal dense ids (0..n_units-1)."""
     encoded = pc.dictionary_encode(units)

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from dprelease.transforms.aggregate import bounded_counts
-from dprelease.transforms.bound import splitmix64, unit_fingerprints
+from dprelease.transforms.bound import shard_salt, unit_shards
 from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.encode import UNIT, ColumnEncoder, encoded_table
 from dprelease.transforms.samplers import table_noise
@@ -33,8 +33,9 @@ NOISE_RANGE_CELLS = 1 << 18
 class SpillPartitions:
     """Encoded records split into `count` partitions by a hash of the unit (in memory if count == 1)."""
 
-    def __init__(self, count: int, directory: Path):
+    def __init__(self, count: int, directory: Path, salt: int):
         self.count = count
+        self._salt = salt
         self._memory: list[pa.Table] = []
         self._directory = directory
         self._writers: dict[int, pa.ipc.RecordBatchFileWriter] = {}
@@ -43,8 +44,7 @@ class SpillPartitions:
         if self.count == 1:
             self._memory.append(table)
             return
-        fingerprints = unit_fingerprints(table.column(UNIT))
-        part = (splitmix64(fingerprints) % np.uint64(self.count)).astype(np.int64)
+        part = unit_shards(table.column(UNIT), self.count, self._salt)
         for p in range(self.count):
             piece = table.filter(pa.array(part == p))
             if piece.num_rows:
@@ -83,7 +83,7 @@ class EmbeddedEngine(Engine):
         subkey = key.derive("dprelease/bound")
         files = source.files()
         with tempfile.TemporaryDirectory(prefix="dprelease-spill-") as spill_dir:
-            spill = SpillPartitions(partitions, Path(spill_dir))
+            spill = SpillPartitions(partitions, Path(spill_dir), shard_salt(key))
             for done, path in enumerate(files):
                 for batch in source.batches(path):
                     table = encoded_table(batch, encoders, unit)

@@ -140,8 +140,10 @@ def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_
         master, runner, ledger, no_ledger, internal_dir, strict, sign_key) -> None:
     """Run a release: bound, aggregate, add noise, post-process, publish atomically.
 
-    Beam pipeline options (beam engine) follow a `--`: dprelease run SPEC --engine beam --runner
-    FlinkRunner -- --flink_master=host:8081 --parallelism=8
+    Beam pipeline options (beam engine) follow a `--`, for example:
+
+    \b
+      dprelease run SPEC --engine beam --runner FlinkRunner -- --flink_master=host:8081 --parallelism=8
     """
     from dprelease.accounting.ledger import default_ledger_location
 

@@ -173,6 +173,9 @@ def run_release(
              sum(t.n_cells for t in plan.tables), spec.budget.definition)
     root = Path(out_dir) if out_dir else spec_dir / spec.output.dir
     final_dir = root / spec.release_id
+    if internal_dir is not None and Path(internal_dir).resolve().is_relative_to(root.resolve()):
+        raise SpecError(f"--internal-dir = {str(internal_dir)!r}: must not be inside the output directory {root} "
+                        "(the validation report is confidential)")
     if final_dir.exists() and not overwrite:
         raise SpecError(f"output: release directory {final_dir} already exists; pass --overwrite to replace it")
     engine_ = make_engine(engine or spec.engine, workers, master, runner, beam_options)

@@ -141,6 +141,8 @@ def test_strict_stops_on_failed_values_and_releases_the_reservation(case, tmp_pa
     published = cli("run", case(rows=CLEAN), *common)
     assert published.returncode == 0, published.stderr
     assert cli("run", case(), "--no-ledger", "--strict").returncode == 2  # strict needs an internal directory
+    inside = cli("run", case(), "--no-ledger", "--out", tmp_path / "pub", "--internal-dir", tmp_path / "pub" / "x")
+    assert inside.returncode == 2 and "must not be inside the output directory" in inside.stderr
 
 
 def test_verify_recomputes_the_suite_hash(case, tmp_path):

@@ -78,6 +78,14 @@ def test_empty_input_releases_every_public_cell(case, tmp_path):
     assert pq.read_table(beamed.release_dir / "measurements" / "pop.tract.parquet").num_rows == 6
 
 
+def test_records_as_units_need_no_bounding_step(case, tmp_path):
+    spec_path = case(privacy_unit=None)
+    embedded = run_release(spec_path, key_file=tmp_path / "k.key", out_dir=tmp_path / "e")
+    beamed = run_release(spec_path, key_file=tmp_path / "k.key", out_dir=tmp_path / "b", engine="beam",
+                         beam_options=DIRECT)
+    assert_same_release(embedded.release_dir, beamed.release_dir, "beam")
+
+
 def test_a_failed_noise_bundle_is_retried_without_changing_the_release(demo, tmp_path, monkeypatch):
     markers = tmp_path / "attempts"
     markers.mkdir()

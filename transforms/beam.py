@@ -5,7 +5,7 @@ rows. The steps, composable in any Beam pipeline:
 
     ReadInputBatches(columns, fmt)        file paths -> pa.Table batches (Parquet through Beam's
                                           ReadAllFromParquetBatched; CSV through pyarrow, as text)
-    EncodeRecords(domains, unit)          batches -> encoded tables: int32 codes of the public
+    EncodeRecords(domains, unit)          batches -> encoded tables: integer codes of the public
                                           domains (+ the unit), invalid values by declared policy
     BoundContributions(k, subkey, sizes)  encoded tables -> the same, at most k records per unit:
                                           shard by a keyed hash of the unit, bound each shard with the
@@ -67,7 +67,7 @@ class ReadInputBatches(beam.PTransform):
 
 
 class EncodeRecords(beam.PTransform):
-    """Batches -> encoded tables (int32 codes per column, the unit as `__unit__`); rows with an
+    """Batches -> encoded tables (small integer codes per column, the unit as `__unit__`); rows with an
     invalid value under policy `drop`, or with a null unit, are removed (never an error)."""
 
     def __init__(self, domains: dict, unit: str | None):

@@ -129,7 +129,7 @@ def code_dtype(domain_size: int) -> type:
 
 def encoded_table(batch: pa.RecordBatch | pa.Table, encoders: dict[str, ColumnEncoder],
                   unit: str | None) -> pa.Table:
-    """A batch as an encoded table: int32 codes per spec column (+ the unit as UNIT), rows dropped
+    """A batch as an encoded table: codes per spec column in `code_dtype` (+ the unit as UNIT), rows dropped
     by policy and rows with a null unit removed (a record without a unit cannot be bounded)."""
     codes, keep = encode_batch(batch, encoders)
     if unit:

@@ -44,8 +44,10 @@ def main(verbose: bool) -> None:
 
     Exit codes: 0 ok, 2 bad spec or arguments, 3 budget refused, 1 anything else.
     """
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    if verbose:  # our stages only: libraries' INFO logs (runner ports, temp paths) stay off
+        logging.getLogger("dprelease").setLevel(logging.INFO)
 
 
 @main.command()

@@ -74,11 +74,26 @@ def pipeline_options(runner: str | None, options: list[str], workers: int | None
     if name == "DirectRunner":
         if not _named(flags, "direct_running_mode"):
             flags.append("--direct_running_mode=multi_processing")
+        if not _named(flags, "default_sdk_harness_log_level"):  # workers share our stderr
+            flags.append("--default_sdk_harness_log_level=WARNING")
         if not _named(flags, "direct_num_workers"):
             flags.append(f"--direct_num_workers={workers or os.cpu_count() or 1}")
     built = PipelineOptions(flags)
     assert built.view_as(StandardOptions).runner == name
     return built
+
+
+def portable_direct_runner(options):
+    """Beam's FnApiRunner, which is what the DirectRunner runs in `multi_processing` mode; named
+    directly because the DirectRunner first tries to download and start the Prism runner, a network
+    call and a different engine from the one tested here."""
+    from apache_beam.portability.api import beam_provision_api_pb2
+    from apache_beam.runners.portability.fn_api_runner import fn_runner
+    from apache_beam.runners.portability.portable_runner import JobServiceHandle
+
+    encoded = JobServiceHandle.encode_pipeline_options(options.get_all_options())
+    return fn_runner.FnApiRunner(provision_info=fn_runner.ExtendedProvisionInfo(
+        beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded)))
 
 
 def _named(flags: list[str], option: str) -> bool:
@@ -116,6 +131,13 @@ class BeamEngine(Engine):
         self.options = pipeline_options(runner, list(options or []), workers)
         self.workers = workers or os.cpu_count() or 1
 
+    def _runner(self):
+        from apache_beam.options.pipeline_options import StandardOptions
+
+        if self.options.view_as(StandardOptions).runner == "DirectRunner":
+            return portable_direct_runner(self.options)
+        return None  # Beam resolves the named runner from the options
+
     def build(self, pipeline, plan: Plan, source: InputSource, key: ReleaseKey, directory: str):
         """The release's transforms, applied to `pipeline`; ends in one .npy file per noisy range."""
         beam = import_beam()
@@ -141,7 +163,7 @@ class BeamEngine(Engine):
         progress("beam", 0, 1)
         try:
             try:
-                with beam.Pipeline(options=self.options) as pipeline:
+                with beam.Pipeline(runner=self._runner(), options=self.options) as pipeline:
                     self.build(pipeline, plan, source, key, directory)
             except Exception as error:  # runner errors may quote data; keep the message public-only
                 raise DPReleaseError(f"the Beam pipeline failed: {type(error).__name__}") from error

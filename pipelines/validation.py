@@ -207,18 +207,29 @@ class ValidationOutcome:
     batches: int = 0
 
     def add(self, batch_results: dict[int, dict]) -> None:
-        self.batches += 1
-        for index, item in batch_results.items():
-            total = self.results.setdefault(index, {"success": True, "element_count": 0, "unexpected_count": 0,
-                                                    "missing_count": 0, "sample_unexpected": [], "exceptions": []})
-            total["success"] &= item["success"]
+        """Fold in one GE validation call's results (by suite index)."""
+        one = {index: {"success": item["success"],
+                       **{name: int(item["result"].get(name) or 0)
+                          for name in ("element_count", "unexpected_count", "missing_count")},
+                       "sample_unexpected": [_jsonable(v) for v in
+                                             item["result"].get("partial_unexpected_list", [])[:SAMPLE_VALUES]],
+                       "exceptions": [item["exception"]] if item["exception"] else []}
+               for index, item in batch_results.items()}
+        self.merge(ValidationOutcome(self.expectations, one, 1))
+
+    def merge(self, other: "ValidationOutcome") -> "ValidationOutcome":
+        """Fold in another outcome (of other batches): counts add, samples fill up to SAMPLE_VALUES."""
+        self.batches += other.batches
+        for index, item in other.results.items():
+            total = self.results.setdefault(int(index), {"success": True, "element_count": 0, "unexpected_count": 0,
+                                                         "missing_count": 0, "sample_unexpected": [], "exceptions": []})
+            total["success"] = total["success"] and item["success"]
             for name in ("element_count", "unexpected_count", "missing_count"):
-                total[name] += int(item["result"].get(name) or 0)
+                total[name] += item[name]
             room = SAMPLE_VALUES - len(total["sample_unexpected"])
-            if room > 0:
-                total["sample_unexpected"] += [_jsonable(v) for v in item["result"].get("partial_unexpected_list", [])[:room]]
-            if item["exception"]:
-                total["exceptions"].append(item["exception"])
+            total["sample_unexpected"] += item["sample_unexpected"][:max(room, 0)]
+            total["exceptions"] += item["exceptions"]
+        return self
 
     @property
     def success(self) -> bool:

@@ -172,3 +172,20 @@ def test_cli_runs_beam_and_rejects_misplaced_options(case, tmp_path):
     assert wrong.returncode == 2 and "only the beam engine" in wrong.stderr
     no_project = cli("run", spec_path, "--no-ledger", "--engine", "beam", "--runner", "DataflowRunner")
     assert no_project.returncode == 2 and "--project" in no_project.stderr
+
+
+def test_input_validation_runs_in_the_beam_workers(case, tmp_path):
+    """The value-level suite runs per batch in the workers and counts what the pandas path counts."""
+    pytest.importorskip("great_expectations")
+    from .test_validation import DIRTY, internal_report
+
+    spec_path = case(rows=DIRTY)
+    reports = {}
+    for engine in ("embedded", "beam"):
+        run_release(spec_path, engine=engine, beam_options=DIRECT if engine == "beam" else None,
+                    out_dir=tmp_path / engine, key_file=tmp_path / "k.key", internal_dir=tmp_path / f"{engine}-internal")
+        reports[engine] = internal_report(tmp_path / f"{engine}-internal")
+    assert reports["beam"]["engine"] == "beam" and reports["beam"]["success"] is False
+    counts = {e: [(x["type"], x["kwargs"]["column"], x.get("unexpected_count"), x.get("sample_unexpected"))
+                  for x in r["expectations"]] for e, r in reports.items()}
+    assert counts["beam"] == counts["embedded"]

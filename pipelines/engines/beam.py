@@ -12,6 +12,7 @@ The same spec, input and key give a byte-identical release on every engine.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import shutil
@@ -155,6 +156,38 @@ class BeamEngine(Engine):
         counts = encoded | "Count" >> CountCells([t.layout for t in plan.tables])
         noisy = counts | "AddNoise" >> AddNoise.from_plan(plan, key)
         return noisy | "Write" >> WriteNoisyRanges(directory, {t.name: i for i, t in enumerate(plan.tables)})
+
+    def validate_input(self, plan: Plan, source: InputSource, runner):
+        """The value-level expectations in the Beam workers: a great-expectations call per batch
+        (each worker builds the suite once), outcomes merged by a combine, one JSON result read back.
+        Confidential: the caller writes it to the internal directory only."""
+        beam = import_beam()
+        from dprelease.pipelines.validation import ValidationOutcome
+        from dprelease.transforms.beam import ReadInputBatches
+
+        from .beam_validation import ValidateBatches
+
+        expectations = runner.expectations
+        directory, local = _result_directory(self.options)
+        try:
+            try:
+                with beam.Pipeline(runner=self._runner(), options=self.options) as pipeline:
+                    (pipeline
+                     | "InputFiles" >> beam.Create(source.files())
+                     | "Read" >> ReadInputBatches(source.columns, source.format)
+                     | "Validate" >> ValidateBatches(expectations, plan, f"{directory}/validation.json"))
+            except Exception as error:  # keep the message public-only
+                raise DPReleaseError(f"input validation on Beam failed: {type(error).__name__}") from error
+            from apache_beam.io.filesystems import FileSystems
+
+            with FileSystems.open(f"{directory}/validation.json") as handle:
+                merged = json.loads(handle.read().decode("utf-8"))
+            return ValidationOutcome(expectations, {int(k): v for k, v in merged["results"].items()}, merged["batches"])
+        finally:
+            if local:
+                shutil.rmtree(directory, ignore_errors=True)
+            else:
+                _delete_remote(directory)
 
     def noisy_measurements(self, plan: Plan, source: InputSource, key: ReleaseKey,
                            progress: ProgressHook = no_progress) -> dict[str, np.ndarray]:

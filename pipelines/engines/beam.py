@@ -157,56 +157,59 @@ class BeamEngine(Engine):
         noisy = counts | "AddNoise" >> AddNoise.from_plan(plan, key)
         return noisy | "Write" >> WriteNoisyRanges(directory, {t.name: i for i, t in enumerate(plan.tables)})
 
+    def _run(self, what: str, build, read):
+        """Build a pipeline with `build(pipeline, directory)`, run it, return `read(directory)`; any
+        runner error becomes a public-only message; the result directory is removed afterwards."""
+        beam = import_beam()
+        directory, local = _result_directory(self.options)
+        try:
+            try:
+                with beam.Pipeline(runner=self._runner(), options=self.options) as pipeline:
+                    build(pipeline, directory)
+            except Exception as error:  # runner errors may quote data; keep the message public-only
+                raise DPReleaseError(f"{what} failed: {type(error).__name__}") from error
+            return read(directory)
+        finally:
+            if local:
+                shutil.rmtree(directory, ignore_errors=True)
+            else:
+                _delete_remote(directory)
+
     def validate_input(self, plan: Plan, source: InputSource, runner):
         """The value-level expectations in the Beam workers: a great-expectations call per batch
         (each worker builds the suite once), outcomes merged by a combine, one JSON result read back.
         Confidential: the caller writes it to the internal directory only."""
         beam = import_beam()
+        from apache_beam.io.filesystems import FileSystems
+
         from dprelease.pipelines.validation import ValidationOutcome
         from dprelease.transforms.beam import ReadInputBatches
 
         from .beam_validation import ValidateBatches
 
         expectations = runner.expectations
-        directory, local = _result_directory(self.options)
-        try:
-            try:
-                with beam.Pipeline(runner=self._runner(), options=self.options) as pipeline:
-                    (pipeline
-                     | "InputFiles" >> beam.Create(source.files())
-                     | "Read" >> ReadInputBatches(source.columns, source.format)
-                     | "Validate" >> ValidateBatches(expectations, plan, f"{directory}/validation.json"))
-            except Exception as error:  # keep the message public-only
-                raise DPReleaseError(f"input validation on Beam failed: {type(error).__name__}") from error
-            from apache_beam.io.filesystems import FileSystems
 
+        def build(pipeline, directory: str) -> None:
+            (pipeline
+             | "InputFiles" >> beam.Create(source.files())
+             | "Read" >> ReadInputBatches(source.columns, source.format)
+             | "Validate" >> ValidateBatches(expectations, plan, f"{directory}/validation.json"))
+
+        def read(directory: str) -> ValidationOutcome:
             with FileSystems.open(f"{directory}/validation.json") as handle:
                 merged = json.loads(handle.read().decode("utf-8"))
-            return ValidationOutcome(expectations, {int(k): v for k, v in merged["results"].items()}, merged["batches"])
-        finally:
-            if local:
-                shutil.rmtree(directory, ignore_errors=True)
-            else:
-                _delete_remote(directory)
+            return ValidationOutcome(expectations, {int(k): v for k, v in merged["results"].items()},
+                                     merged["batches"])
+
+        return self._run("input validation on Beam", build, read)
 
     def noisy_measurements(self, plan: Plan, source: InputSource, key: ReleaseKey,
                            progress: ProgressHook = no_progress) -> dict[str, np.ndarray]:
-        beam = import_beam()
-        directory, local = _result_directory(self.options)
         progress("beam", 0, 1)
-        try:
-            try:
-                with beam.Pipeline(runner=self._runner(), options=self.options) as pipeline:
-                    self.build(pipeline, plan, source, key, directory)
-            except Exception as error:  # runner errors may quote data; keep the message public-only
-                raise DPReleaseError(f"the Beam pipeline failed: {type(error).__name__}") from error
-            progress("beam", 1, 1)
-            return self._assemble(plan, directory)
-        finally:
-            if local:
-                shutil.rmtree(directory, ignore_errors=True)
-            else:
-                _delete_remote(directory)
+        noisy = self._run("the Beam pipeline", lambda pipeline, directory: self.build(pipeline, plan, source, key, directory),
+                          lambda directory: self._assemble(plan, directory))
+        progress("beam", 1, 1)
+        return noisy
 
     @staticmethod
     def _assemble(plan: Plan, directory: str) -> dict[str, np.ndarray]:

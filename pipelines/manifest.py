@@ -36,6 +36,11 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def file_stamp(created_at: str) -> str:
+    """A run's start time (ISO, UTC) as it goes into file names: 20261122T225608Z."""
+    return created_at.replace(":", "").replace("-", "").replace("+0000", "Z")
+
+
 def software_version() -> str:
     try:
         return importlib.metadata.version("dprelease")

@@ -17,7 +17,7 @@ from .engines.base import Engine, ProgressHook, no_progress
 from .engines.embedded import EmbeddedEngine
 from .plan import Plan, build_plan
 from .postprocessing import post_process
-from .manifest import sha256_file
+from .manifest import file_stamp, sha256_file
 from .release import write_release
 from .source import InputSource, open_input
 from .spec import load_spec
@@ -49,8 +49,7 @@ def resolve_key(key_file: Path | None, spec_dir: Path, release_id: str, created_
     (default: <spec dir>/keys/<release id>-<time>.key, outside any release directory) by the caller
     once the run is allowed to go ahead."""
     if key_file is None:
-        stamp = created_at.replace(":", "").replace("-", "").replace("+0000", "Z")
-        key_file = spec_dir / "keys" / f"{release_id}-{stamp}-{os.urandom(3).hex()}.key"
+        key_file = spec_dir / "keys" / f"{release_id}-{file_stamp(created_at)}-{os.urandom(3).hex()}.key"
     key_file = Path(key_file)
     if key_file.exists():
         try:
@@ -111,7 +110,7 @@ class InputValidation:
     strict: bool
 
 
-def check_input_schema(plan: Plan, engine: Engine, source: InputSource, internal_dir: Path | None,
+def check_input_schema(plan: Plan, source: InputSource, internal_dir: Path | None,
                        strict: bool) -> InputValidation | None:
     """When validation is asked for (internal_dir), build the spec's suite and run its schema-level
     expectations: a failure is public and raises InputSchemaError (exit 2) before any budget is
@@ -126,17 +125,25 @@ def check_input_schema(plan: Plan, engine: Engine, source: InputSource, internal
     return InputValidation(suite, schema_results, Path(internal_dir), strict)
 
 
-def check_input_values(plan: Plan, engine: Engine, source: InputSource, validation: InputValidation,
-                       created_at: str) -> dict:
-    """Run the value-level expectations with the engine; the report goes to the internal directory
-    only. With strict, a failure aborts (exit 1; data-dependent, internal). Returns the manifest's
-    public block (suite hash and policies, no results)."""
+def _value_report(plan: Plan, engine: Engine, source: InputSource, validation: InputValidation,
+                  created_at: str) -> tuple[bool, Path]:
+    """Run the value-level expectations with the engine and write the (confidential) report to the
+    internal directory. Returns (whether every expectation held, the report's path): internal only."""
     LOG.info("input validation: checking values (%s engine)", engine.name)
     outcome = engine.validate_input(plan, source, validation.suite)
     report = write_internal_report(validation.internal_dir, plan, validation.suite, validation.schema_results,
                                    outcome, engine.name, source.files(), created_at)
     LOG.info("input validation: report written to the internal directory %s", validation.internal_dir)
-    if validation.strict and not outcome.success:
+    return outcome.success, report
+
+
+def check_input_values(plan: Plan, engine: Engine, source: InputSource, validation: InputValidation,
+                       created_at: str) -> dict:
+    """Validate the values (report to the internal directory only). With strict, a failure aborts
+    (exit 1; data-dependent, internal). Returns the manifest's public block (suite hash and
+    policies, no results)."""
+    passed, report = _value_report(plan, engine, source, validation, created_at)
+    if validation.strict and not passed:
         raise StrictValidationError(f"--strict: the input failed value-level expectations; see {report}")
     return manifest_record(plan)
 
@@ -150,10 +157,8 @@ def validate_only(spec_path: Path, internal_dir: Path, *, input_path: str | None
     plan = build_plan(spec, spec_dir)
     engine_ = make_engine(engine or spec.engine, None, master)
     source = open_input(plan, spec_dir, input_path)
-    validation = check_input_schema(plan, engine_, source, internal_dir, strict=False)
-    outcome = engine_.validate_input(plan, source, validation.suite)
-    return write_internal_report(validation.internal_dir, plan, validation.suite, validation.schema_results,
-                                 outcome, engine_.name, source.files(), created_at)
+    validation = check_input_schema(plan, source, internal_dir, strict=False)
+    return _value_report(plan, engine_, source, validation, created_at)[1]
 
 
 def run_release(
@@ -182,7 +187,7 @@ def run_release(
     signer = load_private_key(sign_key) if sign_key else None
     source = open_input(plan, spec_dir, input_path)
     LOG.info("input: %d %s file(s); engine %s", len(source.files()), source.format, engine_.name)
-    validation = check_input_schema(plan, engine_, source, internal_dir, strict)
+    validation = check_input_schema(plan, source, internal_dir, strict)
     key, key_path, reused = resolve_key(key_file, spec_dir, spec.release_id, created_at)
     book, reservation = _reserve(ledger, plan, key)
     LOG.info("key %s (%s)", key.key_id(), "reused" if reused else "new")

@@ -32,6 +32,7 @@ from dprelease.accounting.errors import DPReleaseError, InputSchemaError, SpecEr
 from dprelease.transforms.domains import CategoricalDomain, GeographyDomain, IntegerDomain
 from dprelease.transforms.encode import _as_text, _integer_values
 
+from .manifest import file_stamp
 from .plan import Plan
 
 SCHEMA_LEVEL = ("expect_column_to_exist", "expect_column_values_to_be_in_type_list")
@@ -235,9 +236,6 @@ class ValidationOutcome:
     def success(self) -> bool:
         return all(r["success"] for r in self.results.values())
 
-    def failed(self) -> list[int]:
-        return sorted(i for i, r in self.results.items() if not r["success"])
-
 
 def _jsonable(value):
     if isinstance(value, (np.generic,)):
@@ -272,7 +270,6 @@ def write_internal_report(directory: Path, plan: Plan, runner: SuiteRunner, sche
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
-    stamp = created_at.replace(":", "").replace("-", "").replace("+0000", "Z")
     entries = []
     for index, expectation in enumerate(runner.expectations):
         if index in schema_results:
@@ -290,7 +287,7 @@ def write_internal_report(directory: Path, plan: Plan, runner: SuiteRunner, sche
         "batches": outcome.batches, "success": outcome.success and all(r["success"] for r in schema_results.values()),
         "expectations": entries,
     }
-    path = directory / f"{plan.spec.release_id}-{stamp}-validation.json"
+    path = directory / f"{plan.spec.release_id}-{file_stamp(created_at)}-validation.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     (directory / f"{plan.spec.release_id}-suite.json").write_text(json.dumps(runner.suite_json(), indent=2) + "\n")
     return path

@@ -37,12 +37,9 @@ from .aggregate import TableLayout
 from .bound import bound_contributions, record_keys, shard_salt, unit_shards
 from .csprng import ReleaseKey
 from .encode import UNIT, ColumnEncoder, encoded_table
-from .samplers import table_noise
+from .samplers import FAIL_FIRST_ATTEMPT_ENV, noisy_range
 
 NOISE_RANGE_CELLS = 1 << 18
-FAIL_FIRST_ATTEMPT_ENV = "DPRELEASE_TEST_FAIL_FIRST_ATTEMPT"
-"""Test hook, read when the pipeline is built: 'noise:DIR' makes every noise range fail on its first
-attempt (a marker file per range in DIR records the attempt), to show that retries change nothing."""
 
 
 class ReadInputBatches(beam.PTransform):
@@ -213,12 +210,10 @@ class _NoiseRange(beam.DoFn):
         (name, start), parts = element
         n_cells, mechanism = self.tables[name]
         stop = min(start + self.range_cells, n_cells)
-        values = np.zeros(stop - start, dtype=np.int64)
-        for part in parts:
-            if part is not None:
-                np.add.at(values, part[0] - start, part[1])
-        if mechanism is not None:
-            values += table_noise(self.key, name, mechanism, start, stop)
+        counted = [part for part in parts if part is not None]  # None: the public range marker
+        cells = np.concatenate([c for c, _ in counted]) if counted else np.empty(0, np.int64)
+        counts = np.concatenate([n for _, n in counted]) if counted else np.empty(0, np.int64)
+        values = noisy_range(self.key, name, mechanism, start, stop, cells, counts)
         self._ranges_seen.append(f"{name}-{start}")
         yield name, start, values
 

@@ -88,3 +88,20 @@ def table_noise(key, table: str, mechanism, start: int, stop: int) -> np.ndarray
     """Noise of cells [start, stop) of one table: from the table's own keyed stream, for its
     calibrated mechanism (`dprelease.accounting.mechanisms`)."""
     return sample_cells(CellStream.for_table(key, table), start, stop, mechanism.kind, mechanism.parameter)
+
+
+def noisy_range(key, table: str, mechanism, start: int, stop: int, cells: np.ndarray,
+                counts: np.ndarray) -> np.ndarray:
+    """Cells [start, stop) of one table as released: the true counts given sparsely (`cells`,
+    absolute indices, with their `counts`; every other cell is 0) plus the table's noise, or no
+    noise for an invariant (`mechanism` None). Shared by the engines that noise cell ranges in workers."""
+    values = np.zeros(stop - start, dtype=np.int64)
+    np.add.at(values, np.asarray(cells, dtype=np.int64) - start, counts)
+    if mechanism is not None:
+        values += table_noise(key, table, mechanism, start, stop)
+    return values
+
+
+FAIL_FIRST_ATTEMPT_ENV = "DPRELEASE_TEST_FAIL_FIRST_ATTEMPT"
+"""Test hook, read when a job is built: makes the noise stage fail on first attempts (Spark: 'noise';
+Beam: 'noise:DIR', a marker file per range in DIR) to show that retries change nothing."""

@@ -42,11 +42,9 @@ SHARDS_PER_WORKER = 4
 
 def import_beam():
     try:
-        import apache_beam  # noqa: F401
+        import apache_beam as beam
     except ImportError:
         raise SpecError("--engine beam needs apache-beam: pip install \"dprelease[beam]\"") from None
-    import apache_beam as beam
-
     return beam
 
 

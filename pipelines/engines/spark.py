@@ -25,7 +25,7 @@ from dprelease.accounting.errors import DPReleaseError, SpecError
 from dprelease.transforms.aggregate import bounded_counts
 from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.encode import ColumnEncoder, encode_batch
-from dprelease.transforms.samplers import table_noise
+from dprelease.transforms.samplers import FAIL_FIRST_ATTEMPT_ENV, noisy_range
 
 from ..plan import Plan
 from ..source import InputSource
@@ -35,9 +35,6 @@ NOISE_RANGE_CELLS = 1 << 18
 ROWS_PER_PARTITION = 2_000_000
 ARROW_BATCH_ROWS = 1 << 19
 """Rows per Arrow batch handed to the kernels (Spark's default, 10,000, costs a kernel call per 10k rows)."""
-FAIL_FIRST_ATTEMPT_ENV = "DPRELEASE_TEST_FAIL_FIRST_ATTEMPT"
-"""Test hook, read on the driver when the job is built: 'noise' makes every noise task fail on its
-first attempt (retry-safety tests)."""
 
 
 def _import_pyspark():
@@ -100,12 +97,10 @@ def _noise_function(plan: Plan, key: ReleaseKey, chunk: int):
         range_id = int(group.column("range_id")[0].as_py())
         name, n_cells, event = tables[table_id]
         start, stop = range_id * chunk, min((range_id + 1) * chunk, n_cells)
-        values = np.zeros(stop - start, dtype=np.int64)
         cells = group.column("cell").to_numpy()
-        real = cells >= 0
-        np.add.at(values, cells[real] - start, group.column("count").to_numpy()[real])
-        if event is not None:
-            values += table_noise(key, name, event.mechanism, start, stop)
+        real = cells >= 0  # range markers carry cell -1
+        values = noisy_range(key, name, event.mechanism if event else None, start, stop, cells[real],
+                             group.column("count").to_numpy()[real])
         return pa.table({"table_id": pa.array(np.full(stop - start, table_id, dtype=np.int32)),
                          "cell": pa.array(np.arange(start, stop, dtype=np.int64)),
                          "noisy": pa.array(values)})

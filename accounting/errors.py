@@ -34,3 +34,11 @@ class BudgetError(DPReleaseError):
 
 class VerificationError(DPReleaseError):
     """A published release does not match its manifest. Exit code 1."""
+
+
+class KeyReuseError(SpecError):
+    """A release key is already bound (in the ledger) to another release, spec or input. Exit code 2."""
+
+
+class PublishError(DPReleaseError):
+    """The release was charged in the ledger but could not be renamed into place. Exit code 1."""

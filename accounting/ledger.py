@@ -8,8 +8,18 @@ A run reserves its spend in one transaction before any noise is drawn (refusing,
 written, if the budget would be exceeded), and commits the reservation after publishing or aborts
 it on failure. Reservation is serialised per dataset: SQLite transactions start with BEGIN IMMEDIATE
 (one writer at a time), other databases lock the dataset row (SELECT ... FOR UPDATE), so two
-concurrent runs can never both spend the last budget. A re-run of a committed (dataset, release,
-key) costs nothing: the same key on the same input reproduces the same release.
+concurrent runs can never both spend the last budget.
+
+Key reuse: a key belongs to one release. A re-run costs nothing only when dataset, release, key,
+spec hash AND the input's keyed fingerprint all match a committed release (it then reproduces the
+same release, bit for bit); a key already reserved or committed for anything else is refused
+(KeyReuseError, exit 2), because two releases drawn with one key over different data or specs would
+compose to more loss than either records.
+
+Publishing and charging are one outcome: a run commits its charge before it renames the release into
+place, and never aborts a reservation after that. A killed run leaves its row 'reserved';
+`reconcile` releases it when its process is gone and its release is not published, and commits it
+when the release is published.
 Spends are exact fractions in the dataset's unit: epsilon (pure DP) or rho (zCDP; approximate-DP
 releases are accounted in rho, which is how their noise is calibrated).
 """
@@ -24,12 +34,15 @@ from sqlalchemy import (Column, DateTime, ForeignKey, Integer, MetaData, String,
                         func, select)
 from sqlalchemy.engine import Engine
 
-from .errors import BudgetError, SpecError
+from .errors import BudgetError, KeyReuseError, SpecError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MIGRATIONS = {
     2: ["ALTER TABLE datasets ADD COLUMN period_budget VARCHAR(64)",
         "ALTER TABLE releases ADD COLUMN period VARCHAR(128)"],
+    3: ["ALTER TABLE releases ADD COLUMN input_fingerprint VARCHAR(64)",
+        "ALTER TABLE releases ADD COLUMN release_dir VARCHAR(4096)",
+        "ALTER TABLE releases ADD COLUMN owner VARCHAR(256)"],
 }
 """Statements that bring a ledger of version (n - 1) to version n, applied in order on open."""
 metadata = MetaData()
@@ -50,6 +63,9 @@ releases = Table(
     Column("period", String(128)),
     Column("key_id", String(32), nullable=False),
     Column("spec_sha256", String(64), nullable=False),
+    Column("input_fingerprint", String(64)),
+    Column("release_dir", String(4096)),
+    Column("owner", String(256)),
     Column("manifest_sha256", String(64)),
     Column("spend", String(64), nullable=False),
     Column("status", String(16), nullable=False),
@@ -77,8 +93,19 @@ def ledger_url(location: str | Path) -> str:
     return text if "://" in text else f"sqlite:///{Path(text).expanduser().resolve()}"
 
 
+SCHEMA_LOCK = 0x64707265  # "dpre": the PostgreSQL advisory lock that serialises schema creation and migration
+
+
+def redacted(location: str | Path) -> str:
+    """A ledger location fit for messages and manifests: any password in a URL replaced by ***."""
+    from dprelease.accounting.redact import redact_url
+
+    return redact_url(str(location))
+
+
 def open_ledger(location: str | Path) -> Engine:
-    """Open (creating and migrating if needed) a ledger database."""
+    """Open (creating and migrating if needed) a ledger database. Schema creation is idempotent under
+    concurrency: SQLite's BEGIN IMMEDIATE and PostgreSQL's advisory lock let one opener create it."""
     url = ledger_url(location)
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -93,12 +120,14 @@ def open_ledger(location: str | Path) -> Engine:
         def _begin_immediate(connection):
             connection.exec_driver_sql("BEGIN IMMEDIATE")
     with engine.begin() as connection:
+        if engine.dialect.name == "postgresql":  # first opens of a fresh database, one at a time
+            connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({SCHEMA_LOCK})")
         metadata.create_all(connection)
         version = connection.execute(select(schema_version.c.version)).scalar()
         if version is None:
             connection.execute(schema_version.insert().values(version=SCHEMA_VERSION))
         elif version > SCHEMA_VERSION:
-            raise SpecError(f"--ledger {location}: schema version {version} is newer than this dprelease ({SCHEMA_VERSION})")
+            raise SpecError(f"--ledger {redacted(location)}: schema version {version} is newer than this dprelease ({SCHEMA_VERSION})")
         else:
             _migrate(connection, version)
     return engine
@@ -178,9 +207,56 @@ def _spent(connection, dataset_id: str, period: str | None = None) -> Fraction:
     return sum((Fraction(s) for s in spends), Fraction(0))
 
 
+@dataclass(frozen=True)
+class ReleaseIdentity:
+    """What a key is bound to: the release, its spec and its input (the input as a keyed fingerprint,
+    internal: never published). Equal identities reproduce the same release with the same key."""
+
+    dataset_id: str
+    release_id: str
+    key_id: str
+    spec_sha256: str
+    input_fingerprint: str | None = None
+
+    def differences(self, row) -> list[str]:
+        """The parts of a ledger row's identity (other than the key) that differ from this one."""
+        pairs = (("dataset", row.dataset_id, self.dataset_id), ("release", row.release_id, self.release_id),
+                 ("spec", row.spec_sha256, self.spec_sha256),
+                 ("input", row.input_fingerprint, self.input_fingerprint))
+        return [name for name, theirs, ours in pairs if theirs != ours or ours is None]
+
+
+def _key_rows(connection, key_id: str) -> list:
+    """Every live (reserved or committed) ledger row of a key, in any dataset."""
+    return list(connection.execute(select(releases).where(
+        (releases.c.key_id == key_id) & releases.c.status.in_([RESERVED, COMMITTED])).order_by(releases.c.id)))
+
+
+def _check_key(identity: ReleaseIdentity, rows: list) -> bool:
+    """True when a committed release of exactly this identity exists (a free re-run). Raises
+    KeyReuseError (exit 2) when the key is live for anything else, and BudgetError (exit 3) when a run
+    of this very identity holds a reservation (in progress, or killed: see `reconcile`)."""
+    for row in rows:
+        differs = identity.differences(row)
+        if differs:
+            raise KeyReuseError(
+                f"--key-file: key {identity.key_id} is already {row.status} for release {row.release_id!r} of "
+                f"dataset {row.dataset_id!r}, with a different {' and '.join(differs)}; a key serves one release, "
+                "one spec and one input (reusing it would publish the difference of the true counts). Run without "
+                "--key-file for a fresh key, or restore the committed spec and input to re-run that release")
+    if any(row.status == RESERVED for row in rows):
+        raise BudgetError(f"release {identity.release_id!r} with key {identity.key_id} is already reserved by "
+                          "another run (in progress, or killed: `dprelease ledger reconcile` settles it)")
+    return bool(rows)
+
+
 def reserve(engine: Engine, dataset_id: str, release_id: str, key_id: str, spec_sha256: str,
-            unit: str, spend: Fraction, period: str | None = None) -> Reservation:
-    """Hold `spend` for a run, or raise BudgetError (exit 3) leaving the ledger unchanged."""
+            unit: str, spend: Fraction, period: str | None = None, *, input_fingerprint: str | None = None,
+            release_dir: str | None = None, owner: str | None = None) -> Reservation:
+    """Hold `spend` for a run, or raise BudgetError (exit 3) / KeyReuseError (exit 2) leaving the ledger
+    unchanged. `owner` names the reserving process (host:pid:start) and `release_dir` where it will
+    publish, so that `reconcile` can settle the row if the process dies."""
+    identity = ReleaseIdentity(dataset_id, release_id, key_id, spec_sha256, input_fingerprint)
     with engine.begin() as connection:
         row = connection.execute(
             select(datasets).where(datasets.c.dataset_id == dataset_id).with_for_update()).first()
@@ -191,9 +267,7 @@ def reserve(engine: Engine, dataset_id: str, release_id: str, key_id: str, spec_
             raise BudgetError(f"dataset {dataset_id!r} is accounted in {row.unit}, this release spends {unit}")
         lifetime = Fraction(row.lifetime_budget)
         spent = _spent(connection, dataset_id)
-        done = connection.execute(select(func.count()).select_from(releases).where(
-            (releases.c.dataset_id == dataset_id) & (releases.c.release_id == release_id) &
-            (releases.c.key_id == key_id) & (releases.c.status == COMMITTED))).scalar()
+        done = _check_key(identity, _key_rows(connection, key_id))
         period_budget = Fraction(row.period_budget) if row.period_budget is not None else None
         if period_budget is not None and period is None:
             raise BudgetError(f"dataset {dataset_id!r} has a per-period budget ({period_budget} {unit}); the spec "
@@ -214,19 +288,75 @@ def reserve(engine: Engine, dataset_id: str, release_id: str, key_id: str, spec_
                 f"({float(period_budget - period_spent):.6g}) of the per-period budget {period_budget} remains")
         result = connection.execute(releases.insert().values(
             dataset_id=dataset_id, release_id=release_id, period=period, key_id=key_id, spec_sha256=spec_sha256,
+            input_fingerprint=input_fingerprint, release_dir=release_dir, owner=owner,
             spend=str(spend), status=RESERVED, reserved_at=_now()))
         return Reservation(result.inserted_primary_key[0], dataset_id, unit, spend, spent, lifetime, rerun=False,
                            **fields)
 
 
-def finish(engine: Engine, reservation: Reservation, manifest_sha256: str | None) -> None:
-    """Commit the reservation (with the manifest's hash) or, with None, abort it."""
+def _settle(connection, row_id: int, status: str, manifest_sha256: str | None) -> None:
+    """Move a reserved row to `status`; rows already settled are left as they are."""
+    connection.execute(releases.update().where((releases.c.id == row_id) & (releases.c.status == RESERVED)).values(
+        status=status, manifest_sha256=manifest_sha256, finished_at=_now()))
+
+
+def commit(engine: Engine, reservation: Reservation, manifest_sha256: str) -> None:
+    """Charge the reservation for good (called before the release is renamed into place)."""
     if reservation.row_id is None:
         return
-    status = COMMITTED if manifest_sha256 else ABORTED
     with engine.begin() as connection:
-        connection.execute(releases.update().where(releases.c.id == reservation.row_id).values(
-            status=status, manifest_sha256=manifest_sha256, finished_at=_now()))
+        _settle(connection, reservation.row_id, COMMITTED, manifest_sha256)
+
+
+def abort(engine: Engine, reservation: Reservation) -> None:
+    """Release the reservation of a run that published nothing (never after the rename)."""
+    if reservation.row_id is None:
+        return
+    with engine.begin() as connection:
+        _settle(connection, reservation.row_id, ABORTED, None)
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """What `reconcile` did (or left) for one reserved row."""
+
+    row_id: int
+    dataset_id: str
+    release_id: str
+    action: str  # "committed", "aborted" or "left"
+    reason: str
+
+
+def reconcile(engine: Engine, owner_alive, published_manifest, dry_run: bool = False) -> list[Settlement]:
+    """Settle reservations left by runs that died: for each reserved row whose owner process is gone
+    (`owner_alive(owner)` is False), commit it when its release is published (`published_manifest(row)`
+    gives that release's manifest SHA-256) and abort it otherwise. Rows of live runs, and rows that
+    name no owner or release directory, are left as they are. `dry_run`: decide, change nothing."""
+    done: list[Settlement] = []
+    with engine.begin() as connection:
+        rows = list(connection.execute(select(releases).where(releases.c.status == RESERVED).order_by(releases.c.id)))
+        for row in rows:
+            if row.owner is None or row.release_dir is None:
+                done.append(Settlement(row.id, row.dataset_id, row.release_id, "left",
+                                       "reserved by an older dprelease that recorded no owner or release directory"))
+                continue
+            alive = owner_alive(row.owner)
+            if alive is None or alive:
+                reason = "its run is still in progress" if alive else "its run is on another host"
+                done.append(Settlement(row.id, row.dataset_id, row.release_id, "left", reason))
+                continue
+            manifest_sha256 = published_manifest(row)
+            if manifest_sha256 is not None:
+                if not dry_run:
+                    _settle(connection, row.id, COMMITTED, manifest_sha256)
+                done.append(Settlement(row.id, row.dataset_id, row.release_id, "committed",
+                                       f"published at {row.release_dir}"))
+            else:
+                if not dry_run:
+                    _settle(connection, row.id, ABORTED, None)
+                done.append(Settlement(row.id, row.dataset_id, row.release_id, "aborted",
+                                       "its run is gone and published nothing"))
+    return done
 
 
 def history(engine: Engine, dataset_id: str | None = None) -> tuple[list, list]:

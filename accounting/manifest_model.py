@@ -23,7 +23,7 @@ class Exact(Strict):
 
 class Software(Strict):
     name: Literal["dprelease"]
-    version: str
+    version: str = Field(description="Descriptive (not verified): the dprelease version that wrote the release.")
 
 
 class Privacy(Strict):
@@ -135,6 +135,8 @@ class FileEntry(Strict):
 
 
 class Provenance(Strict):
+    """Descriptive (not verified): how the release was made. The command line has credentials redacted."""
+
     git_commit: str | None
     versions: dict[str, str]
     command_line: list[str]
@@ -148,13 +150,15 @@ class Signature(Strict):
 
 
 class Manifest(Strict):
-    """A published release's manifest: no true counts, no row counts, no key."""
+    """A published release's manifest: no true counts, no row counts, no key. `dprelease verify` recomputes
+    every field from the embedded spec or checks it for consistency, except those described as descriptive."""
 
     manifest_version: Literal[1]
     release_id: str
     dataset_id: str
     software: Software
-    engine: Literal["embedded", "spark", "beam"]
+    engine: Literal["embedded", "spark", "beam"] = Field(
+        description="Descriptive (not verified): every engine writes the same release bytes.")
     spec: dict[str, Any]
     spec_sha256: str
     privacy: Privacy
@@ -167,7 +171,9 @@ class Manifest(Strict):
     ledger: Ledger | None
     input_validation: InputValidation | None = Field(
         description="Present when the input was validated: the suite's hash and the policies, never pass/fail.")
-    key_id: str
+    key_id: str = Field(pattern=r"^[0-9a-f]{16}$",
+                        description="One-way id of the key file's key; well-formedness checked, value authenticated "
+                                    "only by a signature.")
     domain_files: dict[str, str]
     files: list[FileEntry]
     provenance: Provenance

@@ -49,6 +49,14 @@ def sign(private_key: Ed25519PrivateKey, manifest: bytes) -> bytes:
     return base64.b64encode(private_key.sign(manifest)) + b"\n"
 
 
+def well_formed(signature: bytes) -> bool:
+    """Whether a signature file holds one base64 Ed25519 signature (64 bytes); says nothing of validity."""
+    try:
+        return len(base64.b64decode(signature.strip(), validate=True)) == 64
+    except ValueError:
+        return False
+
+
 def check(public_key: Ed25519PublicKey, manifest: bytes, signature: bytes) -> bool:
     try:
         public_key.verify(base64.b64decode(signature.strip(), validate=True), manifest)

@@ -36,6 +36,45 @@ def _handled():
         _fail(error)
 
 
+@contextmanager
+def _confidential(internal_dir: Path | None, stage: str):
+    """Around work that reads confidential data: an unexpected exception (whose message or traceback
+    could quote a value) prints one public line naming only its type; the details go to a private
+    file in --internal-dir when one is given, nowhere otherwise. Exit code 1."""
+    try:
+        yield
+    except DPReleaseError as error:
+        _fail(error)
+    except Exception as error:  # noqa: BLE001 - the whole point: nothing unvetted reaches the console
+        where = _write_failure(internal_dir, stage) if internal_dir else None
+        detail = f"details in {where}" if where else "pass --internal-dir to keep the details (confidential)"
+        errors.print(f"[bold red]error:[/] {stage} failed ({type(error).__name__}); its message may quote "
+                     f"confidential values and is not shown; {detail}", markup=True, highlight=False, soft_wrap=True)
+        sys.exit(1)
+
+
+def _write_failure(internal_dir: Path, stage: str) -> Path | None:
+    """Write the current exception's traceback to a 0600 file in the internal directory."""
+    import os
+    import traceback
+
+    try:
+        internal_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = internal_dir / f"failure-{stage.replace(' ', '-')}-{os.getpid()}.txt"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(traceback.format_exc())
+        return path
+    except OSError:
+        return None
+
+
+MAX_CELLS_OPTION = click.option(
+    "--max-cells", type=click.IntRange(1), envvar="DPRELEASE_MAX_CELLS",
+    help="Refuse a release with more public cells than this (env DPRELEASE_MAX_CELLS; default 20,000,000, "
+         "about 4 GiB of driver memory); every engine holds each table's cells on one machine.")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="dprelease")
 @click.option("-v", "--verbose", is_flag=True, help="Log each stage to stderr (public facts only).")
@@ -95,25 +134,37 @@ def _totals_text(plan) -> str:
 
 @main.command()
 @click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
-def plan(spec: Path) -> None:
-    """Show the budget allocation and expected error of every table; reads no data."""
+@MAX_CELLS_OPTION
+def plan(spec: Path, max_cells: int | None) -> None:
+    """Show the budget allocation, expected error and memory of every table; reads no data.
+
+    Exit 2 when the release exceeds the cell limit (--max-cells), as `run` would.
+    """
+    from .limits import check_plan_limits, estimated_memory_bytes, human_bytes, max_cells_setting
     from .plan import build_plan
     from .spec import load_spec
 
     with _handled():
         parsed, base = load_spec(spec)
         result = build_plan(parsed, base)
-    console.print(_plan_table(result))
-    console.print(f"Sensitivity: {result.sensitivity.derivation}")
-    console.print(_totals_text(result))
-    console.print(f"{len(result.tables)} tables, {sum(t.n_cells for t in result.tables):,} cells")
+        limit = max_cells_setting(max_cells)
+        console.print(_plan_table(result))
+        console.print(f"Sensitivity: {result.sensitivity.derivation}")
+        console.print(_totals_text(result))
+        console.print(f"{len(result.tables)} tables, {sum(t.n_cells for t in result.tables):,} cells "
+                      f"(limit {limit:,}); a run needs about {human_bytes(estimated_memory_bytes(result))} "
+                      "of driver memory for them")
+        check_plan_limits(result, limit)
 
 
 @main.command(context_settings={"allow_interspersed_args": True})
 @click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("pipeline_options", nargs=-1, type=click.UNPROCESSED)
 @click.option("--key-file", type=click.Path(dir_okay=False, path_type=Path),
-              help="Use this key (created fresh if the file does not exist). Default: a fresh key in <spec dir>/keys/.")
+              help="Use this key (created fresh, mode 0600, if the file does not exist). An existing key must be "
+                   "owned by you, mode 0600/0400 and outside the output directory; with a ledger it re-runs only "
+                   "the release, spec and input it was first used for (free), anything else is refused. "
+                   "Default: a fresh key in <spec dir>/keys/.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Publish under this directory instead of the spec's output.dir.")
 @click.option("--input", "input_path", help="Read this input instead of the spec's input.path.")
@@ -138,8 +189,9 @@ def plan(spec: Path) -> None:
                    "on the data: an internal choice. Needs --internal-dir.")
 @click.option("--sign-key", type=click.Path(dir_okay=False, path_type=Path),
               help="Sign the manifest with this Ed25519 private key (PEM; openssl genpkey -algorithm ed25519).")
+@MAX_CELLS_OPTION
 def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_path, engine, workers, overwrite,
-        master, runner, ledger, no_ledger, internal_dir, strict, sign_key) -> None:
+        master, runner, ledger, no_ledger, internal_dir, strict, sign_key, max_cells) -> None:
     """Run a release: bound, aggregate, add noise, post-process, publish atomically.
 
     Beam pipeline options (beam engine) follow a `--`, for example:
@@ -155,7 +207,7 @@ def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_
         raise click.UsageError("--no-ledger and --ledger (or DPRELEASE_LEDGER) exclude each other")
     ledger = None if no_ledger else (ledger or default_ledger_location())
 
-    with _handled(), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+    with _confidential(internal_dir, "run"), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                               TimeElapsedColumn(), console=errors, transient=False) as progress:
         tasks: dict[str, int] = {}
 
@@ -167,7 +219,7 @@ def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_
         result = run_release(spec, key_file=key_file, out_dir=out_dir, input_path=input_path, engine=engine,
                              workers=workers, overwrite=overwrite, master=master, ledger=ledger, sign_key=sign_key,
                              progress=hook, command_line=sys.argv, internal_dir=internal_dir, strict=strict,
-                             runner=runner, beam_options=list(pipeline_options))
+                             runner=runner, beam_options=list(pipeline_options), max_cells=max_cells)
     plan_ = result.plan
     # scripts parse these lines (deploy/): never wrap them
     console.print(f"[bold green]Published[/] release [bold]{plan_.spec.release_id}[/] to {result.release_dir}",
@@ -195,7 +247,7 @@ def validate(spec: Path, internal_dir: Path, input_path, engine, master) -> None
     """
     from .run import validate_only
 
-    with _handled():
+    with _confidential(internal_dir, "validate"):
         path = validate_only(spec, internal_dir, input_path=input_path, engine=engine, master=master)
     console.print(f"Schema-level expectations met; the value-level report (confidential) is {path}", soft_wrap=True)
 
@@ -356,6 +408,32 @@ def _print_ledger(location: str, dataset: str | None, delta: float = 1e-10) -> N
             detail.add_row(r.release_id, r.period or "-", r.key_id, r.spend, r.status, str(r.reserved_at),
                            (r.manifest_sha256 or "")[:16])
         console.print(detail)
+
+
+@ledger.command("reconcile")
+@LEDGER_OPTION
+@click.option("--dry-run", is_flag=True, help="Show what would be settled; change nothing.")
+def ledger_reconcile(ledger: str, dry_run: bool) -> None:
+    """Settle reservations left 'reserved' by runs that were killed.
+
+    A reserved row whose run is gone (its process on this host has exited) is committed when its
+    release directory holds that release's manifest (published), and aborted, releasing its budget,
+    when nothing was published. Rows of runs still in progress, or started on another host, are left.
+    """
+    from dprelease.accounting.ledger import open_ledger, reconcile
+
+    from .housekeeping import owner_alive
+    from .verify import published_manifest_sha256
+
+    with _handled():
+        settled = reconcile(open_ledger(ledger), owner_alive, published_manifest_sha256, dry_run)
+    table = Table(title="Reconciled reservations" + (" (dry run: nothing changed)" if dry_run else ""))
+    for header in ("row", "dataset", "release", "action", "why"):
+        table.add_column(header)
+    for item in settled:
+        table.add_row(str(item.row_id), item.dataset_id, item.release_id, item.action, item.reason)
+    console.print(table)
+    console.print(f"{sum(i.action != 'left' for i in settled)} settled, {sum(i.action == 'left' for i in settled)} left")
 
 
 @main.command("demo-data")

@@ -113,36 +113,61 @@ def accounting_section(plan: Plan) -> dict:
     }
 
 
-def build_manifest(plan: Plan, engine: str, key_id: str, files: list[dict], domain_files: dict[str, str],
-                   created_at: str, command_line: list[str], ledger: dict | None = None,
-                   input_validation: dict | None = None) -> dict:
+def privacy_section(plan: Plan) -> dict:
+    """The manifest's privacy block: unit, neighbouring relation, declared budget, bounds, policies."""
+    spec = plan.spec
+    return {
+        "unit": spec.privacy_unit or "record",
+        "neighbouring": spec.neighbouring,
+        "neighbouring_note": NEIGHBOURING_NOTE[spec.neighbouring],
+        "definition": spec.budget.definition,
+        "declared_budget": spec.budget.model_dump(mode="json"),
+        "contribution_bounds": {"max_records_per_unit": plan.bounds.max_records_per_unit},
+        "invalid_value_policy": {name: c.on_invalid for name, c in spec.columns.items()},
+    }
+
+
+def domain_file_names(plan: Plan) -> dict[str, str]:
+    """Where each geography domain is published inside the release (public: the spec's domain files)."""
+    from dprelease.transforms.domains import GeographyDomain
+
+    return {name: f"domains/{name}.txt" for name, domain in plan.domains.items() if isinstance(domain, GeographyDomain)}
+
+
+def derived_section(plan: Plan) -> dict:
+    """Every manifest field that follows from the spec and its plan alone; `verify` recomputes all of it."""
     spec = plan.spec
     return {
         "manifest_version": MANIFEST_VERSION,
         "release_id": spec.release_id,
         "dataset_id": spec.dataset_id,
-        "software": {"name": "dprelease", "version": software_version()},
-        "engine": engine,
         "spec": spec.model_dump(mode="json"),
         "spec_sha256": spec.spec_hash(),
-        "privacy": {
-            "unit": spec.privacy_unit or "record",
-            "neighbouring": spec.neighbouring,
-            "neighbouring_note": NEIGHBOURING_NOTE[spec.neighbouring],
-            "definition": spec.budget.definition,
-            "declared_budget": spec.budget.model_dump(mode="json"),
-            "contribution_bounds": {"max_records_per_unit": plan.bounds.max_records_per_unit},
-            "invalid_value_policy": {name: c.on_invalid for name, c in spec.columns.items()},
-        },
+        "privacy": privacy_section(plan),
         **accounting_section(plan),
         "invariants": [{"table": t.name, "protected": False,
                         "note": "true counts published exactly; the guarantee holds conditional on them"}
                        for t in plan.tables if t.invariant],
         "post_processing": steps_applied(plan),
+        "domain_files": domain_file_names(plan),
+    }
+
+
+DESCRIPTIVE_FIELDS = ("software.version", "engine", "provenance")
+"""Manifest fields that describe how a release was made and are not verified (the same release bytes
+come from every engine and version); every other field is recomputed or checked by `verify`."""
+
+
+def build_manifest(plan: Plan, engine: str, key_id: str, files: list[dict], created_at: str,
+                   command_line: list[str], ledger: dict | None = None, input_validation: dict | None = None) -> dict:
+    """The manifest. `command_line` must already be redacted (see accounting.redact)."""
+    return {
+        **derived_section(plan),
+        "software": {"name": "dprelease", "version": software_version()},
+        "engine": engine,
         "ledger": ledger,
         "input_validation": input_validation,
         "key_id": key_id,
-        "domain_files": domain_files,
         "files": files,
         "provenance": {
             "git_commit": _git_commit(),
@@ -154,4 +179,5 @@ def build_manifest(plan: Plan, engine: str, key_id: str, files: list[dict], doma
 
 
 def dump_manifest(manifest: dict) -> bytes:
-    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    """Strict JSON only: a NaN or infinity anywhere is a bug upstream (the plan refuses such budgets)."""
+    return (json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n").encode("utf-8")

@@ -1,13 +1,20 @@
 """Writing a release: tables, noisy measurements, public domain files and the manifest,
 into a staging directory that is published by one atomic rename.
 
-A crash leaves at most a staging directory (never a half release under the final name);
-the manifest is written last, after every other file is hashed.
+A crash leaves at most a staging directory (never a half release under the final name), which the
+next run of the release removes; the manifest is written last, after every other file is hashed.
+Between staging and publishing the caller commits the ledger charge, so a published release is
+always charged.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
+import hashlib
+import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,16 +23,19 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from dprelease.accounting.errors import SpecError
+from dprelease.accounting.redact import redact_command_line
 from dprelease.accounting.signing import SIGNATURE_FILE, fingerprint, sign
 from dprelease.transforms.aggregate import unravel_cells
-from dprelease.transforms.domains import GeographyDomain, dimension_labels
+from dprelease.transforms.domains import dimension_labels
 
-from .manifest import build_manifest, dump_manifest, sha256_file
+from .manifest import build_manifest, domain_file_names, dump_manifest, sha256_file
+from .housekeeping import process_token
 from .plan import Plan, TablePlan
+
+LOG = logging.getLogger("dprelease")
 
 TABLES_DIR = "tables"
 MEASUREMENTS_DIR = "measurements"
-DOMAINS_DIR = "domains"
 
 
 def table_frame(plan: Plan, table: TablePlan, values: np.ndarray, value_name: str) -> pa.Table:
@@ -52,22 +62,51 @@ def _file_entry(root: Path, path: Path) -> dict:
     return {"path": path.relative_to(root).as_posix(), "sha256": sha256_file(path), "bytes": path.stat().st_size}
 
 
-def write_release(
-    plan: Plan, noisy: dict[str, np.ndarray], published: dict[str, np.ndarray], final_dir: Path,
-    *, engine: str, key_id: str, created_at: str, command_line: list[str], overwrite: bool = False,
-    progress=lambda stage, done, total: None, ledger: dict | None = None, sign_key=None,
-    input_validation: dict | None = None,
-) -> Path:
-    """`sign_key`: an Ed25519 private key; the manifest then names its public key and is signed."""
-    """Write and atomically publish the release directory `final_dir`."""
-    final_dir = Path(final_dir)
+@dataclass(frozen=True)
+class StagedRelease:
+    """A complete release in its staging directory, not yet published; `manifest_sha256` is what the
+    ledger commits before the rename."""
+
+    staging: Path
+    manifest_sha256: str
+
+    def discard(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+STAGING_PREFIX = ".{release}.staging@"
+REPLACED_PREFIX = ".{release}.replaced@"
+"""'@' cannot occur in a release id, so a prefix names exactly one release's leftovers."""
+
+
+def staging_prefix(release_id: str) -> str:
+    """Name prefix of a release's staging directories: the owner's process token follows it."""
+    return STAGING_PREFIX.format(release=release_id)
+
+
+def check_target(final_dir: Path, overwrite: bool) -> None:
+    """Refuse to publish over an existing release without --overwrite, and over a symbolic link ever
+    (replacing one would delete or write outside the release directory)."""
+    if final_dir.is_symlink():
+        raise SpecError(f"output: release directory {final_dir} is a symbolic link; publish to a real directory")
     if final_dir.exists() and not overwrite:
         raise SpecError(f"output: release directory {final_dir} already exists; pass --overwrite to replace it")
+    if final_dir.exists() and not final_dir.is_dir():
+        raise SpecError(f"output: {final_dir} exists and is not a directory")
+
+
+def stage_release(
+    plan: Plan, noisy: dict[str, np.ndarray], published: dict[str, np.ndarray], final_dir: Path,
+    *, engine: str, key_id: str, created_at: str, command_line: list[str],
+    progress=lambda stage, done, total: None, ledger: dict | None = None, sign_key=None,
+    input_validation: dict | None = None,
+) -> StagedRelease:
+    """Write every file of the release into a private staging directory beside `final_dir`, the manifest
+    last (and its signature when `sign_key`, an Ed25519 private key, is given). Nothing is published."""
+    final_dir = Path(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = final_dir.parent / f".{final_dir.name}.staging-{os.getpid()}"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir()
+    staging = final_dir.parent / f"{staging_prefix(final_dir.name)}{process_token()}@{os.urandom(4).hex()}"
+    staging.mkdir(mode=0o700)
     try:
         files: list[Path] = []
         for i, table in enumerate(plan.tables):
@@ -76,17 +115,14 @@ def write_release(
             files += _write_frame(table_frame(plan, table, noisy[table.name], "noisy_count"),
                                   staging / MEASUREMENTS_DIR / table.name)
             progress("write", i + 1, len(plan.tables))
-        domain_files = {}
-        for name, domain in plan.domains.items():
-            if isinstance(domain, GeographyDomain):
-                path = staging / DOMAINS_DIR / f"{name}.txt"
-                path.parent.mkdir(exist_ok=True)
-                path.write_text("".join(code + "\n" for code in domain.leaves))
-                files.append(path)
-                domain_files[name] = path.relative_to(staging).as_posix()
+        for name, relative in domain_file_names(plan).items():
+            path = staging / relative
+            path.parent.mkdir(exist_ok=True)
+            path.write_text("".join(code + "\n" for code in plan.domains[name].leaves))
+            files.append(path)
         entries = [_file_entry(staging, p) for p in sorted(files)]
-        manifest = build_manifest(plan, engine, key_id, entries, domain_files, created_at, command_line, ledger,
-                                  input_validation)
+        manifest = build_manifest(plan, engine, key_id, entries, created_at, redact_command_line(command_line),
+                                  ledger, input_validation)
         if sign_key is not None:
             manifest["signature"] = {"algorithm": "Ed25519", "file": SIGNATURE_FILE,
                                      "public_key_sha256": fingerprint(sign_key.public_key())}
@@ -94,19 +130,70 @@ def write_release(
         (staging / "manifest.json").write_bytes(manifest_bytes)
         if sign_key is not None:
             (staging / SIGNATURE_FILE).write_bytes(sign(sign_key, manifest_bytes))
-        _publish(staging, final_dir)
+        os.chmod(staging, 0o755)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return final_dir
+    return StagedRelease(staging, hashlib.sha256(manifest_bytes).hexdigest())
 
 
-def _publish(staging: Path, final_dir: Path) -> None:
-    """Atomic rename; an existing release (only with overwrite) is moved aside first, then removed."""
-    old = None
-    if final_dir.exists():
-        old = final_dir.parent / f".{final_dir.name}.replaced-{os.getpid()}"
-        os.rename(final_dir, old)
-    os.rename(staging, final_dir)
-    if old is not None:
+def publish(staged: StagedRelease, final_dir: Path, overwrite: bool) -> None:
+    """Rename the staged release into place, atomically. Without `overwrite` an existing directory is
+    never replaced, even one that appeared after the run started (a concurrent run of the same
+    release): the rename itself refuses. With `overwrite` the old release is moved aside first and
+    removed afterwards; a failure to remove it is logged, not raised (the new release is published)."""
+    check_target(final_dir, overwrite)
+    if not overwrite or not final_dir.exists():
+        try:
+            rename_no_replace(staged.staging, final_dir)
+        except FileExistsError:
+            raise SpecError(f"output: release directory {final_dir} appeared while this run was writing "
+                            "(another run of the same release?); nothing was replaced") from None
+        return
+    old = final_dir.parent / f"{REPLACED_PREFIX.format(release=final_dir.name)}{process_token()}@{os.urandom(4).hex()}"
+    os.rename(final_dir, old)
+    try:
+        rename_no_replace(staged.staging, final_dir)
+    except BaseException:
+        os.rename(old, final_dir)
+        raise
+    try:
         shutil.rmtree(old)
+    except OSError as error:
+        LOG.warning("published %s; the replaced release could not be removed from %s (%s)", final_dir, old,
+                    type(error).__name__)
+
+
+_RENAME_NOREPLACE = 1
+
+
+def rename_no_replace(source: Path, target: Path) -> None:
+    """rename(2) that fails with FileExistsError when `target` exists (Linux renameat2 RENAME_NOREPLACE;
+    elsewhere a checked os.rename, which still refuses a non-empty target directory)."""
+    libc = _libc()
+    if libc is not None:
+        result = libc.renameat2(-100, os.fsencode(source), -100, os.fsencode(target), _RENAME_NOREPLACE)
+        if result == 0:
+            return
+        error = ctypes.get_errno()
+        if error == errno.EEXIST:
+            raise FileExistsError(error, os.strerror(error), str(target))
+        if error not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(error, os.strerror(error), str(target))
+    if target.exists() or target.is_symlink():
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(target))
+    try:
+        os.rename(source, target)
+    except OSError as error:
+        if error.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise FileExistsError(error.errno, error.strerror, str(target)) from None
+        raise
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        return libc
+    except (OSError, AttributeError):
+        return None

@@ -5,20 +5,23 @@ import datetime as dt
 import logging
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dprelease.accounting.errors import SpecError
-from dprelease.accounting.ledger import finish, open_ledger, reserve
+from dprelease.accounting.errors import PublishError, SpecError
+from dprelease.accounting.ledger import abort, commit, open_ledger, reserve
 from dprelease.accounting.signing import load_private_key
 from dprelease.transforms.csprng import ReleaseKey
 
 from .engines.base import Engine, ProgressHook, no_progress
-from .engines.embedded import EmbeddedEngine
+from .engines.embedded import EmbeddedEngine, spill_prefix
+from .housekeeping import owner, remove_stale, terminate_as_exit
+from .keys import check_key_location, default_key_path, load_or_generate
+from .limits import check_plan_limits
 from .plan import Plan, build_plan
 from .postprocessing import post_process
-from .manifest import file_stamp, sha256_file
-from .release import write_release
+from .release import REPLACED_PREFIX, check_target, publish, stage_release, staging_prefix
 from .source import InputSource, open_input
 from .spec import load_spec
 from .validation import (StrictValidationError, SuiteRunner, check_schema, expectations_from_spec, manifest_record,
@@ -44,26 +47,12 @@ def creation_time() -> str:
     return moment.replace(microsecond=0).isoformat()
 
 
-def resolve_key(key_file: Path | None, spec_dir: Path, release_id: str, created_at: str) -> tuple[ReleaseKey, Path, bool]:
-    """Load `key_file` if it exists; else draw a fresh key from the OS, to be saved there
-    (default: <spec dir>/keys/<release id>-<time>.key, outside any release directory) by the caller
-    once the run is allowed to go ahead."""
-    if key_file is None:
-        key_file = spec_dir / "keys" / f"{release_id}-{file_stamp(created_at)}-{os.urandom(3).hex()}.key"
-    key_file = Path(key_file)
-    if key_file.exists():
-        try:
-            return ReleaseKey.load(key_file), key_file, True
-        except ValueError as error:
-            raise SpecError(f"--key-file = {str(key_file)!r}: {error}") from None
-    return ReleaseKey.generate(), key_file, False
-
-
 ENGINES = ("embedded", "spark", "beam")
 
 
-def _reserve(ledger: str | Path | None, plan: Plan, key: ReleaseKey):
-    """Reserve the release's composed loss in the ledger (before any noise is drawn), if one is used."""
+def _reserve(ledger: str | Path | None, plan: Plan, key: ReleaseKey, input_fingerprint: str, final_dir: Path):
+    """Reserve the release's composed loss in the ledger (before any noise is drawn), if one is used;
+    the reservation binds the key to this release, spec and input (see accounting.ledger)."""
     if ledger is None:
         LOG.warning("no ledger: this release's spend is not accounted against the dataset's budget")
         return None, None
@@ -72,10 +61,39 @@ def _reserve(ledger: str | Path | None, plan: Plan, key: ReleaseKey):
     unit, spend = ("epsilon", totals.pure_epsilon) if totals.pure_epsilon is not None else ("rho", totals.rho)
     spec = plan.spec
     reservation = reserve(book, spec.dataset_id, spec.release_id, key.key_id(), spec.spec_hash(), unit, spend,
-                          spec.period)
+                          spec.period, input_fingerprint=input_fingerprint, release_dir=str(final_dir.resolve()),
+                          owner=owner())
     LOG.info("ledger: reserved %s %s of dataset %s", "nothing (re-run)" if reservation.rerun else spend, unit,
              spec.dataset_id)
     return book, reservation
+
+
+def bind_release_key(key: ReleaseKey, plan: Plan, source: InputSource) -> tuple[ReleaseKey, str]:
+    """(the key every engine draws with, the input's keyed fingerprint): the key file's key bound to the
+    dataset, release, spec hash and input. Privacy: reusing a key file for anything else draws
+    independent noise (see ReleaseKey.bind); the ledger refuses such reuse outright."""
+    spec = plan.spec
+    fingerprint = source.fingerprint(key)
+    return key.bind(spec.dataset_id, spec.release_id, spec.spec_hash(), fingerprint), fingerprint
+
+
+def _abort_quietly(book, reservation) -> None:
+    """Abort a reservation of a run that published nothing; if the ledger cannot be reached the row
+    stays reserved (never lost): `dprelease ledger reconcile` settles it later."""
+    try:
+        abort(book, reservation)
+    except Exception as error:  # noqa: BLE001 - the original failure is what the user must see
+        LOG.warning("ledger: could not abort the reservation (%s); it stays reserved until "
+                    "`dprelease ledger reconcile`", type(error).__name__)
+
+
+def clean_leftovers(root: Path, release_id: str) -> None:
+    """Remove staging, replaced and spill directories that dead runs of this release left behind."""
+    removed = remove_stale(root, staging_prefix(release_id))
+    removed += remove_stale(root, REPLACED_PREFIX.format(release=release_id))
+    removed += remove_stale(Path(tempfile.gettempdir()), spill_prefix(release_id))
+    for path in removed:
+        LOG.info("removed %s, left by a run of release %s that died", path, release_id)
 
 
 def make_engine(name: str, workers: int | None, master: str | None = None, runner: str | None = None,
@@ -166,14 +184,26 @@ def run_release(
     engine: str | None = None, workers: int | None = None, overwrite: bool = False, master: str | None = None,
     ledger: str | Path | None = None, sign_key: Path | None = None, progress: ProgressHook = no_progress,
     command_line: list[str] | None = None, internal_dir: Path | None = None, strict: bool = False,
-    runner: str | None = None, beam_options: list[str] | None = None,
+    runner: str | None = None, beam_options: list[str] | None = None, max_cells: int | None = None,
 ) -> RunResult:
-    """Run a release end to end. Everything that can abort on public grounds (spec, domain files,
-    input schema, existing release) is checked before the key is drawn or any noise is sampled,
-    and before the ledger reserves any budget."""
+    """Run a release end to end. Everything that can abort on public grounds (spec, cell limit, domain
+    files, the schema of every input file, the release target, the key file) is checked before the key
+    is drawn or any noise is sampled, and before the ledger reserves any budget. The ledger charge is
+    committed before the release is renamed into place: a published release is always charged.
+    SIGTERM runs every clean-up (spill, staging, reservation) before the process exits."""
+    with terminate_as_exit():
+        return _run_release(spec_path, key_file=key_file, out_dir=out_dir, input_path=input_path, engine=engine,
+                            workers=workers, overwrite=overwrite, master=master, ledger=ledger, sign_key=sign_key,
+                            progress=progress, command_line=command_line, internal_dir=internal_dir, strict=strict,
+                            runner=runner, beam_options=beam_options, max_cells=max_cells)
+
+
+def _run_release(spec_path: Path, *, key_file, out_dir, input_path, engine, workers, overwrite, master, ledger,
+                 sign_key, progress, command_line, internal_dir, strict, runner, beam_options, max_cells) -> RunResult:
     created_at = creation_time()
     spec, spec_dir = load_spec(spec_path)
     plan = build_plan(spec, spec_dir)
+    check_plan_limits(plan, max_cells)
     LOG.info("planned release %s: %d tables, %d cells, %s budget", spec.release_id, len(plan.tables),
              sum(t.n_cells for t in plan.tables), spec.budget.definition)
     root = Path(out_dir) if out_dir else spec_dir / spec.output.dir
@@ -181,33 +211,48 @@ def run_release(
     if internal_dir is not None and Path(internal_dir).resolve().is_relative_to(root.resolve()):
         raise SpecError(f"--internal-dir = {str(internal_dir)!r}: must not be inside the output directory {root} "
                         "(the validation report is confidential)")
-    if final_dir.exists() and not overwrite:
-        raise SpecError(f"output: release directory {final_dir} already exists; pass --overwrite to replace it")
+    check_target(final_dir, overwrite)
     engine_ = make_engine(engine or spec.engine, workers, master, runner, beam_options)
     signer = load_private_key(sign_key) if sign_key else None
     source = open_input(plan, spec_dir, input_path)
     LOG.info("input: %d %s file(s); engine %s", len(source.files()), source.format, engine_.name)
     validation = check_input_schema(plan, source, internal_dir, strict)
-    key, key_path, reused = resolve_key(key_file, spec_dir, spec.release_id, created_at)
-    book, reservation = _reserve(ledger, plan, key)
+    key_path = Path(key_file) if key_file else default_key_path(spec_dir, spec.release_id, created_at)
+    check_key_location(key_path, root)
+    key, reused = load_or_generate(key_path)
+    release_key, input_fingerprint = bind_release_key(key, plan, source)
+    clean_leftovers(root, spec.release_id)
+    book, reservation = _reserve(ledger, plan, key, input_fingerprint, final_dir)
     LOG.info("key %s (%s)", key.key_id(), "reused" if reused else "new")
+    committed = False
     try:
         validation_record = check_input_values(plan, engine_, source, validation, created_at) if validation else None
         if not reused:
             key.save(key_path)
-        noisy = engine_.noisy_measurements(plan, source, key, progress)
+        noisy = engine_.noisy_measurements(plan, source, release_key, progress)
         LOG.info("noisy measurements drawn for %d tables", len(plan.tables))
         published = post_process(plan, noisy)
         LOG.info("post-processed %d tables", len(plan.tables))
-        write_release(plan, noisy, published, final_dir, engine=engine_.name, key_id=key.key_id(),
-                      created_at=created_at, command_line=command_line or sys.argv, overwrite=overwrite,
-                      progress=progress, ledger=reservation.record() if reservation else None, sign_key=signer,
-                      input_validation=validation_record)
+        staged = stage_release(plan, noisy, published, final_dir, engine=engine_.name, key_id=key.key_id(),
+                               created_at=created_at, command_line=command_line or sys.argv, progress=progress,
+                               ledger=reservation.record() if reservation else None, sign_key=signer,
+                               input_validation=validation_record)
+        try:
+            if reservation:
+                commit(book, reservation, staged.manifest_sha256)
+            committed = True
+            publish(staged, final_dir, overwrite)
+        except BaseException as error:
+            staged.discard()
+            if committed and reservation and isinstance(error, Exception):
+                raise PublishError(
+                    f"release {spec.release_id}: charged in the ledger but not published ({type(error).__name__}: "
+                    f"{error}); re-run it with --key-file {key_path} and the same spec and input to publish it at "
+                    "no further cost") from error
+            raise
     except BaseException:
-        if reservation:
-            finish(book, reservation, None)
+        if reservation and not committed:
+            _abort_quietly(book, reservation)
         raise
-    if reservation:
-        finish(book, reservation, sha256_file(final_dir / "manifest.json"))
     LOG.info("published %s", final_dir)
     return RunResult(final_dir, key_path, reused, plan)

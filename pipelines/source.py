@@ -1,12 +1,15 @@
 """Opening the confidential input: Parquet or CSV, a file or a directory, read in batches.
 
-Only public properties abort a run here: a missing file, a missing column, a column whose
-type cannot hold the spec's domain. Malformed CSV rows are skipped by policy (never an
-error that depends on data content), and CSV columns are read as text so that no value
-can make type inference fail.
+Only public properties abort a run here: a missing file, a file that is not data, a missing column,
+a column whose type cannot hold the spec's domain, checked for EVERY file of an input directory
+before any budget is reserved. Messages name the file and the column, never a value. Malformed CSV
+rows are skipped by policy (never an error that depends on data content), CSV columns are read as
+text, without UTF-8 validation (invalid bytes are an invalid value, handled by the column's policy),
+so no value can make reading or type inference fail.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -19,7 +22,6 @@ import pyarrow.parquet as pq
 from dprelease.accounting.errors import InputSchemaError, SpecError
 
 from .plan import Plan
-from .spec import GeographyColumn
 
 BATCH_ROWS = 1 << 20
 CSV_BLOCK_BYTES = 32 << 20
@@ -35,7 +37,8 @@ CSV_PARSE_OPTIONS = pacsv.ParseOptions(invalid_row_handler=_skip_malformed_row)
 def csv_convert_options(columns: list[str], include: bool) -> pacsv.ConvertOptions:
     """CSV columns as text; an empty field is null (as Spark reads it), any other text is a value."""
     return pacsv.ConvertOptions(column_types={c: pa.string() for c in columns}, null_values=[""],
-                                strings_can_be_null=True, include_columns=columns if include else None)
+                                strings_can_be_null=True, check_utf8=False,
+                                include_columns=columns if include else None)
 
 
 def read_batches(path: str, fmt: str, columns: list[str]) -> Iterator[pa.RecordBatch]:
@@ -50,6 +53,17 @@ def read_batches(path: str, fmt: str, columns: list[str]) -> Iterator[pa.RecordB
         convert_options=csv_convert_options(columns, include=True),
     )
     yield from reader
+
+
+FINGERPRINT_BLOCK = 8 << 20
+
+
+def _file_chunks(paths: list[str]) -> Iterator[bytes]:
+    yield len(paths).to_bytes(8, "big")
+    for path in paths:
+        with open(path, "rb") as handle:
+            yield os.fstat(handle.fileno()).st_size.to_bytes(8, "big")
+            yield from iter(lambda: handle.read(FINGERPRINT_BLOCK), b"")
 
 
 @dataclass
@@ -68,6 +82,11 @@ class InputSource:
         """Record batches of one input file, streamed: memory holds one row group / CSV block at a time."""
         return read_batches(path, self.format, self.columns)
 
+    def fingerprint(self, key) -> str:
+        """A keyed fingerprint of the input's bytes (every file, in order, with its length): binds a
+        key to this input in the ledger and in the noise. Internal: never published or logged."""
+        return key.fingerprint(_file_chunks(sorted(self.files())))
+
     def estimated_rows(self) -> int:
         """Rows (Parquet metadata) or bytes / 40 (CSV): sizing of internal spill partitions only."""
         if self.format == "parquet":
@@ -83,8 +102,77 @@ def _format_of(path: Path, declared: str | None) -> str:
     return "csv" if path.suffix.lower() in (".csv", ".txt") else "parquet"
 
 
+def _is_text(kind: pa.DataType) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
+def _value_type(kind: pa.DataType) -> pa.DataType:
+    return kind.value_type if pa.types.is_dictionary(kind) else kind
+
+
+def _allowed(kind: pa.DataType, domain_type: str) -> bool:
+    """Whether an input column type can hold values of a spec column (or of the unit, 'unit')."""
+    value = _value_type(kind)
+    if pa.types.is_null(value):
+        return True  # every value null: invalid values, handled by the column's policy
+    if domain_type == "geography":
+        return _is_text(value)
+    scalar = _is_text(value) or pa.types.is_integer(value)
+    if domain_type == "unit":
+        return scalar or pa.types.is_binary(value) or pa.types.is_large_binary(value)
+    return scalar or pa.types.is_floating(value)
+
+
+ALLOWED_TYPES = {
+    "geography": "string (codes keep their leading zeros)",
+    "categorical": "string, integer or floating point",
+    "integer": "integer, floating point or string",
+    "unit": "string, binary or integer",
+}
+
+
+def _file_schema(path: str, fmt: str, columns: list[str]) -> pa.Schema:
+    """The schema of one input file (Parquet footer, or the CSV header with every column as text)."""
+    if fmt == "parquet":
+        return pq.read_schema(path)
+    with pacsv.open_csv(path, read_options=pacsv.ReadOptions(block_size=1 << 16), parse_options=CSV_PARSE_OPTIONS,
+                        convert_options=csv_convert_options(columns, include=False)) as reader:
+        return reader.schema
+
+
+def schema_problems(path: str, schema: pa.Schema, plan: Plan) -> list[str]:
+    """Public problems of one file's schema: missing columns and column types that cannot hold the domain."""
+    spec = plan.spec
+    wanted = {name: spec.columns[name].type for name in plan.used_columns()}
+    if spec.privacy_unit:
+        wanted[spec.privacy_unit] = "unit"
+    missing = [c for c in wanted if c not in schema.names]
+    problems = [f"input file {path}: missing column(s) {missing}; the file has {schema.names}"] if missing else []
+    for name, domain_type in wanted.items():
+        if name in schema.names and not _allowed(schema.field(name).type, domain_type):
+            field = f"privacy_unit {name!r}" if domain_type == "unit" else f"columns.{name}"
+            problems.append(f"input file {path}: {field}: input column type is {schema.field(name).type}; "
+                            f"allowed: {ALLOWED_TYPES[domain_type]}")
+    return problems
+
+
+def check_every_file(files: list[str], fmt: str, plan: Plan, columns: list[str]) -> None:
+    """Schema-level checks of every file of the input (not only the first, which is all a dataset
+    infers from): raises InputSchemaError (exit 2) naming each file and column, never a value."""
+    problems = []
+    for path in files:
+        try:
+            schema = _file_schema(path, fmt, columns)
+        except (pa.ArrowException, OSError, ValueError) as error:
+            problems.append(f"input file {path}: cannot be read as {fmt} ({type(error).__name__})")
+            continue
+        problems += schema_problems(path, schema, plan)
+    if problems:
+        raise InputSchemaError(problems)
+
+
 def open_input(plan: Plan, base_dir: Path, override: str | None = None) -> InputSource:
-    """Open the spec's input (or `override`) and check its schema against the plan."""
+    """Open the spec's input (or `override`) and check the schema of every file against the plan."""
     spec = plan.spec
     path = Path(override) if override else (base_dir / spec.input.path)
     if not path.exists():
@@ -100,26 +188,9 @@ def open_input(plan: Plan, base_dir: Path, override: str | None = None) -> Input
         file_format = ds.ParquetFileFormat()
     try:
         dataset = ds.dataset(str(path), format=file_format)
-    except (pa.ArrowInvalid, OSError) as error:
-        raise SpecError(f"input.path = {str(path)!r}: cannot be opened as {fmt} ({type(error).__name__})") from None
+    except (pa.ArrowException, OSError) as error:
+        raise InputSchemaError(f"input.path = {str(path)!r}: cannot be opened as {fmt} ({type(error).__name__})") from None
     if not dataset.files:
         raise SpecError(f"input.path = {str(path)!r}: contains no {fmt} files")
-    schema = dataset.schema
-    missing = [c for c in columns if c not in schema.names]
-    if missing:
-        raise InputSchemaError(
-            f"input {path}: missing column(s) {missing}; the file has {schema.names}"
-        )
-    problems = []
-    for name, column in spec.columns.items():
-        if name in columns and isinstance(column, GeographyColumn):
-            kind = schema.field(name).type
-            value_type = kind.value_type if pa.types.is_dictionary(kind) else kind
-            if not (pa.types.is_string(value_type) or pa.types.is_large_string(value_type)):
-                problems.append(
-                    f"columns.{name}: input column type is {kind}; geography codes must be strings "
-                    "(numbers lose leading zeros)"
-                )
-    if problems:
-        raise InputSchemaError(problems)
+    check_every_file(list(dataset.files), fmt, plan, columns)
     return InputSource(dataset, columns, spec.privacy_unit, fmt)

@@ -28,23 +28,50 @@ class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+MAX_BUDGET = 10**6
+"""Largest epsilon or rho a spec may declare: beyond it no guarantee is meaningful and the
+conversions overflow (an epsilon of 1e308 is not a budget)."""
+MIN_DELTA = 1e-100
+"""Smallest delta: below it 1/delta and log(1/delta) leave the range of doubles (5e-324 -> inf)."""
+MAX_RATIONAL_DIGITS = 40
+"""Longest numerator or denominator (decimal digits) of a budget or weight: exact arithmetic on
+huge fractions costs time and memory, and no budget needs more precision."""
+
+
 def _positive_rational(value: Any, field: str) -> str:
     """Validate a positive finite rational given as a number or 'p/q'; keep its exact text."""
     parsed = parse_rational(value)
     if parsed <= 0:
-        raise ValueError(f"must be > 0 (got {value!r})")
+        raise ValueError(f"must be > 0 (got {_brief(value)})")
+    if len(str(parsed.numerator)) > MAX_RATIONAL_DIGITS or len(str(parsed.denominator)) > MAX_RATIONAL_DIGITS:
+        raise ValueError(f"must have at most {MAX_RATIONAL_DIGITS} digits in numerator and denominator "
+                         f"(got {_brief(value)})")
     return str(parsed)
+
+
+def _budget_amount(value: Any) -> str:
+    """An epsilon or rho: a positive exact rational of at most MAX_BUDGET."""
+    text = _positive_rational(value, "budget")
+    if Fraction(text) > MAX_BUDGET:
+        raise ValueError(f"must be at most {MAX_BUDGET:,} (got {_brief(value)})")
+    return text
+
+
+def _brief(value: Any, limit: int = 80) -> str:
+    """repr of a value, cut to `limit` characters: messages stay bounded whatever the spec holds."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _delta(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"must be a number in (0, 1) (got {value!r})")
+        raise ValueError(f"must be a number in [{MIN_DELTA:g}, 1) (got {_brief(value)})")
     try:
         number = float(value)
     except ValueError:
-        raise ValueError(f"must be a number in (0, 1) (got {value!r})") from None
-    if not (math.isfinite(number) and 0 < number < 1):
-        raise ValueError(f"must be a finite number in (0, 1) (got {value!r})")
+        raise ValueError(f"must be a number in [{MIN_DELTA:g}, 1) (got {_brief(value)})") from None
+    if not (math.isfinite(number) and MIN_DELTA <= number < 1):
+        raise ValueError(f"must be a finite number in [{MIN_DELTA:g}, 1) (got {_brief(value)})")
     return number
 
 
@@ -57,28 +84,29 @@ class InputSpec(Frozen):
 
 class PureBudget(Frozen):
     definition: Literal["pure"] = Field(description="Required. Pure epsilon-DP; counts get discrete Laplace noise.")
-    epsilon: str = Field(description="Required. Total epsilon > 0, a number or an exact fraction 'p/q'.")
+    epsilon: str = Field(description="Required. Total epsilon in (0, 1e6], a number or an exact fraction 'p/q'.")
 
-    _check_epsilon = field_validator("epsilon", mode="before")(lambda v: _positive_rational(v, "epsilon"))
+    _check_epsilon = field_validator("epsilon", mode="before")(_budget_amount)
 
 
 class ApproxBudget(Frozen):
     definition: Literal["approx"] = Field(
         description="Required. Approximate (epsilon, delta)-DP, met through zCDP and discrete Gaussian noise."
     )
-    epsilon: str = Field(description="Required. Total epsilon > 0.")
-    delta: float = Field(description="Required. Total delta in (0, 1).")
+    epsilon: str = Field(description="Required. Total epsilon in (0, 1e6].")
+    delta: float = Field(description="Required. Total delta in [1e-100, 1).")
 
-    _check_epsilon = field_validator("epsilon", mode="before")(lambda v: _positive_rational(v, "epsilon"))
+    _check_epsilon = field_validator("epsilon", mode="before")(_budget_amount)
     _check_delta = field_validator("delta", mode="before")(_delta)
 
 
 class ZcdpBudget(Frozen):
     definition: Literal["zcdp"] = Field(description="Required. rho-zCDP; counts get discrete Gaussian noise.")
-    rho: str = Field(description="Required. Total rho > 0.")
-    delta: float = Field(1e-10, description="Defaulted (1e-10). The delta at which the implied epsilon is reported.")
+    rho: str = Field(description="Required. Total rho in (0, 1e6].")
+    delta: float = Field(1e-10, description="Defaulted (1e-10). The delta in [1e-100, 1) at which the implied "
+                                            "epsilon is reported.")
 
-    _check_rho = field_validator("rho", mode="before")(lambda v: _positive_rational(v, "rho"))
+    _check_rho = field_validator("rho", mode="before")(_budget_amount)
     _check_delta = field_validator("delta", mode="before")(_delta)
 
 
@@ -239,9 +267,10 @@ def _pydantic_messages(error: ValidationError) -> list[str]:
         if item["type"] == "missing":
             messages.append(f"{path}: required field is missing")
         elif item["type"] == "extra_forbidden":
-            messages.append(f"{path}: unknown field (value {item['input']!r}); check the spelling against `dprelease schema`")
+            messages.append(f"{path}: unknown field (value {_brief(item['input'])}); check the spelling against "
+                            "`dprelease schema`")
         else:
-            messages.append(f"{path} = {item.get('input')!r}: {msg}")
+            messages.append(f"{path} = {_brief(item.get('input'))}: {msg[:300]}")
     return messages
 
 
@@ -261,17 +290,54 @@ def parse_spec(document: Any) -> ReleaseSpec:
     return spec
 
 
+MAX_SPEC_BYTES = 1 << 20
+"""A spec is a small public file; a larger one is refused before it is parsed."""
+
+
+class SpecLoader(yaml.SafeLoader):
+    """YAML's safe loader without aliases, merge keys or duplicate keys: a spec is plain data.
+
+    Aliases make billion-laughs documents (a few lines, gigabytes once expanded) and merge keys hide
+    where a value came from; a duplicate key (`rho: 1` then `rho: 1000`) would silently take the last
+    value. Each is an error naming the line."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.constructor.ConstructorError(
+                None, None, "aliases (*name) are not allowed in a spec; write the value out", event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                raise yaml.constructor.ConstructorError(
+                    None, None, "merge keys (<<) are not allowed in a spec", key_node.start_mark)
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {_brief(key)} (each field may appear once)", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_spec(path: str | Path) -> tuple[ReleaseSpec, Path]:
     """Read and validate a spec file. Returns the spec and the directory relative paths start from."""
     path = Path(path)
     try:
+        size = path.stat().st_size
+        if size > MAX_SPEC_BYTES:
+            raise SpecError(f"spec file {path}: {size:,} bytes; a spec is at most {MAX_SPEC_BYTES:,} bytes")
         text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise SpecError(f"spec file {path}: cannot be read ({error.strerror})") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"spec file {path}: not UTF-8 text") from None
     try:
-        document = yaml.safe_load(text)
+        document = yaml.load(text, Loader=SpecLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as error:
-        raise SpecError(f"spec file {path}: not valid YAML ({error})") from None
+        raise SpecError(f"spec file {path}: not valid YAML ({str(error)[:500]})") from None
     return parse_spec(document), path.resolve().parent
 
 

@@ -5,11 +5,18 @@ from .spec import (CategoricalColumn, GeographyColumn, HierarchyQuery, Histogram
                    MarginalsQuery, ReleaseSpec)
 
 NATION = "nation"
+MAX_INTEGER_BOUND = 2**53 - 1
+"""Integer domains lie within ±(2**53 - 1), so any input value beyond them, however large, is out of
+domain (an invalid value handled by policy) even after conversion to a double."""
 
 
 def _check_column(name: str, column, problems: list[str]) -> None:
     path = f"columns.{name}"
     if isinstance(column, IntegerColumn):
+        if max(abs(column.min), abs(column.max)) > MAX_INTEGER_BOUND:
+            problems.append(f"{path}: min and max must lie within ±{MAX_INTEGER_BOUND} (2**53 - 1: exact as doubles); "
+                            f"got [{column.min}, {column.max}]")
+            return
         if column.max < column.min:
             problems.append(f"{path}.max = {column.max}: must be >= min ({column.min})")
             return

@@ -30,7 +30,7 @@ import pyarrow as pa
 
 from dprelease.accounting.errors import DPReleaseError, InputSchemaError, SpecError
 from dprelease.transforms.domains import CategoricalDomain, GeographyDomain, IntegerDomain
-from dprelease.transforms.encode import _as_text, _integer_values
+from dprelease.transforms.encode import _as_text, _integer_values, dictionary_values
 
 from .manifest import file_stamp
 from .plan import Plan
@@ -163,13 +163,18 @@ class SuiteRunner:
 
 
 def schema_frame(schema: pa.Schema, columns: Iterable[str]):
-    """A zero-row pandas frame with the input's column types: the schema-level checks see no values."""
+    """A zero-row pandas frame with the input's column types: the schema-level checks see no values.
+
+    Text columns are given pandas' `object` dtype whatever pandas infers: pandas 3 (and 2.x with
+    future.infer_string) makes them `str`, which great-expectations' type-list check does not match."""
     present = [c for c in columns if c in schema.names]
     fields = []
     for name in present:
         kind = schema.field(name).type
         fields.append(pa.field(name, kind.value_type if pa.types.is_dictionary(kind) else kind))
-    return pa.schema(fields).empty_table().to_pandas()
+    frame = pa.schema(fields).empty_table().to_pandas()
+    text = [f.name for f in fields if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
+    return frame.astype({name: object for name in text}) if text else frame
 
 
 def value_frame(batch: pa.RecordBatch | pa.Table, plan: Plan):
@@ -181,7 +186,10 @@ def value_frame(batch: pa.RecordBatch | pa.Table, plan: Plan):
     data = {}
     unit = plan.spec.privacy_unit
     if unit:
-        data[unit] = batch.column(unit).to_pandas()
+        units = batch.column(unit)
+        if pa.types.is_string(units.type) or pa.types.is_large_string(units.type):
+            units = units.cast(pa.large_binary())  # never decoded: invalid UTF-8 in one id cannot raise
+        data[unit] = units.to_pandas()
     for name in plan.used_columns():
         column = batch.column(name)
         if isinstance(plan.domains[name], IntegerDomain):
@@ -190,7 +198,7 @@ def value_frame(batch: pa.RecordBatch | pa.Table, plan: Plan):
         encoded = column if pa.types.is_dictionary(column.type) else column.dictionary_encode()
         if isinstance(encoded, pa.ChunkedArray):
             encoded = encoded.combine_chunks()
-        texts = [_as_text(v) for v in encoded.dictionary.to_pylist()]
+        texts = [_as_text(v) for v in dictionary_values(encoded.dictionary)]
         categories = sorted({t for t in texts if t is not None})
         position = {text: i for i, text in enumerate(categories)}
         lookup = np.array([position[t] if t is not None else -1 for t in texts] + [-1], dtype=np.int64)

@@ -1,33 +1,44 @@
 """`dprelease verify DIR`: recompute everything a manifest claims and report every mismatch.
 
-Checks: the manifest parses; every listed file exists with its SHA-256 and size, and no
-unlisted file is present; the embedded spec hashes to `spec_sha256` and is valid; the
-accounting (tables, cells, sensitivities, allocations, mechanisms, losses, expected errors,
-totals, implied losses) equals a fresh plan of that spec over the release's own domain
-files; the composed loss is within the declared budget; every measurement is an integer
-count with one row per public cell.
+Every field of a manifest is one of three kinds, and verify checks each:
+- derived: recomputed from the embedded spec and a fresh plan of it over the release's own domain
+  files, and compared (ids, spec and its hash, privacy block, tables, sensitivities, allocations,
+  mechanisms, expected errors, totals, implied losses, invariants, post-processing, domain files,
+  the input-validation record, the set of files a release of this plan holds);
+- checked: internally consistent and well formed (ledger arithmetic: spent_after = spent_before +
+  charged, charged = the plan's spend unless a free re-run, within the budgets; key_id and file
+  hashes well formed; every listed file present with its size and SHA-256, nothing else in the tree;
+  a signature block has its signature file; every table readable with one integer row per cell);
+- descriptive (`DESCRIPTIVE_FIELDS`: software version, engine, provenance): recorded, not verified.
+A malformed manifest (`{}`, `[]`, `null`, missing or mistyped fields) gives a list of problems, not
+a traceback.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from fractions import Fraction
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-
 from pydantic import ValidationError
 
 from dprelease.accounting.errors import DPReleaseError
 from dprelease.accounting.manifest_model import Manifest
-from dprelease.accounting.signing import SIGNATURE_FILE, check, fingerprint, load_public_key
+from dprelease.accounting.signing import SIGNATURE_FILE, check, fingerprint, load_public_key, well_formed
 
-from .manifest import accounting_section, sha256_file
-from .validation import manifest_record
+from .manifest import DESCRIPTIVE_FIELDS, derived_section, domain_file_names, sha256_file
 from .plan import Plan, build_plan
 from .spec import parse_spec
+from .validation import manifest_record
+
+MANIFEST = "manifest.json"
+HEX16 = re.compile(r"^[0-9a-f]{16}$")
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass
@@ -44,24 +55,64 @@ class VerifyReport:
         return not self.problems
 
 
+def _safe_relative(path: object) -> str | None:
+    """The path if it is a plain relative POSIX path inside the release (no '..', '.', '/' prefix)."""
+    if not isinstance(path, str) or not path or "\\" in path or "\0" in path:
+        return None
+    parts = PurePosixPath(path).parts
+    if path.startswith("/") or any(p in ("..", ".", "") for p in parts) or PurePosixPath(*parts).as_posix() != path:
+        return None
+    return path
+
+
+def expected_files(plan: Plan) -> set[str]:
+    """The files a release of this plan holds (besides the manifest and its signature)."""
+    names = {f"{folder}/{t.name}.{ext}" for t in plan.tables for folder in ("tables", "measurements")
+             for ext in ("parquet", "csv")}
+    return names | set(domain_file_names(plan).values())
+
+
 def _check_files(root: Path, manifest: dict, report: VerifyReport) -> None:
-    listed = set()
-    for entry in manifest.get("files", []):
-        path = root / entry["path"]
-        listed.add(entry["path"])
-        if not path.is_file():
-            report.problems.append(f"file {entry['path']}: missing")
+    """Every listed file is a safe relative path, present, with its size and SHA-256; nothing else
+    (no unlisted file, directory, link or special file) is in the release tree."""
+    entries = manifest.get("files")
+    if not isinstance(entries, list):
+        report.problems.append("files: must be a list of {path, sha256, bytes}")
+        entries = []
+    listed: set[str] = set()
+    for i, entry in enumerate(entries):
+        path = _safe_relative(entry.get("path") if isinstance(entry, dict) else None)
+        if path is None:
+            report.problems.append(f"files[{i}]: path {entry.get('path') if isinstance(entry, dict) else entry!r} "
+                                   "is not a plain relative path inside the release")
             continue
-        if path.stat().st_size != entry.get("bytes"):
-            report.problems.append(f"file {entry['path']}: size {path.stat().st_size} != manifest {entry.get('bytes')}")
-        if sha256_file(path) != entry.get("sha256"):
-            report.problems.append(f"file {entry['path']}: SHA-256 differs from the manifest")
+        if path in listed or path in (MANIFEST, SIGNATURE_FILE):
+            report.problems.append(f"files[{i}]: {path} listed twice or names the manifest/signature")
+            continue
+        listed.add(path)
+        target = root / path
+        if target.is_symlink() or not target.is_file():
+            report.problems.append(f"file {path}: missing (or not a regular file)")
+            continue
+        if target.stat().st_size != entry.get("bytes"):
+            report.problems.append(f"file {path}: size {target.stat().st_size} != manifest {entry.get('bytes')!r}")
+        if not HEX64.match(str(entry.get("sha256"))) or sha256_file(target) != entry.get("sha256"):
+            report.problems.append(f"file {path}: SHA-256 differs from the manifest")
         report.checked_files += 1
-    present = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()} - {"manifest.json"}
-    if manifest.get("signature"):
-        present.discard(SIGNATURE_FILE)
-    for extra in sorted(present - listed):
-        report.problems.append(f"file {extra}: present but not listed in the manifest")
+    allowed_dirs = {PurePosixPath(p).parent.as_posix() for p in listed} - {"."}
+    allowed_dirs |= {parent.as_posix() for d in list(allowed_dirs) for parent in PurePosixPath(d).parents} - {"."}
+    allowed_files = listed | {MANIFEST} | ({SIGNATURE_FILE} if manifest.get("signature") else set())
+    for item in sorted(root.rglob("*")):
+        relative = item.relative_to(root).as_posix()
+        if item.is_symlink():
+            report.problems.append(f"{relative}: a symbolic link inside the release")
+        elif item.is_dir():
+            if relative not in allowed_dirs:
+                report.problems.append(f"directory {relative}: present but holds no listed file")
+        elif not item.is_file():
+            report.problems.append(f"{relative}: not a regular file")
+        elif relative not in allowed_files:
+            report.problems.append(f"file {relative}: present but not listed in the manifest")
 
 
 def _compare(path: str, expected, actual, problems: list[str]) -> None:
@@ -71,7 +122,7 @@ def _compare(path: str, expected, actual, problems: list[str]) -> None:
             if key not in actual:
                 problems.append(f"{path}.{key}: missing from the manifest")
             elif key not in expected:
-                problems.append(f"{path}.{key}: not expected (value {actual[key]!r})")
+                problems.append(f"{path}.{key}: not expected (value {_short(actual[key])})")
             else:
                 _compare(f"{path}.{key}", expected[key], actual[key], problems)
     elif isinstance(expected, list) and isinstance(actual, list):
@@ -82,24 +133,39 @@ def _compare(path: str, expected, actual, problems: list[str]) -> None:
     elif isinstance(expected, float) and isinstance(actual, (int, float)) and not isinstance(actual, bool):
         if not math.isclose(expected, actual, rel_tol=1e-9, abs_tol=1e-12):
             problems.append(f"{path}: manifest says {actual!r}, recomputed {expected!r}")
-    elif expected != actual:
-        problems.append(f"{path}: manifest says {actual!r}, recomputed {expected!r}")
+    elif expected != actual or type(expected) is not type(actual):
+        problems.append(f"{path}: manifest says {_short(actual)}, recomputed {_short(expected)}")
 
 
-def _replan(root: Path, manifest: dict, report: VerifyReport) -> Plan | None:
-    document = json.loads(json.dumps(manifest["spec"]))
-    for column, relative in manifest.get("domain_files", {}).items():
-        document["columns"][column]["domain_file"] = relative
-    try:
-        spec = parse_spec(document)
-        plan = build_plan(spec, root)
-    except DPReleaseError as error:
-        report.problems.append(f"spec: cannot be re-planned: {error}")
+def _short(value, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _replan(root: Path, manifest: dict, report: VerifyReport):
+    """(plan, embedded spec) or None."""
+    # Plan the embedded spec over the release's own domain files; the spec must be in canonical form.
+    document = manifest.get("spec")
+    if not isinstance(document, dict):
+        report.problems.append("spec: missing or not a mapping")
         return None
-    original = parse_spec(manifest["spec"])
-    if original.spec_hash() != manifest.get("spec_sha256"):
-        report.problems.append("spec_sha256: does not match the embedded spec")
-    return plan
+    try:
+        original = parse_spec(json.loads(json.dumps(document)))
+    except DPReleaseError as error:
+        report.problems.append(f"spec: invalid: {error}")
+        return None
+    if original.model_dump(mode="json") != document:
+        report.problems.append("spec: not in the canonical form dprelease writes (edited after publication?)")
+    located = json.loads(json.dumps(document))
+    domain_files = manifest.get("domain_files")
+    for column, relative in (domain_files.items() if isinstance(domain_files, dict) else []):
+        if column in located.get("columns", {}) and _safe_relative(relative):
+            located["columns"][column]["domain_file"] = relative
+    try:
+        return build_plan(parse_spec(located), root), original
+    except DPReleaseError as error:
+        report.problems.append(f"spec: cannot be re-planned over the release's domain files: {error}")
+        return None
 
 
 def _check_budget(plan: Plan, report: VerifyReport) -> None:
@@ -113,13 +179,81 @@ def _check_budget(plan: Plan, report: VerifyReport) -> None:
         report.problems.append(f"totals: epsilon {totals.epsilon_at_delta} at delta exceeds the declared {budget.epsilon}")
 
 
+def _fraction(block: dict, name: str, problems: list[str]) -> Fraction | None:
+    """A non-negative exact fraction in canonical text form (as the ledger writes it)."""
+    text = block.get(name)
+    try:
+        value = Fraction(text) if isinstance(text, str) else None
+    except (ValueError, ZeroDivisionError):
+        value = None
+    if value is None or value < 0 or str(value) != text:
+        problems.append(f"ledger.{name}: {_short(text)} is not a non-negative exact fraction in canonical form")
+        return None
+    return value
+
+
+def _check_ledger(plan: Plan, manifest: dict, report: VerifyReport) -> None:
+    """The ledger block's internal arithmetic against the plan's spend (the ledger itself is private)."""
+    block = manifest.get("ledger")
+    if block is None:
+        return
+    problems = report.problems
+    if not isinstance(block, dict):
+        problems.append("ledger: must be an object or null")
+        return
+    totals = plan.totals
+    unit, spend = ("epsilon", totals.pure_epsilon) if plan.definition == "pure" else ("rho", totals.rho)
+    _compare("ledger.unit", unit, block.get("unit"), problems)
+    _compare("ledger.dataset_id", plan.spec.dataset_id, block.get("dataset_id"), problems)
+    _compare("ledger.period", plan.spec.period, block.get("period"), problems)
+    rerun = block.get("rerun_of_committed_release")
+    if not isinstance(rerun, bool):
+        problems.append("ledger.rerun_of_committed_release: must be true or false")
+        return
+    values = {name: _fraction(block, name, problems)
+              for name in ("lifetime_budget", "spent_before", "spent_after", "charged")}
+    if None in values.values():
+        return
+    expected_charge = Fraction(0) if rerun else spend
+    if values["charged"] != expected_charge:
+        problems.append(f"ledger.charged: {values['charged']}, but this release "
+                        f"{'is a free re-run (0)' if rerun else f'spends {spend} {unit}'}")
+    _check_running_total("", values, values["charged"], "lifetime_budget", problems)
+    period_fields = ("period_budget", "period_spent_before", "period_spent_after")
+    if block.get("period_budget") is None:
+        for name in period_fields[1:]:
+            if block.get(name) is not None:
+                problems.append(f"ledger.{name}: must be null when there is no period budget")
+        return
+    period = {name: _fraction(block, name, problems) for name in period_fields}
+    if None in period.values():
+        return
+    _check_running_total("period_", period, values["charged"], "period_budget", problems)
+    if period["period_budget"] > values["lifetime_budget"]:
+        problems.append("ledger.period_budget: exceeds the lifetime budget")
+
+
+def _check_running_total(prefix: str, values: dict, charged: Fraction, budget: str, problems: list[str]) -> None:
+    """<prefix>spent_after = <prefix>spent_before + charged, and within `budget`."""
+    before, after = values[f"{prefix}spent_before"], values[f"{prefix}spent_after"]
+    if after != before + charged:
+        problems.append(f"ledger.{prefix}spent_after: {after} != {prefix}spent_before {before} + charged {charged}")
+    if after > values[budget]:
+        problems.append(f"ledger.{prefix}spent_after: {after} exceeds the {budget.replace('_', ' ')} {values[budget]}")
+
+
 def _check_measurements(root: Path, plan: Plan, report: VerifyReport) -> None:
     for table in plan.tables:
         for folder, column in (("measurements", "noisy_count"), ("tables", "count")):
             path = root / folder / f"{table.name}.parquet"
             if not path.is_file():
                 continue
-            data = pq.read_table(path)
+            try:
+                data = pq.read_table(path)
+            except (pa.ArrowException, OSError) as error:
+                report.problems.append(f"{folder}/{table.name}.parquet: cannot be read as Parquet "
+                                       f"({type(error).__name__})")
+                continue
             if data.num_rows != table.n_cells:
                 report.problems.append(f"{folder}/{table.name}: {data.num_rows} rows, the public domain has {table.n_cells}")
             if column not in data.column_names or not pa.types.is_integer(data.schema.field(column).type):
@@ -128,8 +262,19 @@ def _check_measurements(root: Path, plan: Plan, report: VerifyReport) -> None:
 
 def _check_signature(root: Path, manifest: dict, manifest_bytes: bytes, public_key_path: Path | None,
                      report: VerifyReport) -> None:
-    """With --public-key: the manifest must name that key and carry a valid Ed25519 signature."""
+    """A manifest that says it is signed must have its signature file (always checked); with
+    --public-key the manifest must name that key and the Ed25519 signature must be valid."""
     declared = manifest.get("signature")
+    signature_path = root / SIGNATURE_FILE
+    if declared is not None:
+        if not isinstance(declared, dict) or declared.get("file") != SIGNATURE_FILE \
+                or declared.get("algorithm") != "Ed25519" or not HEX64.match(str(declared.get("public_key_sha256"))):
+            report.problems.append(f"signature: the block must name algorithm Ed25519, file {SIGNATURE_FILE} and a "
+                                   "SHA-256 key fingerprint")
+        if signature_path.is_symlink() or not signature_path.is_file() \
+                or not well_formed(signature_path.read_bytes()):
+            report.problems.append(f"signature: the manifest says it is signed, but {SIGNATURE_FILE} is missing or "
+                                   "not a base64 Ed25519 signature")
     if public_key_path is None:
         report.signature = "signed (not checked: pass --public-key)" if declared else "not signed"
         return
@@ -137,24 +282,49 @@ def _check_signature(root: Path, manifest: dict, manifest_bytes: bytes, public_k
     if not declared:
         report.problems.append("signature: the release is not signed, but --public-key was given")
         return
-    if declared.get("public_key_sha256") != fingerprint(public_key):
+    if not isinstance(declared, dict) or declared.get("public_key_sha256") != fingerprint(public_key):
         report.problems.append("signature: the manifest names a different signing key")
-    signature_path = root / SIGNATURE_FILE
     if not signature_path.is_file() or not check(public_key, manifest_bytes, signature_path.read_bytes()):
         report.problems.append(f"signature: {SIGNATURE_FILE} is missing or does not match manifest.json")
     else:
         report.signature = f"valid Ed25519 signature by key {fingerprint(public_key)[:16]}"
 
 
+def _check_derived(root: Path, manifest: dict, plan: Plan, embedded_spec, report: VerifyReport) -> None:
+    """Every derived field, the file set of the plan, the budget, the tables' shape and the ledger."""
+    expected = derived_section(plan)
+    expected.update(spec=embedded_spec.model_dump(mode="json"), spec_sha256=embedded_spec.spec_hash())
+    for key, value in expected.items():
+        _compare(key, value, manifest.get(key), report.problems)
+    if manifest.get("input_validation") is not None:
+        _compare("input_validation", manifest_record(plan), manifest["input_validation"], report.problems)
+    listed = {e.get("path") for e in manifest.get("files", []) if isinstance(e, dict)} \
+        if isinstance(manifest.get("files"), list) else set()
+    for missing in sorted(expected_files(plan) - listed):
+        report.problems.append(f"files: {missing} is part of this release but not listed")
+    for extra in sorted(p for p in listed - expected_files(plan) if isinstance(p, str)):
+        report.problems.append(f"files: {extra} is listed but not part of a release of this spec")
+    if not HEX16.match(str(manifest.get("key_id"))):
+        report.problems.append(f"key_id: {_short(manifest.get('key_id'))} is not a 16-digit lowercase hex key id")
+    software = manifest.get("software")
+    if not isinstance(software, dict) or software.get("name") != "dprelease":
+        report.problems.append("software.name: must be 'dprelease'")
+    _check_budget(plan, report)
+    _check_ledger(plan, manifest, report)
+    _check_measurements(root, plan, report)
+
+
 def verify_release(release_dir: Path, public_key: Path | None = None) -> VerifyReport:
     root = Path(release_dir)
     report = VerifyReport(root)
-    manifest_path = root / "manifest.json"
     try:
-        manifest_bytes = manifest_path.read_bytes()
-        manifest = json.loads(manifest_bytes.decode("utf-8"))
+        manifest_bytes = (root / MANIFEST).read_bytes()
+        manifest = json.loads(manifest_bytes.decode("utf-8"), parse_constant=_refuse_constant)
     except (OSError, ValueError) as error:
-        report.problems.append(f"manifest.json: cannot be read as JSON ({error})")
+        report.problems.append(f"manifest.json: cannot be read as strict JSON ({type(error).__name__}: {error})")
+        return report
+    if not isinstance(manifest, dict):
+        report.problems.append(f"manifest.json: must be a JSON object, found {type(manifest).__name__}")
         return report
     report.manifest = manifest
     try:
@@ -164,15 +334,38 @@ def verify_release(release_dir: Path, public_key: Path | None = None) -> VerifyR
             report.problems.append(f"manifest schema: {'.'.join(map(str, item['loc']))}: {item['msg']}")
     _check_signature(root, manifest, manifest_bytes, public_key, report)
     _check_files(root, manifest, report)
-    plan = _replan(root, manifest, report)
-    if plan is None:
+    planned = _replan(root, manifest, report)
+    if planned is None:
         return report
+    plan, embedded_spec = planned
     report.plan = plan
-    expected = accounting_section(plan)
-    for key, value in expected.items():
-        _compare(key, value, manifest.get(key), report.problems)
-    if manifest.get("input_validation") is not None:
-        _compare("input_validation", manifest_record(plan), manifest["input_validation"], report.problems)
-    _check_budget(plan, report)
-    _check_measurements(root, plan, report)
+    try:
+        _check_derived(root, manifest, plan, embedded_spec, report)
+    except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as error:
+        report.problems.append(f"manifest: malformed ({type(error).__name__}); see the schema problems above")
     return report
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def published_manifest_sha256(row) -> str | None:
+    """For `ledger reconcile`: the SHA-256 of the manifest published at a ledger row's release directory
+    when it is that row's release (same dataset, release, key and spec), else None."""
+    path = Path(row.release_dir) / MANIFEST
+    try:
+        data = path.read_bytes()
+        manifest = json.loads(data)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict):
+        return None
+    same = (manifest.get("dataset_id"), manifest.get("release_id"), manifest.get("key_id"),
+            manifest.get("spec_sha256")) == (row.dataset_id, row.release_id, row.key_id, row.spec_sha256)
+    if not same:
+        return None
+    return hashlib.sha256(data).hexdigest()
+
+
+__all__ = ["verify_release", "published_manifest_sha256", "DESCRIPTIVE_FIELDS", "VerifyReport"]

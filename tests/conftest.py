@@ -72,3 +72,13 @@ def case(tmp_path):
         return write_case(tmp_path / f"case{counter['n']}", small_spec(**overrides), rows, schema)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server on 127.0.0.1 for the whole session (see tests/postgres.py)."""
+    from .postgres import start_server, stop_server
+
+    server = start_server()
+    yield server
+    stop_server(server)

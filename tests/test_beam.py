@@ -107,11 +107,13 @@ def test_ptransforms_compose_in_a_users_own_pipeline(demo, tmp_path):
     from apache_beam.testing.util import assert_that
 
     from dprelease.transforms.beam import AddNoise, BoundContributions, EncodeRecords, Hierarchy, ReadInputBatches
+    from dprelease.pipelines.run import bind_release_key
+    from dprelease.pipelines.source import open_input
     from dprelease.transforms.csprng import ReleaseKey
 
     spec, base = load_spec(DEMO_SPEC)
     plan = build_plan(spec, base)
-    key = ReleaseKey.load(demo["key"])
+    key, _ = bind_release_key(ReleaseKey.load(demo["key"]), plan, open_input(plan, base, str(demo["data"])))
     hierarchy = next(q.name for q in spec.queries if q.kind == "hierarchy")
     tables = [t.name for t in plan.tables if t.query == hierarchy]
     expected = {name: pq.read_table(demo["embedded"] / "measurements" / f"{name}.parquet").column("noisy_count")

@@ -53,9 +53,9 @@ def test_demo_release_end_to_end(tmp_path):
 
 @pytest.mark.skipif(not SHARED_ADULT.is_file(), reason="shared Adult data not beside the repository")
 def test_adult_release_end_to_end(tmp_path):
-    ran = cli("run", ADULT_SPEC, "--out", tmp_path, "--key-file", tmp_path / "adult.key", "--no-ledger")
+    ran = cli("run", ADULT_SPEC, "--out", tmp_path / "out", "--key-file", tmp_path / "adult.key", "--no-ledger")
     assert ran.returncode == 0, ran.stderr
-    release = tmp_path / "adult-2way"
+    release = tmp_path / "out" / "adult-2way"
     manifest = json.loads((release / "manifest.json").read_text())
     assert len(manifest["tables"]) == 91
     assert manifest["totals"]["epsilon_at_delta"] <= 1.0

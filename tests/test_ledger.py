@@ -10,7 +10,7 @@ from fractions import Fraction
 import pytest
 
 from dprelease.accounting.errors import BudgetError, SpecError
-from dprelease.accounting.ledger import COMMITTED, history, open_ledger, reserve, set_budget
+from dprelease.accounting.ledger import COMMITTED, SCHEMA_VERSION, history, open_ledger, reserve, set_budget
 from dprelease.pipelines import release as release_module
 from dprelease.pipelines.run import run_release
 from dprelease.pipelines.verify import verify_release
@@ -158,7 +158,7 @@ def test_a_version_1_ledger_is_migrated_in_place(tmp_path):
         """)
     book = open_ledger(path)
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT version FROM schema_version").fetchall() == [(2,)]
+        assert db.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
     with pytest.raises(BudgetError, match="only 1/4"):
         reserve(book, "old", "r2", "k2", "y", "rho", Fraction(1, 2))
     assert reserve(book, "old", "r2", "k2", "y", "rho", Fraction(1, 4)).spent_before == Fraction(3, 4)

@@ -156,7 +156,7 @@ def test_missing_column_aborts_before_a_key_is_drawn(case, tmp_path):
 
 def test_numeric_geography_column_is_a_schema_error(case, tmp_path):
     rows = {"pid": [1], "geo": [1001000100], "age": [3], "sex": ["F"]}
-    with pytest.raises(InputSchemaError, match="geography codes must be strings"):
+    with pytest.raises(InputSchemaError, match="columns.geo: input column type is int64; allowed: string"):
         run(case(rows=rows), tmp_path)
 
 

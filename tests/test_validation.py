@@ -164,3 +164,24 @@ def test_validate_command_checks_without_releasing(case, tmp_path):
     assert not (spec_path.parent / "out").exists() and not (spec_path.parent / "keys").exists()
     broken = cli("validate", case(rows={k: v for k, v in CLEAN.items() if k != "age"}), "--internal-dir", tmp_path / "i2")
     assert broken.returncode == 2 and "age" in broken.stderr
+
+
+def test_schema_and_values_validate_under_pandas_string_inference(case, tmp_path):
+    """pandas 3 infers text as the `str` dtype (pandas 2.x does so with future.infer_string), which
+    great-expectations' type check did not accept: every geography column failed the schema check."""
+    import pandas as pd
+
+    from dprelease.pipelines.run import validate_only
+
+    with pd.option_context("future.infer_string", True):
+        assert str(pa.table({"x": ["a"]}).to_pandas().dtypes["x"]) == "str"
+        report = validate_only(case(rows=DIRTY), tmp_path / "internal")
+    failed = {e["kwargs"]["column"] for e in json.loads(report.read_text())["expectations"] if not e["success"]}
+    assert failed == {"pid", "geo", "age", "sex"}  # the dirty values, and no schema failure
+
+
+def test_the_validate_extra_pins_the_pandas_it_is_tested_on():
+    from importlib.metadata import requires
+
+    pins = [r for r in requires("dprelease") if r.startswith("pandas") and 'extra == "validate"' in r]
+    assert pins and all("<3" in pin for pin in pins), pins

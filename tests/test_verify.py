@@ -86,7 +86,7 @@ def test_edited_declared_budget_breaks_spec_hash(release):
 def test_missing_file(release):
     (release / "measurements" / "pop.tract.parquet").unlink()
     report = verify_release(release)
-    assert "file measurements/pop.tract.parquet: missing" in report.problems
+    assert "file measurements/pop.tract.parquet: missing (or not a regular file)" in report.problems
     assert cli_verify(release).returncode == 1
 
 

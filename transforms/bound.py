@@ -36,17 +36,29 @@ def unit_fingerprints(units: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
     Used as PRF input and for spill partitioning, never for grouping.
     """
-    if pa.types.is_integer(units.type):
-        return units.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False).view(np.uint64)
+    if pa.types.is_integer(units.type):  # every value fits: unsigned as uint64, signed as int64 (bit view)
+        wide = pa.uint64() if pa.types.is_unsigned_integer(units.type) else pa.int64()
+        return units.cast(wide).fill_null(0).to_numpy(zero_copy_only=False).view(np.uint64)
     encoded = pc.dictionary_encode(units)
     if isinstance(encoded, pa.ChunkedArray):
         encoded = encoded.combine_chunks()
     digests = [
-        int.from_bytes(hashlib.blake2b(str(v).encode(), digest_size=8).digest(), "little")
-        for v in encoded.dictionary.to_pylist()
+        int.from_bytes(hashlib.blake2b(_unit_bytes(v), digest_size=8).digest(), "little")
+        for v in _dictionary_bytes(encoded.dictionary)
     ]
     table = np.array(digests + [0], dtype=np.uint64)
     return table[encoded.indices.fill_null(len(digests)).to_numpy(zero_copy_only=False)]
+
+
+def _dictionary_bytes(dictionary: pa.Array) -> list:
+    """Text as its raw bytes (never decoded: invalid UTF-8 in one unit id cannot raise), others as values."""
+    if pa.types.is_string(dictionary.type) or pa.types.is_large_string(dictionary.type):
+        return dictionary.cast(pa.large_binary()).to_pylist()
+    return dictionary.to_pylist()
+
+
+def _unit_bytes(value) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
 
 
 def unit_shards(units: pa.Array | pa.ChunkedArray, shards: int, salt: int) -> np.ndarray:
@@ -81,7 +93,8 @@ def records_over_limit(units: pa.Array | pa.ChunkedArray, k: int) -> np.ndarray:
     if n <= k:
         return np.empty(0, dtype=np.int64)
     if pa.types.is_integer(units.type):
-        values = units.cast(pa.int64()).to_numpy(zero_copy_only=False)
+        wide = pa.uint64() if pa.types.is_unsigned_integer(units.type) else pa.int64()
+        values = units.cast(wide).to_numpy(zero_copy_only=False)  # exact for every value of the type
         ordered = np.sort(values)
         heavy = ordered[k:][ordered[k:] == ordered[:-k]]
         if heavy.size == 0:

@@ -47,7 +47,7 @@ class ReleaseKey:
     def save(self, path: Path) -> None:
         """Write the key as hex to a new file readable by its owner only (never overwrites)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as handle:
             handle.write(self._secret.hex() + "\n")
@@ -55,6 +55,24 @@ class ReleaseKey:
     def derive(self, purpose: str) -> bytes:
         """A 256-bit subkey for one purpose; subkeys of distinct purposes are independent."""
         return hmac.new(self._secret, purpose.encode("utf-8"), hashlib.sha256).digest()
+
+    def bind(self, *context: str) -> "ReleaseKey":
+        """The key of one release: a subkey bound to its public context (dataset id, release id, spec hash)
+        and the input's keyed fingerprint. Privacy: every noise value, bounding choice and shard salt is
+        derived from the bound key, so one key file reused for another release, another spec or another
+        input draws independent noise, never the same noise over different data (which would publish the
+        exact difference of the true counts)."""
+        encoded = b"".join(len(part.encode()).to_bytes(4, "big") + part.encode() for part in context)
+        return ReleaseKey(hmac.new(self._secret, b"dprelease/release-binding\0" + encoded, hashlib.sha256).digest())
+
+    def fingerprint(self, chunks) -> str:
+        """A keyed hash (HMAC-SHA256 under a subkey of this key) of a sequence of byte chunks: tells two
+        inputs apart without revealing anything about them to someone who lacks the key. Internal only:
+        stored in the ledger, never published."""
+        mac = hmac.new(self.derive("dprelease/input-fingerprint"), digestmod=hashlib.sha256)
+        for chunk in chunks:
+            mac.update(chunk)
+        return mac.hexdigest()
 
     def key_id(self) -> str:
         """A public identifier of the key (a one-way hash): tells two releases' keys apart."""

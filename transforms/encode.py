@@ -19,12 +19,36 @@ from .domains import CategoricalDomain, Domain, GeographyDomain, IntegerDomain
 INVALID = -1
 
 
+def dictionary_values(dictionary: pa.Array) -> list:
+    """The Python values of a column's dictionary; text that is not valid UTF-8 becomes None (an invalid
+    value, routed by the column's policy) instead of an error that a single record could raise."""
+    if pa.types.is_string(dictionary.type) or pa.types.is_large_string(dictionary.type):
+        return [_decoded(v) for v in dictionary.cast(pa.large_binary()).to_pylist()]
+    if pa.types.is_binary(dictionary.type) or pa.types.is_large_binary(dictionary.type):
+        return [_decoded(v) for v in dictionary.to_pylist()]
+    return dictionary.to_pylist()
+
+
+def _decoded(value: bytes | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _dictionary_encoded(column: pa.Array | pa.ChunkedArray) -> pa.DictionaryArray:
+    encoded = column if pa.types.is_dictionary(column.type) else pc.dictionary_encode(column)
+    if isinstance(encoded, pa.ChunkedArray):
+        encoded = encoded.unify_dictionaries().combine_chunks() if encoded.num_chunks else encoded.combine_chunks()
+    return encoded
+
+
 def _lookup_codes(column: pa.Array | pa.ChunkedArray, table: dict[str, int]) -> np.ndarray:
     """Codes of a string-like column via its dictionary; INVALID for misses and nulls."""
-    encoded = pc.dictionary_encode(column)
-    if isinstance(encoded, pa.ChunkedArray):
-        encoded = encoded.combine_chunks()
-    dictionary = encoded.dictionary.to_pylist()
+    encoded = _dictionary_encoded(column)
+    dictionary = dictionary_values(encoded.dictionary)
     lut = np.array([table.get(_as_text(v), INVALID) for v in dictionary] + [INVALID], dtype=np.int64)
     indices = encoded.indices.fill_null(len(dictionary))
     return lut[indices.to_numpy(zero_copy_only=False)]
@@ -54,13 +78,15 @@ def _parse_integer(value: object) -> float:
 def _integer_values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """float64 values of an integer column; NaN for nulls and non-integers."""
     if pa.types.is_integer(column.type) or pa.types.is_floating(column.type):
-        values = column.cast(pa.float64()).to_numpy(zero_copy_only=False)
+        # unchecked cast: an integer beyond 2**53 becomes a float beyond every domain bound (|bounds| <= 2**53
+        # in the spec), hence invalid by policy; a checked cast would abort the run on one record
+        values = column.cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
         values = np.where(np.isfinite(values) & (values == np.floor(values)), values, np.nan)
         return values
-    encoded = pc.dictionary_encode(column)
-    if isinstance(encoded, pa.ChunkedArray):
-        encoded = encoded.combine_chunks()
-    parsed = np.array([_parse_integer(v) for v in encoded.dictionary.to_pylist()] + [math.nan])
+    if pa.types.is_null(column.type):
+        return np.full(len(column), np.nan)
+    encoded = _dictionary_encoded(column)
+    parsed = np.array([_parse_integer(v) for v in dictionary_values(encoded.dictionary)] + [math.nan])
     indices = encoded.indices.fill_null(len(encoded.dictionary))
     return parsed[indices.to_numpy(zero_copy_only=False)]
 

@@ -23,7 +23,13 @@ from dprelease.transforms.samplers import table_noise
 
 from ..plan import Plan
 from ..source import InputSource
+from ..housekeeping import process_token
 from .base import Engine, ProgressHook, no_progress
+
+def spill_prefix(release_id: str) -> str:
+    """Name prefix of a release's spill directories in TMPDIR: the owner's process token follows it."""
+    return f"dprelease-spill-{release_id}@"
+
 
 PARTITION_BYTES = 64 << 20
 """Encoded bytes (4 per column + 8 for the unit) per spill partition; bounds peak memory."""
@@ -49,7 +55,9 @@ class SpillPartitions:
             piece = table.filter(pa.array(part == p))
             if piece.num_rows:
                 if p not in self._writers:
-                    self._writers[p] = pa.ipc.new_file(str(self._directory / f"part-{p}.arrow"), table.schema)
+                    path = self._directory / f"part-{p}.arrow"
+                    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # owner-only, then filled
+                    self._writers[p] = pa.ipc.new_file(str(path), table.schema)
                 self._writers[p].write_table(piece)
 
     def tables(self):
@@ -82,7 +90,9 @@ class EmbeddedEngine(Engine):
         partitions = max(1, -(-source.estimated_rows() * row_bytes // PARTITION_BYTES)) if unit else 1
         subkey = key.derive("dprelease/bound")
         files = source.files()
-        with tempfile.TemporaryDirectory(prefix="dprelease-spill-") as spill_dir:
+        # a 0700 directory, removed on every exit path (SIGTERM too, see run.py); a later run of the
+        # release removes one left by SIGKILL (its name carries the owner's process token)
+        with tempfile.TemporaryDirectory(prefix=f"{spill_prefix(plan.spec.release_id)}{process_token()}@") as spill_dir:
             spill = SpillPartitions(partitions, Path(spill_dir), shard_salt(key))
             for done, path in enumerate(files):
                 for batch in source.batches(path):

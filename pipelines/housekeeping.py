@@ -1,0 +1,94 @@
+"""Which process owns a run's leftovers, and removing those of runs that died.
+
+A run names its staging and spill directories (and its ledger reservation) after its process: host,
+pid and the process's start time, so a reused pid is never taken for the dead run. A later run of the
+same release removes the leftovers of its dead predecessors (SIGKILL cannot be caught); everything
+else a run creates is removed on its own exit paths, SIGTERM included.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def _start_ticks(pid: int) -> str | None:
+    """The start time of a process (clock ticks since boot, from /proc), or None if it does not exist."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def process_token(pid: int | None = None) -> str:
+    """`pid.start` of this (or another) process: unique on this host across pid reuse."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}.{_start_ticks(pid) or 0}"
+
+
+def owner() -> str:
+    """The owner of a ledger reservation: host:pid.start."""
+    return f"{socket.gethostname()}:{process_token()}"
+
+
+def token_alive(token: str) -> bool:
+    """Whether the process named by `pid.start` still runs (on this host)."""
+    pid_text, _, start = token.partition(".")
+    if not pid_text.isdigit():
+        return False
+    return _start_ticks(int(pid_text)) == start
+
+
+def owner_alive(owner_text: str) -> bool | None:
+    """True/False for an owner on this host; None when it ran on another host (cannot be told here)."""
+    host, _, token = owner_text.rpartition(":")
+    if host != socket.gethostname():
+        return None
+    return token_alive(token)
+
+
+TOKEN = re.compile(r"^[0-9]+\.[0-9]+$")
+
+
+def remove_stale(parent: Path, prefix: str) -> list[Path]:
+    """Remove the directories `<parent>/<prefix><token>@...` (prefix ends in '@') whose process is gone;
+    never follows a link and never touches a name without the prefix and a well-formed token.
+    Returns what was removed."""
+    removed = []
+    if not parent.is_dir():
+        return removed
+    for entry in parent.iterdir():
+        if not entry.name.startswith(prefix) or entry.is_symlink() or not entry.is_dir():
+            continue
+        token = entry.name[len(prefix):].split("@", 1)[0]
+        if TOKEN.match(token) and not token_alive(token):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread on SIGTERM so that every `finally` (spill, staging, reservation) runs."""
+
+
+@contextmanager
+def terminate_as_exit():
+    """While active, SIGTERM raises `Terminated` (exit 143) instead of killing the process outright."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,77 @@
+"""How big a release may be: a public cap on cells, checked before any key, budget or data.
+
+Every engine holds each table's full public domain on the driver (true counts, noise, noisy and
+published values, labels for the output files), so memory grows with cells, not rows. A spec whose
+tables exceed the cap is refused (exit 2) by `plan` and `run` before anything is reserved.
+"""
+from __future__ import annotations
+
+import os
+
+from dprelease.accounting.errors import SpecError
+
+from .plan import Plan
+
+DEFAULT_MAX_CELLS = 20_000_000
+MAX_CELLS_ENV = "DPRELEASE_MAX_CELLS"
+BYTES_PER_CELL = 200
+"""Estimated peak driver memory per public cell: int64 counts, noise, noisy and published vectors,
+post-processing work arrays, and the label columns of the Parquet/CSV writers."""
+
+
+def max_cells_setting(value: int | None = None) -> int:
+    """The cap in force: `value` (--max-cells), else $DPRELEASE_MAX_CELLS, else DEFAULT_MAX_CELLS."""
+    if value is not None:
+        return value
+    text = os.environ.get(MAX_CELLS_ENV)
+    if text is None:
+        return DEFAULT_MAX_CELLS
+    if not text.isdigit() or int(text) < 1:
+        raise SpecError(f"{MAX_CELLS_ENV} = {text!r}: must be a positive integer")
+    return int(text)
+
+
+def estimated_memory_bytes(plan: Plan) -> int:
+    return sum(t.n_cells for t in plan.tables) * BYTES_PER_CELL
+
+
+def human_bytes(count: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if count < 1024 or unit == "PiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError
+
+
+def check_plan_limits(plan: Plan, max_cells: int | None = None) -> None:
+    """Everything about a plan's size and numbers that must hold before a run may reserve budget."""
+    check_representable(plan)
+    check_cell_limit(plan, max_cells)
+
+
+def check_representable(plan: Plan) -> None:
+    """Refuse (SpecError) a plan whose accounting holds a number strict JSON cannot carry (inf, NaN)."""
+    import json
+
+    from .manifest import accounting_section
+
+    try:
+        json.dumps(accounting_section(plan), allow_nan=False)
+    except ValueError:
+        raise SpecError("budget: the plan's accounting (losses, noise scales, expected errors) is not finite "
+                        "for this budget; choose a smaller epsilon/rho or a larger delta") from None
+
+
+def check_cell_limit(plan: Plan, max_cells: int | None = None) -> None:
+    """Refuse (SpecError, exit 2) a release whose tables together exceed the cell cap."""
+    limit = max_cells_setting(max_cells)
+    total = sum(t.n_cells for t in plan.tables)
+    if total <= limit:
+        return
+    largest = max(plan.tables, key=lambda t: t.n_cells)
+    raise SpecError(
+        f"queries: the release has {total:,} public cells (largest table {largest.name!r}: {largest.n_cells:,}), over "
+        f"the limit of {limit:,} (--max-cells or ${MAX_CELLS_ENV}); a run needs about "
+        f"{human_bytes(total * BYTES_PER_CELL)} of driver memory on every engine (embedded, spark and beam all hold "
+        "each table's cells on one machine). Coarsen the table (bins, fewer attributes, a smaller way), or raise "
+        "--max-cells on a machine with that much memory")

@@ -1,0 +1,220 @@
+"""Nothing confidential leaves: one record never decides whether a run aborts, no value reaches the
+console, schema problems of every input file are public exit-2 errors, spill and staging files are
+private and never outlive the run (SIGTERM included), and a later run removes what a SIGKILL left."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from dprelease.accounting.errors import InputSchemaError
+from dprelease.accounting.ledger import ABORTED, history, open_ledger, set_budget
+from dprelease.pipelines.engines import embedded as embedded_module
+from dprelease.pipelines.run import run_release
+from dprelease.pipelines.verify import verify_release
+
+from .conftest import GEO_LEAVES
+
+SECRET_INT = 2**60 + 12345  # a value that must never be printed
+SECRET_TEXT = b"\xffSECRET\xfe"
+
+
+def cli(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", *map(str, args)],
+                          capture_output=True, text=True, env=env)
+
+
+def base_rows() -> dict:
+    return {"pid": [1, 2, 3, 4], "geo": [GEO_LEAVES[0], GEO_LEAVES[3], GEO_LEAVES[5], GEO_LEAVES[1]],
+            "age": [10, 40, 70, 30], "sex": ["F", "M", "F", "M"]}
+
+
+def assert_public(result: subprocess.CompletedProcess, *secrets: str) -> None:
+    text = result.stdout + result.stderr
+    assert "Traceback" not in text
+    for secret in secrets:
+        assert secret not in text
+
+
+# 6. Record-level problems go through the column's policy ---------------------------------------------------------
+
+def test_an_integer_beyond_2_53_is_an_invalid_value_not_an_abort(case, tmp_path):
+    data = base_rows() | {"age": pa.array([10, SECRET_INT, 70, 30], pa.int64())}
+    ran = cli("run", case(rows=data), "--no-ledger", "--key-file", tmp_path / "k.key", "--out", tmp_path / "out")
+    assert ran.returncode == 0, ran.stderr
+    assert_public(ran, str(SECRET_INT))
+    assert verify_release(tmp_path / "out" / "test-release").ok
+
+
+def test_a_uint64_unit_id_at_or_above_2_63_is_a_unit_like_any_other(case, tmp_path):
+    data = base_rows() | {"pid": pa.array([1, 2**63, 2**64 - 1, 2**63], pa.uint64())}
+    ran = cli("run", case(rows=data, contribution={"max_records_per_unit": 1}), "--no-ledger",
+              "--key-file", tmp_path / "k.key", "--out", tmp_path / "out")
+    assert ran.returncode == 0, ran.stderr
+    assert_public(ran, str(2**63))
+
+
+def test_invalid_utf8_in_a_parquet_string_field_is_an_invalid_value(case, tmp_path):
+    spec = case()
+    geo = pa.array([GEO_LEAVES[0].encode(), SECRET_TEXT, GEO_LEAVES[5].encode(), GEO_LEAVES[1].encode()], pa.binary())
+    sex = pa.array([b"F", b"M", SECRET_TEXT, b"M"], pa.binary())
+    table = pa.table({"pid": [1, 2, 3, 4], "geo": geo.cast(pa.string(), safe=False), "age": [10, 40, 70, 30],
+                      "sex": sex.cast(pa.string(), safe=False)})
+    pq.write_table(table, spec.parent / "input.parquet")
+    ran = cli("run", spec, "--no-ledger", "--key-file", tmp_path / "k.key", "--out", tmp_path / "out")
+    assert ran.returncode == 0, ran.stderr
+    assert_public(ran, "SECRET")
+
+
+def test_invalid_utf8_in_a_csv_field_is_an_invalid_value_with_validation_too(case, tmp_path):
+    spec = case(input={"path": "input.csv"})
+    lines = [b"pid,geo,age,sex", f"1,{GEO_LEAVES[0]},10,F".encode(), b"2," + SECRET_TEXT + b",40,M",
+             f"3,{GEO_LEAVES[5]},70,".encode() + SECRET_TEXT, b"4" + SECRET_TEXT + f",{GEO_LEAVES[1]},30,M".encode()]
+    (spec.parent / "input.csv").write_bytes(b"\n".join(lines) + b"\n")
+    ran = cli("run", spec, "--no-ledger", "--key-file", tmp_path / "k.key", "--out", tmp_path / "out",
+              "--internal-dir", tmp_path / "internal")
+    assert ran.returncode == 0, ran.stderr
+    assert_public(ran, "SECRET")
+
+
+def test_a_struct_or_list_column_is_a_schema_error_naming_file_and_column(case, tmp_path):
+    data = base_rows() | {"sex": pa.array([{"v": "F"}, {"v": "M"}, {"v": "F"}, {"v": "SECRETVALUE"}])}
+    ran = cli("run", case(rows=data), "--no-ledger", "--key-file", tmp_path / "k.key", "--out", tmp_path / "out")
+    assert ran.returncode == 2 and "columns.sex" in ran.stderr and "input.parquet" in ran.stderr, ran.stderr
+    assert_public(ran, "SECRETVALUE")
+    nested_unit = base_rows() | {"pid": pa.array([[1], [2], [3], [4]])}
+    with pytest.raises(InputSchemaError, match="privacy_unit 'pid'"):
+        run_release(case(rows=nested_unit), key_file=tmp_path / "k2.key", out_dir=tmp_path / "out2")
+    assert not (tmp_path / "k.key").exists() and not (tmp_path / "k2.key").exists()
+
+
+def test_every_file_of_an_input_directory_is_checked_before_any_reservation(case, tmp_path):
+    spec = case(input={"path": "parts"})
+    parts = spec.parent / "parts"
+    parts.mkdir()
+    pq.write_table(pa.table(base_rows()), parts / "a.parquet")
+    pq.write_table(pa.table({k: v for k, v in base_rows().items() if k != "age"}), parts / "b.parquet")
+    (parts / "c.parquet").write_bytes(b"not parquet at all: SECRETVALUE")
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "test-data", "epsilon", Fraction(5))
+    ran = cli("run", spec, "--ledger", book, "--key-file", tmp_path / "k.key", "--out", tmp_path / "out")
+    assert ran.returncode == 2, ran.stderr
+    assert "b.parquet: missing column(s) ['age']" in ran.stderr
+    assert "c.parquet: cannot be read as parquet" in ran.stderr
+    assert_public(ran, "SECRETVALUE")
+    assert history(open_ledger(book), "test-data")[1] == [] and not (tmp_path / "k.key").exists()
+
+
+def test_an_unexpected_failure_prints_one_public_line_and_details_only_internally(case, tmp_path, monkeypatch):
+    from dprelease.pipelines import cli as cli_module
+    from dprelease.pipelines import run as run_module
+
+    def leak(*args, **kwargs):
+        raise ValueError(f"cannot convert value {SECRET_INT}")
+
+    monkeypatch.setattr(run_module, "run_release", leak)
+    spec = case()
+    quiet = CliRunner().invoke(cli_module.main, ["run", str(spec), "--no-ledger"])
+    assert quiet.exit_code == 1
+    assert "ValueError" in quiet.output and str(SECRET_INT) not in quiet.output and "--internal-dir" in quiet.output
+    internal = tmp_path / "internal"
+    kept = CliRunner().invoke(cli_module.main, ["run", str(spec), "--no-ledger", "--internal-dir", str(internal)])
+    assert kept.exit_code == 1 and str(SECRET_INT) not in kept.output
+    (report,) = internal.glob("failure-run-*.txt")
+    assert str(SECRET_INT) in report.read_text() and stat.S_IMODE(report.stat().st_mode) == 0o600
+
+
+# 7. Spill and staging files ----------------------------------------------------------------------------------------
+
+def test_spill_files_are_private_and_removed(case, tmp_path, monkeypatch):
+    monkeypatch.setattr(embedded_module, "PARTITION_BYTES", 16)  # force several spill partitions
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    seen = []
+    original = embedded_module.EmbeddedEngine._accumulate
+
+    def spy(*args, **kwargs):
+        for directory in (tmp_path / "tmp").iterdir():
+            seen.append((directory.name, stat.S_IMODE(directory.stat().st_mode),
+                         sorted(stat.S_IMODE(f.stat().st_mode) for f in directory.iterdir())))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(embedded_module.EmbeddedEngine, "_accumulate", staticmethod(spy))
+    run_release(case(), key_file=tmp_path / "k.key", out_dir=tmp_path / "out")
+    assert seen, "the spill directory was never seen"
+    for name, mode, file_modes in seen:
+        assert name.startswith("dprelease-spill-test-release@") and mode == 0o700
+        assert file_modes and set(file_modes) == {0o600}
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def _demo_case(tmp_path: Path, rows: int) -> Path:
+    from dprelease.examples.generator import write_demo_data
+
+    from .conftest import DEMO_SPEC
+
+    directory = tmp_path / "demo"
+    write_demo_data(directory / "data", rows, seed=3)
+    (directory / "spec.yaml").write_text(DEMO_SPEC.read_text())
+    (directory / "geography.txt").write_bytes((directory / "data" / "geography.txt").read_bytes())
+    return directory / "spec.yaml"
+
+
+def _wait_for(predicate, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_killed_run_leaves_nothing_behind_after_the_next_run(tmp_path, signum):
+    """SIGTERM: the run cleans up itself (spill, reservation). SIGKILL: `ledger reconcile` releases the
+    reservation and the next run of the release removes the dead run's spill directory."""
+    spec = _demo_case(tmp_path, 400_000)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = dict(os.environ, TMPDIR=str(temp))
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "demo-census", "rho", Fraction(10))
+    command = [sys.executable, "-m", "dprelease.pipelines.cli", "run", str(spec), "--ledger", str(book),
+               "--key-file", str(tmp_path / "k.key"), "--out", str(tmp_path / "out"), "--workers", "1"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    spilling = lambda: any(p.name.startswith("dprelease-spill-demo-2026@") for p in temp.iterdir())  # noqa: E731
+    assert _wait_for(spilling), "the run never created its spill directory"
+    process.send_signal(signum)
+    process.communicate(timeout=120)
+    assert process.returncode in (-signum, 128 + signum)
+    rows = history(open_ledger(book), "demo-census")[1]
+    if signum == signal.SIGTERM:
+        assert not spilling() and [r.status for r in rows] == [ABORTED]
+    else:
+        assert spilling()
+        settled = cli("ledger", "reconcile", "--ledger", book)
+        assert settled.returncode == 0 and [r.status for r in history(open_ledger(book), "demo-census")[1]] == [ABORTED]
+    assert not (tmp_path / "out" / "demo-2026").exists()
+    stray = tmp_path / "out" / ".demo-2026.staging@1.1@dead"  # a staging dir of a long-dead run
+    stray.mkdir(parents=True)
+    other = temp / "dprelease-spill-other-release@1.1@x"
+    other.mkdir()
+    again = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert not spilling() and other.exists() and not stray.exists()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["demo-2026"]
+    assert json.loads((tmp_path / "out" / "demo-2026" / "manifest.json").read_text())["ledger"]["charged"] == "1"

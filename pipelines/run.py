@@ -175,6 +175,7 @@ def validate_only(spec_path: Path, internal_dir: Path, *, input_path: str | None
     plan = build_plan(spec, spec_dir)
     engine_ = make_engine(engine or spec.engine, None, master)
     source = open_input(plan, spec_dir, input_path)
+    engine_.check_input_schema(source)
     validation = check_input_schema(plan, source, internal_dir, strict=False)
     return _value_report(plan, engine_, source, validation, created_at)[1]
 
@@ -215,6 +216,7 @@ def _run_release(spec_path: Path, *, key_file, out_dir, input_path, engine, work
     engine_ = make_engine(engine or spec.engine, workers, master, runner, beam_options)
     signer = load_private_key(sign_key) if sign_key else None
     source = open_input(plan, spec_dir, input_path)
+    engine_.check_input_schema(source)
     LOG.info("input: %d %s file(s); engine %s", len(source.files()), source.format, engine_.name)
     validation = check_input_schema(plan, source, internal_dir, strict)
     key_path = Path(key_file) if key_file else default_key_path(spec_dir, spec.release_id, created_at)

@@ -132,3 +132,27 @@ def test_input_validation_runs_on_the_spark_dataframe(case, tmp_path):
     counts = {e: [(x["type"], x["kwargs"]["column"], x.get("unexpected_count")) for x in r["expectations"]]
               for e, r in reports.items()}
     assert counts["spark"] == counts["embedded"]
+
+
+def test_column_types_spark_cannot_read_are_refused_before_any_reservation(case, tmp_path):
+    """A uint64 column, or a later file whose column type differs from the first file's, made the Spark
+    job fail mid-run (after the reservation); both are public schema facts: exit 2 up front."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dprelease.accounting.errors import InputSchemaError
+    from dprelease.accounting.ledger import history, open_ledger, set_budget
+    from .conftest import GEO_LEAVES
+
+    rows = {"pid": pa.array([1, 2], pa.uint64()), "geo": GEO_LEAVES[:2], "age": [10, 40], "sex": ["F", "M"]}
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "test-data", "epsilon", 5)
+    with pytest.raises(InputSchemaError, match="'pid': type uint64 cannot be read by the spark engine"):
+        run_release(case(rows=rows), engine="spark", ledger=book, key_file=tmp_path / "k.key", out_dir=tmp_path / "o")
+    spec = case(input={"path": "parts"})
+    (spec.parent / "parts").mkdir()
+    pq.write_table(pa.table(rows | {"pid": pa.array([1, 2], pa.int64())}), spec.parent / "parts" / "a.parquet")
+    pq.write_table(pa.table(rows | {"pid": pa.array([3, 4], pa.int32())}), spec.parent / "parts" / "b.parquet")
+    with pytest.raises(InputSchemaError, match="b.parquet: column 'pid' is int32, the first file's is int64"):
+        run_release(spec, engine="spark", ledger=book, key_file=tmp_path / "k.key", out_dir=tmp_path / "o")
+    assert history(open_ledger(book), "test-data")[1] == [] and not (tmp_path / "k.key").exists()

@@ -40,6 +40,10 @@ class Engine(ABC):
         Privacy: the result must be exactly counts(bounded input) + noise(key, table, cell).
         """
 
+    def check_input_schema(self, source: InputSource) -> None:
+        """Refuse (InputSchemaError, exit 2) input column types this engine cannot read; called before any
+        budget is reserved. Privacy: looks at file schemas only (public), never at values."""
+
     def validate_input(self, plan: Plan, source: InputSource, runner) -> "ValidationOutcome":
         """Run the value-level expectations over every record (default: pandas batches).
 

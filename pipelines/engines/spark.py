@@ -20,8 +20,9 @@ import shutil
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from dprelease.accounting.errors import DPReleaseError, SpecError
+from dprelease.accounting.errors import DPReleaseError, InputSchemaError, SpecError
 from dprelease.transforms.aggregate import bounded_counts
 from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.encode import ColumnEncoder, encode_batch
@@ -35,6 +36,13 @@ NOISE_RANGE_CELLS = 1 << 18
 ROWS_PER_PARTITION = 2_000_000
 ARROW_BATCH_ROWS = 1 << 19
 """Rows per Arrow batch handed to the kernels (Spark's default, 10,000, costs a kernel call per 10k rows)."""
+
+
+def _plain_schema(schema: pa.Schema, columns: list[str]) -> pa.Schema:
+    """`columns` of a file schema with dictionary types replaced by their value types (as Spark reads them)."""
+    fields = [schema.field(c) for c in columns]
+    return pa.schema([pa.field(f.name, f.type.value_type if pa.types.is_dictionary(f.type) else f.type)
+                      for f in fields])
 
 
 def _import_pyspark():
@@ -126,15 +134,38 @@ class SparkEngine(Engine):
                 .config("spark.sql.execution.arrow.maxRecordsPerBatch", str(ARROW_BATCH_ROWS))
                 .getOrCreate())
 
+    def check_input_schema(self, source: InputSource) -> None:
+        """Spark reads every Parquet file with one schema (the dataset's), converted to Spark types: a
+        column type Spark cannot hold (uint64) or a file whose column type differs from the first file's
+        would fail mid-job. Both are refused up front, naming the file and the column."""
+        if source.format != "parquet":
+            return
+        _import_pyspark()
+        from pyspark.sql.pandas.types import from_arrow_schema
+
+        expected = _plain_schema(source.dataset.schema, source.columns)
+        problems = []
+        for field in expected:
+            try:
+                from_arrow_schema(pa.schema([field]))
+            except Exception:  # noqa: BLE001 - pyspark raises several types for unsupported types
+                problems.append(f"input column {field.name!r}: type {field.type} cannot be read by the spark engine; "
+                                "store it as int64 or string, or use the embedded or beam engine")
+        for path in source.files():
+            found = _plain_schema(pq.read_schema(path), source.columns)
+            for field, want in zip(found, expected):
+                if field.type != want.type:
+                    problems.append(f"input file {path}: column {field.name!r} is {field.type}, the first file's is "
+                                    f"{want.type}; the spark engine reads every file with one schema")
+        if problems:
+            raise InputSchemaError(problems)
+
     def _read(self, spark, source: InputSource):
         files = source.files()
         if source.format == "parquet":
             from pyspark.sql.pandas.types import from_arrow_schema
 
-            schema = source.dataset.schema
-            fields = [schema.field(c) for c in source.columns]
-            plain = pa.schema([pa.field(f.name, f.type.value_type if pa.types.is_dictionary(f.type) else f.type)
-                               for f in fields])
+            plain = _plain_schema(source.dataset.schema, source.columns)
             frame = spark.read.schema(from_arrow_schema(plain)).parquet(*files)
         else:
             frame = spark.read.csv(files, header=True, inferSchema=False, mode="DROPMALFORMED")

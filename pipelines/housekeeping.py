@@ -32,6 +32,11 @@ def process_token(pid: int | None = None) -> str:
     return f"{pid}.{_start_ticks(pid) or 0}"
 
 
+def leftover_tag() -> str:
+    """`pid.start@host@`: what names a run's staging, replaced and spill directories after their prefix."""
+    return f"{process_token()}@{socket.gethostname()}@"
+
+
 def owner() -> str:
     """The owner of a ledger reservation: host:pid.start."""
     return f"{socket.gethostname()}:{process_token()}"
@@ -57,8 +62,9 @@ TOKEN = re.compile(r"^[0-9]+\.[0-9]+$")
 
 
 def remove_stale(parent: Path, prefix: str) -> list[Path]:
-    """Remove the directories `<parent>/<prefix><token>@...` (prefix ends in '@') whose process is gone;
-    never follows a link and never touches a name without the prefix and a well-formed token.
+    """Remove the directories `<parent>/<prefix><pid.start>@<host>@...` (prefix ends in '@', see
+    `leftover_tag`) whose process on this host is gone; never follows a link, and never touches a name
+    without the prefix and a well-formed token, nor one of another host (a shared output directory).
     Returns what was removed."""
     removed = []
     if not parent.is_dir():
@@ -66,8 +72,9 @@ def remove_stale(parent: Path, prefix: str) -> list[Path]:
     for entry in parent.iterdir():
         if not entry.name.startswith(prefix) or entry.is_symlink() or not entry.is_dir():
             continue
-        token = entry.name[len(prefix):].split("@", 1)[0]
-        if TOKEN.match(token) and not token_alive(token):
+        token, _, rest = entry.name[len(prefix):].partition("@")
+        host = rest.partition("@")[0]
+        if TOKEN.match(token) and host == socket.gethostname() and not token_alive(token):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed

@@ -33,9 +33,10 @@ def check_key_location(key_path: Path, output_root: Path) -> None:
 
 def _check_private(path: Path) -> None:
     """An existing key file must be a regular file owned by this user and readable by nobody else."""
-    info = path.lstat()
-    if stat.S_ISLNK(info.st_mode):
+    try:
         info = path.stat()
+    except OSError as error:
+        raise SpecError(f"--key-file = {str(path)!r}: cannot be read ({error.strerror})") from None
     if not stat.S_ISREG(info.st_mode):
         raise SpecError(f"--key-file = {str(path)!r}: not a regular file")
     if info.st_uid != os.getuid():

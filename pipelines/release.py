@@ -29,7 +29,7 @@ from dprelease.transforms.aggregate import unravel_cells
 from dprelease.transforms.domains import dimension_labels
 
 from .manifest import build_manifest, domain_file_names, dump_manifest, sha256_file
-from .housekeeping import process_token
+from .housekeeping import leftover_tag
 from .plan import Plan, TablePlan
 
 LOG = logging.getLogger("dprelease")
@@ -105,7 +105,7 @@ def stage_release(
     last (and its signature when `sign_key`, an Ed25519 private key, is given). Nothing is published."""
     final_dir = Path(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = final_dir.parent / f"{staging_prefix(final_dir.name)}{process_token()}@{os.urandom(4).hex()}"
+    staging = final_dir.parent / f"{staging_prefix(final_dir.name)}{leftover_tag()}{os.urandom(4).hex()}"
     staging.mkdir(mode=0o700)
     try:
         files: list[Path] = []
@@ -150,7 +150,7 @@ def publish(staged: StagedRelease, final_dir: Path, overwrite: bool) -> None:
             raise SpecError(f"output: release directory {final_dir} appeared while this run was writing "
                             "(another run of the same release?); nothing was replaced") from None
         return
-    old = final_dir.parent / f"{REPLACED_PREFIX.format(release=final_dir.name)}{process_token()}@{os.urandom(4).hex()}"
+    old = final_dir.parent / f"{REPLACED_PREFIX.format(release=final_dir.name)}{leftover_tag()}{os.urandom(4).hex()}"
     os.rename(final_dir, old)
     try:
         rename_no_replace(staged.staging, final_dir)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -209,12 +210,15 @@ def test_a_killed_run_leaves_nothing_behind_after_the_next_run(tmp_path, signum)
         settled = cli("ledger", "reconcile", "--ledger", book)
         assert settled.returncode == 0 and [r.status for r in history(open_ledger(book), "demo-census")[1]] == [ABORTED]
     assert not (tmp_path / "out" / "demo-2026").exists()
-    stray = tmp_path / "out" / ".demo-2026.staging@1.1@dead"  # a staging dir of a long-dead run
+    host = socket.gethostname()
+    stray = tmp_path / "out" / f".demo-2026.staging@1.1@{host}@dead"  # a staging dir of a long-dead run
     stray.mkdir(parents=True)
-    other = temp / "dprelease-spill-other-release@1.1@x"
+    other = temp / f"dprelease-spill-other-release@1.1@{host}@x"  # another release's: never touched
     other.mkdir()
+    elsewhere = tmp_path / "out" / ".demo-2026.staging@1.1@another-host@x"  # another host's (shared dir)
+    elsewhere.mkdir()
     again = subprocess.run(command, env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
-    assert not spilling() and other.exists() and not stray.exists()
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["demo-2026"]
+    assert not spilling() and other.exists() and not stray.exists() and elsewhere.exists()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [elsewhere.name, "demo-2026"]
     assert json.loads((tmp_path / "out" / "demo-2026" / "manifest.json").read_text())["ledger"]["charged"] == "1"

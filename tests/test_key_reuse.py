@@ -188,7 +188,7 @@ def test_publish_never_replaces_a_directory_that_appeared_meanwhile(case, tmp_pa
     monkeypatch.setattr(release_module, "check_target", lambda final_dir, overwrite: None)  # the race window
     marker = first.release_dir / "manifest.json"
     before = marker.read_bytes()
-    staging = tmp_path / "out" / ".test-release.staging@1.1@x"
+    staging = tmp_path / "out" / ".test-release.staging@1.1@host@x"
     staging.mkdir()
     (staging / "manifest.json").write_text("{}")
     with pytest.raises(SpecError, match="appeared while this run was writing"):

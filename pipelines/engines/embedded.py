@@ -23,7 +23,7 @@ from dprelease.transforms.samplers import table_noise
 
 from ..plan import Plan
 from ..source import InputSource
-from ..housekeeping import process_token
+from ..housekeeping import leftover_tag
 from .base import Engine, ProgressHook, no_progress
 
 def spill_prefix(release_id: str) -> str:
@@ -92,7 +92,7 @@ class EmbeddedEngine(Engine):
         files = source.files()
         # a 0700 directory, removed on every exit path (SIGTERM too, see run.py); a later run of the
         # release removes one left by SIGKILL (its name carries the owner's process token)
-        with tempfile.TemporaryDirectory(prefix=f"{spill_prefix(plan.spec.release_id)}{process_token()}@") as spill_dir:
+        with tempfile.TemporaryDirectory(prefix=f"{spill_prefix(plan.spec.release_id)}{leftover_tag()}") as spill_dir:
             spill = SpillPartitions(partitions, Path(spill_dir), shard_salt(key))
             for done, path in enumerate(files):
                 for batch in source.batches(path):

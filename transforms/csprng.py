@@ -6,7 +6,8 @@ AES-256 in counter mode. Cell c of a table owns a fixed slice of the keystream
 (`WORDS_PER_CELL` 64-bit words per "round"); a cell whose sampler needs more words reads
 round 1, 2, ... of its own slice. So the noise of (key, table, cell) is a pure function
 of those three, whatever batching, worker or engine draws it, and a retried task redraws
-exactly the same values.
+exactly the same values. Engines draw with the key *bound* to its release (`ReleaseKey.bind`:
+dataset, release, spec hash, input fingerprint), never with the key file's key directly.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""One record with an invalid value (out of domain, NaN, null, unparsable, malformed row, null
-unit) never changes whether a run succeeds, what it logs, or what the CLI prints.
+"""One record with an invalid value (out of domain, NaN, null, unparsable, a huge integer, invalid
+UTF-8, malformed row, null unit) never changes whether a run succeeds, what it logs, or what the
+CLI prints.
 
 Runs that would abort must abort on public grounds only; these inputs differ only in content,
 so every pair must behave identically. Elapsed times printed by progress bars are the only
@@ -29,16 +30,21 @@ BAD_ROWS = {
     "null_geography": "4,,30,F",
     "null_unit": ",{geo},30,F",
     "malformed_row": "4,{geo},30,F,extra,fields",
+    "huge_integer_age": "4,{geo},99999999999999999999999,M",
+    "invalid_utf8_category": b"4,{geo},30,\xff\xfe",
+    "invalid_utf8_geography": b"4,\xffSECRET,30,F",
+    "invalid_utf8_unit": b"\xff4,{geo},30,F",
 }
 
 
 def _write(directory, policy: str, extra: str | None):
     directory.mkdir(parents=True)
     (directory / "geo.txt").write_text("\n".join(GEO_LEAVES) + "\n")
-    lines = ["pid,geo,age,sex"] + [",".join(map(str, row)) for row in BASE_ROWS]
+    lines = [b"pid,geo,age,sex"] + [",".join(map(str, row)).encode() for row in BASE_ROWS]
     if extra is not None:
-        lines.append(extra.format(geo=GEO_LEAVES[1]))
-    (directory / "input.csv").write_text("\n".join(lines) + "\n")
+        lines.append(extra.replace(b"{geo}", GEO_LEAVES[1].encode()) if isinstance(extra, bytes)
+                     else extra.format(geo=GEO_LEAVES[1]).encode())
+    (directory / "input.csv").write_bytes(b"\n".join(lines) + b"\n")
     spec = small_spec(input={"path": "input.csv"})
     for column in spec["columns"].values():
         column["on_invalid"] = policy
@@ -84,15 +90,16 @@ def test_one_invalid_record_changes_neither_outcome_nor_log(tmp_path, caplog, po
     assert first[0] and len(first[1]) >= 5
 
 
+@pytest.mark.parametrize("bad", ["unparsable_age", "invalid_utf8_geography"])
 @pytest.mark.parametrize("extra", [(), ("--engine", "beam"), ("--internal-dir", "{dir}/internal")],
                          ids=["embedded", "beam", "validated"])
-def test_cli_output_does_not_depend_on_an_invalid_record(tmp_path, extra):
+def test_cli_output_does_not_depend_on_an_invalid_record(tmp_path, extra, bad):
     if "beam" in extra:
         pytest.importorskip("apache_beam")
     if "--internal-dir" in extra:
         pytest.importorskip("great_expectations")
     without = _write(tmp_path / "clean", "other", None)  # equal-length names: same line wrapping
-    with_bad = _write(tmp_path / "dirty", "other", BAD_ROWS["unparsable_age"])
+    with_bad = _write(tmp_path / "dirty", "other", BAD_ROWS[bad])
     first, second = _cli(without, *extra), _cli(with_bad, *extra)
     assert first[0] == 0 and "INFO planned release" in first[1]
     assert first == second

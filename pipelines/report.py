@@ -56,8 +56,32 @@ def _error_bar(margin: int, scale: float) -> str:
             f'stroke="#1b1b1b"/></svg>')
 
 
+def _conforms(manifest: dict | None) -> bool:
+    """Whether the manifest has the published schema's shape (only then are its sections drawn)."""
+    from pydantic import ValidationError
+
+    from dprelease.accounting.manifest_model import Manifest
+
+    try:
+        Manifest.model_validate(manifest)
+    except ValidationError:
+        return False
+    return True
+
+
+def _problems_page(report: VerifyReport) -> str:
+    """A malformed manifest: the page lists what verify found, and draws nothing from the manifest."""
+    items = "".join(f"<li>{escape(p)}</li>" for p in report.problems)
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>dprelease report: malformed '
+            f"manifest</title><style>{STYLE}</style></head><body><h1>{escape(str(report.release_dir.name))}</h1>"
+            f'<p class="bad">MISMATCH: the manifest does not have the published schema\'s shape:</p>'
+            f"<ul>{items}</ul></body></html>\n")
+
+
 def render(report: VerifyReport, ledger_history: list | None = None) -> str:
-    manifest = report.manifest or {}
+    if not _conforms(report.manifest):
+        return _problems_page(report)
+    manifest = report.manifest
     tables = manifest.get("tables", [])
     margins = [t["expected_error"]["margin_95"] for t in tables if t.get("expected_error")]
     scale = 100 / max(margins) if margins and max(margins) > 0 else 1.0

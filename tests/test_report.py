@@ -58,3 +58,13 @@ def test_report_renders_in_headless_chromium(released, tmp_path):
     dom = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile2'}", "--dump-dom", path.as_uri()],
                          capture_output=True, text=True, timeout=120).stdout
     assert "Release test-release" in dom and "pop.tract" in dom and "<svg" in dom
+
+
+@pytest.mark.parametrize("text", ["{}", "[]", "null", '{"ledger": 5, "files": [1], "tables": "x"}'])
+def test_a_malformed_manifest_gives_a_page_of_mismatches_not_a_traceback(released, tmp_path, text):
+    (released / "manifest.json").write_text(text)
+    ran = subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", "report", str(released),
+                          "--out", str(tmp_path / "r.html")], capture_output=True, text=True)
+    assert ran.returncode == 1 and "Traceback" not in ran.stderr + ran.stdout
+    page = (tmp_path / "r.html").read_text()
+    assert "MISMATCH" in page and "manifest" in page and "<h2>Ledger</h2>" not in page

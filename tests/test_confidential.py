@@ -188,7 +188,7 @@ def _wait_for(predicate, timeout: float = 60.0) -> bool:
 def test_a_killed_run_leaves_nothing_behind_after_the_next_run(tmp_path, signum):
     """SIGTERM: the run cleans up itself (spill, reservation). SIGKILL: `ledger reconcile` releases the
     reservation and the next run of the release removes the dead run's spill directory."""
-    spec = _demo_case(tmp_path, 400_000)
+    spec = _demo_case(tmp_path, 1_000_000)  # about a second of reading with the spill directory present
     temp = tmp_path / "tmp"
     temp.mkdir()
     env = dict(os.environ, TMPDIR=str(temp))

@@ -31,7 +31,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from sqlalchemy import (Column, DateTime, ForeignKey, Integer, MetaData, String, Table, create_engine, event,
-                        func, select)
+                        select)
 from sqlalchemy.engine import Engine
 
 from .errors import BudgetError, KeyReuseError, SpecError

@@ -11,13 +11,11 @@ from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dprelease.accounting import ledger as ledger_module
-from dprelease.accounting.errors import BudgetError, KeyReuseError, PublishError, SpecError
-from dprelease.accounting.ledger import (ABORTED, COMMITTED, RESERVED, history, open_ledger, reconcile, reserve,
+from dprelease.accounting.errors import KeyReuseError, PublishError, SpecError
+from dprelease.accounting.ledger import (ABORTED, COMMITTED, RESERVED, history, open_ledger, reserve,
                                          set_budget)
 from dprelease.pipelines import release as release_module
 from dprelease.pipelines.housekeeping import owner_alive, process_token

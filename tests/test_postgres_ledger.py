@@ -13,7 +13,6 @@ from sqlalchemy import text
 from dprelease.accounting.errors import BudgetError
 from dprelease.accounting.ledger import SCHEMA_VERSION, history, open_ledger, reserve, set_budget
 
-from .conftest import small_spec, write_case
 
 
 def _open(url, barrier, results) -> None:

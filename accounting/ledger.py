@@ -35,6 +35,7 @@ from sqlalchemy import (Column, DateTime, ForeignKey, Integer, MetaData, String,
 from sqlalchemy.engine import Engine
 
 from .errors import BudgetError, KeyReuseError, SpecError
+from .redact import redact_url
 
 SCHEMA_VERSION = 3
 MIGRATIONS = {
@@ -96,13 +97,6 @@ def ledger_url(location: str | Path) -> str:
 SCHEMA_LOCK = 0x64707265  # "dpre": the PostgreSQL advisory lock that serialises schema creation and migration
 
 
-def redacted(location: str | Path) -> str:
-    """A ledger location fit for messages and manifests: any password in a URL replaced by ***."""
-    from dprelease.accounting.redact import redact_url
-
-    return redact_url(str(location))
-
-
 def open_ledger(location: str | Path) -> Engine:
     """Open (creating and migrating if needed) a ledger database. Schema creation is idempotent under
     concurrency: SQLite's BEGIN IMMEDIATE and PostgreSQL's advisory lock let one opener create it."""
@@ -127,7 +121,7 @@ def open_ledger(location: str | Path) -> Engine:
         if version is None:
             connection.execute(schema_version.insert().values(version=SCHEMA_VERSION))
         elif version > SCHEMA_VERSION:
-            raise SpecError(f"--ledger {redacted(location)}: schema version {version} is newer than this dprelease ({SCHEMA_VERSION})")
+            raise SpecError(f"--ledger {redact_url(str(location))}: schema version {version} is newer than this dprelease ({SCHEMA_VERSION})")
         else:
             _migrate(connection, version)
     return engine

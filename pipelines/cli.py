@@ -151,7 +151,7 @@ def plan(spec: Path, max_cells: int | None) -> None:
         console.print(_plan_table(result))
         console.print(f"Sensitivity: {result.sensitivity.derivation}")
         console.print(_totals_text(result))
-        console.print(f"{len(result.tables)} tables, {sum(t.n_cells for t in result.tables):,} cells "
+        console.print(f"{len(result.tables)} tables, {result.n_cells:,} cells "
                       f"(limit {limit:,}); a run needs about {human_bytes(estimated_memory_bytes(result))} "
                       "of driver memory for them")
         check_plan_limits(result, limit)
@@ -225,7 +225,7 @@ def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_
     console.print(f"[bold green]Published[/] release [bold]{plan_.spec.release_id}[/] to {result.release_dir}",
                   soft_wrap=True)
     console.print(_totals_text(plan_))
-    console.print(f"{len(plan_.tables)} tables, {sum(t.n_cells for t in plan_.tables):,} cells; "
+    console.print(f"{len(plan_.tables)} tables, {plan_.n_cells:,} cells; "
                   f"tables/ (post-processed), measurements/ (raw noisy), manifest.json")
     state = "reused" if result.key_reused else "new"
     console.print(f"Key ({state}): {result.key_file}  [dim]keep it secret; never publish it[/]", soft_wrap=True)

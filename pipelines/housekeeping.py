@@ -42,23 +42,24 @@ def owner() -> str:
     return f"{socket.gethostname()}:{process_token()}"
 
 
-def token_alive(token: str) -> bool:
-    """Whether the process named by `pid.start` still runs (on this host)."""
-    pid_text, _, start = token.partition(".")
-    if not pid_text.isdigit():
+TOKEN = re.compile(r"^[0-9]+\.[0-9]+$")
+
+
+def process_alive(host: str, token: str) -> bool | None:
+    """Whether the process `pid.start` of `host` still runs: True/False on this host, None for another
+    host (cannot be told here). A malformed token names no process: False."""
+    if host != socket.gethostname():
+        return None
+    if not TOKEN.match(token):
         return False
+    pid_text, _, start = token.partition(".")
     return _start_ticks(int(pid_text)) == start
 
 
 def owner_alive(owner_text: str) -> bool | None:
-    """True/False for an owner on this host; None when it ran on another host (cannot be told here)."""
+    """`process_alive` of a ledger reservation's owner (`owner()`: host:pid.start)."""
     host, _, token = owner_text.rpartition(":")
-    if host != socket.gethostname():
-        return None
-    return token_alive(token)
-
-
-TOKEN = re.compile(r"^[0-9]+\.[0-9]+$")
+    return process_alive(host, token)
 
 
 def remove_stale(parent: Path, prefix: str) -> list[Path]:
@@ -73,8 +74,7 @@ def remove_stale(parent: Path, prefix: str) -> list[Path]:
         if not entry.name.startswith(prefix) or entry.is_symlink() or not entry.is_dir():
             continue
         token, _, rest = entry.name[len(prefix):].partition("@")
-        host = rest.partition("@")[0]
-        if TOKEN.match(token) and host == socket.gethostname() and not token_alive(token):
+        if TOKEN.match(token) and process_alive(rest.partition("@")[0], token) is False:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed

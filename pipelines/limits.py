@@ -6,10 +6,12 @@ tables exceed the cap is refused (exit 2) by `plan` and `run` before anything is
 """
 from __future__ import annotations
 
+import json
 import os
 
 from dprelease.accounting.errors import SpecError
 
+from .manifest import accounting_section
 from .plan import Plan
 
 DEFAULT_MAX_CELLS = 20_000_000
@@ -32,7 +34,7 @@ def max_cells_setting(value: int | None = None) -> int:
 
 
 def estimated_memory_bytes(plan: Plan) -> int:
-    return sum(t.n_cells for t in plan.tables) * BYTES_PER_CELL
+    return plan.n_cells * BYTES_PER_CELL
 
 
 def human_bytes(count: int) -> str:
@@ -51,10 +53,6 @@ def check_plan_limits(plan: Plan, max_cells: int | None = None) -> None:
 
 def check_representable(plan: Plan) -> None:
     """Refuse (SpecError) a plan whose accounting holds a number strict JSON cannot carry (inf, NaN)."""
-    import json
-
-    from .manifest import accounting_section
-
     try:
         json.dumps(accounting_section(plan), allow_nan=False)
     except ValueError:
@@ -65,13 +63,13 @@ def check_representable(plan: Plan) -> None:
 def check_cell_limit(plan: Plan, max_cells: int | None = None) -> None:
     """Refuse (SpecError, exit 2) a release whose tables together exceed the cell cap."""
     limit = max_cells_setting(max_cells)
-    total = sum(t.n_cells for t in plan.tables)
+    total = plan.n_cells
     if total <= limit:
         return
     largest = max(plan.tables, key=lambda t: t.n_cells)
     raise SpecError(
         f"queries: the release has {total:,} public cells (largest table {largest.name!r}: {largest.n_cells:,}), over "
         f"the limit of {limit:,} (--max-cells or ${MAX_CELLS_ENV}); a run needs about "
-        f"{human_bytes(total * BYTES_PER_CELL)} of driver memory on every engine (embedded, spark and beam all hold "
+        f"{human_bytes(estimated_memory_bytes(plan))} of driver memory on every engine (embedded, spark and beam all hold "
         "each table's cells on one machine). Coarsen the table (bins, fewer attributes, a smaller way), or raise "
         "--max-cells on a machine with that much memory")

@@ -75,6 +75,16 @@ class Plan:
     def delta(self) -> float | None:
         return getattr(self.spec.budget, "delta", None)
 
+    @property
+    def n_cells(self) -> int:
+        """Public cells of every table together (what a run holds in memory)."""
+        return sum(t.n_cells for t in self.tables)
+
+    def ledger_spend(self) -> tuple[str, Fraction]:
+        """(unit, amount) the ledger charges for this release: epsilon under pure DP, else rho."""
+        totals = self.totals
+        return ("epsilon", totals.pure_epsilon) if self.definition == "pure" else ("rho", totals.rho)
+
     def table(self, name: str) -> TablePlan:
         return next(t for t in self.tables if t.name == name)
 

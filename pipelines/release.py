@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import hashlib
 import logging
 import os
@@ -28,8 +29,8 @@ from dprelease.accounting.signing import SIGNATURE_FILE, fingerprint, sign
 from dprelease.transforms.aggregate import unravel_cells
 from dprelease.transforms.domains import dimension_labels
 
-from .manifest import build_manifest, domain_file_names, dump_manifest, sha256_file
 from .housekeeping import leftover_tag
+from .manifest import build_manifest, domain_file_names, dump_manifest, sha256_file
 from .plan import Plan, TablePlan
 
 LOG = logging.getLogger("dprelease")
@@ -74,14 +75,15 @@ class StagedRelease:
         shutil.rmtree(self.staging, ignore_errors=True)
 
 
-STAGING_PREFIX = ".{release}.staging@"
-REPLACED_PREFIX = ".{release}.replaced@"
-"""'@' cannot occur in a release id, so a prefix names exactly one release's leftovers."""
-
-
 def staging_prefix(release_id: str) -> str:
-    """Name prefix of a release's staging directories: the owner's process token follows it."""
-    return STAGING_PREFIX.format(release=release_id)
+    """Name prefix of a release's staging directories ('@' cannot occur in a release id, so the prefix
+    names exactly one release's); the owner's `leftover_tag` follows it."""
+    return f".{release_id}.staging@"
+
+
+def replaced_prefix(release_id: str) -> str:
+    """Name prefix of a release moved aside by --overwrite until it is removed."""
+    return f".{release_id}.replaced@"
 
 
 def check_target(final_dir: Path, overwrite: bool) -> None:
@@ -150,7 +152,7 @@ def publish(staged: StagedRelease, final_dir: Path, overwrite: bool) -> None:
             raise SpecError(f"output: release directory {final_dir} appeared while this run was writing "
                             "(another run of the same release?); nothing was replaced") from None
         return
-    old = final_dir.parent / f"{REPLACED_PREFIX.format(release=final_dir.name)}{leftover_tag()}{os.urandom(4).hex()}"
+    old = final_dir.parent / f"{replaced_prefix(final_dir.name)}{leftover_tag()}{os.urandom(4).hex()}"
     os.rename(final_dir, old)
     try:
         rename_no_replace(staged.staging, final_dir)
@@ -190,6 +192,7 @@ def rename_no_replace(source: Path, target: Path) -> None:
         raise
 
 
+@functools.cache
 def _libc():
     try:
         libc = ctypes.CDLL(None, use_errno=True)

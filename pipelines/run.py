@@ -21,7 +21,7 @@ from .keys import check_key_location, default_key_path, load_or_generate
 from .limits import check_plan_limits
 from .plan import Plan, build_plan
 from .postprocessing import post_process
-from .release import REPLACED_PREFIX, check_target, publish, stage_release, staging_prefix
+from .release import check_target, publish, replaced_prefix, stage_release, staging_prefix
 from .source import InputSource, open_input
 from .spec import load_spec
 from .validation import (StrictValidationError, SuiteRunner, check_schema, expectations_from_spec, manifest_record,
@@ -57,8 +57,7 @@ def _reserve(ledger: str | Path | None, plan: Plan, key: ReleaseKey, input_finge
         LOG.warning("no ledger: this release's spend is not accounted against the dataset's budget")
         return None, None
     book = open_ledger(ledger)
-    totals = plan.totals
-    unit, spend = ("epsilon", totals.pure_epsilon) if totals.pure_epsilon is not None else ("rho", totals.rho)
+    unit, spend = plan.ledger_spend()
     spec = plan.spec
     reservation = reserve(book, spec.dataset_id, spec.release_id, key.key_id(), spec.spec_hash(), unit, spend,
                           spec.period, input_fingerprint=input_fingerprint, release_dir=str(final_dir.resolve()),
@@ -90,7 +89,7 @@ def _abort_quietly(book, reservation) -> None:
 def clean_leftovers(root: Path, release_id: str) -> None:
     """Remove staging, replaced and spill directories that dead runs of this release left behind."""
     removed = remove_stale(root, staging_prefix(release_id))
-    removed += remove_stale(root, REPLACED_PREFIX.format(release=release_id))
+    removed += remove_stale(root, replaced_prefix(release_id))
     removed += remove_stale(Path(tempfile.gettempdir()), spill_prefix(release_id))
     for path in removed:
         LOG.info("removed %s, left by a run of release %s that died", path, release_id)
@@ -206,7 +205,7 @@ def _run_release(spec_path: Path, *, key_file, out_dir, input_path, engine, work
     plan = build_plan(spec, spec_dir)
     check_plan_limits(plan, max_cells)
     LOG.info("planned release %s: %d tables, %d cells, %s budget", spec.release_id, len(plan.tables),
-             sum(t.n_cells for t in plan.tables), spec.budget.definition)
+             plan.n_cells, spec.budget.definition)
     root = Path(out_dir) if out_dir else spec_dir / spec.output.dir
     final_dir = root / spec.release_id
     if internal_dir is not None and Path(internal_dir).resolve().is_relative_to(root.resolve()):

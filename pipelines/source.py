@@ -20,6 +20,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from dprelease.accounting.errors import InputSchemaError, SpecError
+from dprelease.transforms.encode import is_text
 
 from .plan import Plan
 
@@ -74,6 +75,8 @@ class InputSource:
     columns: list[str]
     unit_column: str | None
     format: str
+    file_schemas: dict[str, pa.Schema]
+    """Each file's schema, read (and checked) once by `open_input`."""
 
     def files(self) -> list[str]:
         return list(self.dataset.files)
@@ -102,22 +105,19 @@ def _format_of(path: Path, declared: str | None) -> str:
     return "csv" if path.suffix.lower() in (".csv", ".txt") else "parquet"
 
 
-def _is_text(kind: pa.DataType) -> bool:
-    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
-
-
-def _value_type(kind: pa.DataType) -> pa.DataType:
+def value_type(kind: pa.DataType) -> pa.DataType:
+    """The type of a column's values: a dictionary's value type, any other type itself."""
     return kind.value_type if pa.types.is_dictionary(kind) else kind
 
 
 def _allowed(kind: pa.DataType, domain_type: str) -> bool:
     """Whether an input column type can hold values of a spec column (or of the unit, 'unit')."""
-    value = _value_type(kind)
+    value = value_type(kind)
     if pa.types.is_null(value):
         return True  # every value null: invalid values, handled by the column's policy
     if domain_type == "geography":
-        return _is_text(value)
-    scalar = _is_text(value) or pa.types.is_integer(value)
+        return is_text(value)
+    scalar = is_text(value) or pa.types.is_integer(value)
     if domain_type == "unit":
         return scalar or pa.types.is_binary(value) or pa.types.is_large_binary(value)
     return scalar or pa.types.is_floating(value)
@@ -156,19 +156,22 @@ def schema_problems(path: str, schema: pa.Schema, plan: Plan) -> list[str]:
     return problems
 
 
-def check_every_file(files: list[str], fmt: str, plan: Plan, columns: list[str]) -> None:
+def check_every_file(files: list[str], fmt: str, plan: Plan, columns: list[str]) -> dict[str, pa.Schema]:
     """Schema-level checks of every file of the input (not only the first, which is all a dataset
-    infers from): raises InputSchemaError (exit 2) naming each file and column, never a value."""
+    infers from): raises InputSchemaError (exit 2) naming each file and column, never a value.
+    Returns each file's schema."""
     problems = []
+    schemas = {}
     for path in files:
         try:
-            schema = _file_schema(path, fmt, columns)
+            schemas[path] = _file_schema(path, fmt, columns)
         except (pa.ArrowException, OSError, ValueError) as error:
             problems.append(f"input file {path}: cannot be read as {fmt} ({type(error).__name__})")
             continue
-        problems += schema_problems(path, schema, plan)
+        problems += schema_problems(path, schemas[path], plan)
     if problems:
         raise InputSchemaError(problems)
+    return schemas
 
 
 def open_input(plan: Plan, base_dir: Path, override: str | None = None) -> InputSource:
@@ -192,5 +195,5 @@ def open_input(plan: Plan, base_dir: Path, override: str | None = None) -> Input
         raise InputSchemaError(f"input.path = {str(path)!r}: cannot be opened as {fmt} ({type(error).__name__})") from None
     if not dataset.files:
         raise SpecError(f"input.path = {str(path)!r}: contains no {fmt} files")
-    check_every_file(list(dataset.files), fmt, plan, columns)
-    return InputSource(dataset, columns, spec.privacy_unit, fmt)
+    schemas = check_every_file(list(dataset.files), fmt, plan, columns)
+    return InputSource(dataset, columns, spec.privacy_unit, fmt, schemas)

@@ -42,10 +42,10 @@ def _positive_rational(value: Any, field: str) -> str:
     """Validate a positive finite rational given as a number or 'p/q'; keep its exact text."""
     parsed = parse_rational(value)
     if parsed <= 0:
-        raise ValueError(f"must be > 0 (got {_brief(value)})")
+        raise ValueError(f"must be > 0 (got {brief(value)})")
     if len(str(parsed.numerator)) > MAX_RATIONAL_DIGITS or len(str(parsed.denominator)) > MAX_RATIONAL_DIGITS:
         raise ValueError(f"must have at most {MAX_RATIONAL_DIGITS} digits in numerator and denominator "
-                         f"(got {_brief(value)})")
+                         f"(got {brief(value)})")
     return str(parsed)
 
 
@@ -53,11 +53,11 @@ def _budget_amount(value: Any) -> str:
     """An epsilon or rho: a positive exact rational of at most MAX_BUDGET."""
     text = _positive_rational(value, "budget")
     if Fraction(text) > MAX_BUDGET:
-        raise ValueError(f"must be at most {MAX_BUDGET:,} (got {_brief(value)})")
+        raise ValueError(f"must be at most {MAX_BUDGET:,} (got {brief(value)})")
     return text
 
 
-def _brief(value: Any, limit: int = 80) -> str:
+def brief(value: Any, limit: int = 80) -> str:
     """repr of a value, cut to `limit` characters: messages stay bounded whatever the spec holds."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
@@ -65,13 +65,13 @@ def _brief(value: Any, limit: int = 80) -> str:
 
 def _delta(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"must be a number in [{MIN_DELTA:g}, 1) (got {_brief(value)})")
+        raise ValueError(f"must be a number in [{MIN_DELTA:g}, 1) (got {brief(value)})")
     try:
         number = float(value)
     except ValueError:
-        raise ValueError(f"must be a number in [{MIN_DELTA:g}, 1) (got {_brief(value)})") from None
+        raise ValueError(f"must be a number in [{MIN_DELTA:g}, 1) (got {brief(value)})") from None
     if not (math.isfinite(number) and MIN_DELTA <= number < 1):
-        raise ValueError(f"must be a finite number in [{MIN_DELTA:g}, 1) (got {_brief(value)})")
+        raise ValueError(f"must be a finite number in [{MIN_DELTA:g}, 1) (got {brief(value)})")
     return number
 
 
@@ -267,10 +267,10 @@ def _pydantic_messages(error: ValidationError) -> list[str]:
         if item["type"] == "missing":
             messages.append(f"{path}: required field is missing")
         elif item["type"] == "extra_forbidden":
-            messages.append(f"{path}: unknown field (value {_brief(item['input'])}); check the spelling against "
+            messages.append(f"{path}: unknown field (value {brief(item['input'])}); check the spelling against "
                             "`dprelease schema`")
         else:
-            messages.append(f"{path} = {_brief(item.get('input'))}: {msg[:300]}")
+            messages.append(f"{path} = {brief(item.get('input'))}: {msg[:300]}")
     return messages
 
 
@@ -317,7 +317,7 @@ class SpecLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {_brief(key)} (each field may appear once)", key_node.start_mark)
+                    None, None, f"duplicate key {brief(key)} (each field may appear once)", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
 

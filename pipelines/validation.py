@@ -30,10 +30,12 @@ import pyarrow as pa
 
 from dprelease.accounting.errors import DPReleaseError, InputSchemaError, SpecError
 from dprelease.transforms.domains import CategoricalDomain, GeographyDomain, IntegerDomain
-from dprelease.transforms.encode import _as_text, _integer_values, dictionary_values
+from dprelease.transforms.encode import (_as_text, _integer_values, dictionary_encoded, dictionary_values, is_text,
+                                         text_as_bytes)
 
 from .manifest import file_stamp
 from .plan import Plan
+from .source import value_type
 
 SCHEMA_LEVEL = ("expect_column_to_exist", "expect_column_values_to_be_in_type_list")
 TEXT_TYPES = ["str", "string", "object", "large_string", "StringType"]
@@ -167,13 +169,9 @@ def schema_frame(schema: pa.Schema, columns: Iterable[str]):
 
     Text columns are given pandas' `object` dtype whatever pandas infers: pandas 3 (and 2.x with
     future.infer_string) makes them `str`, which great-expectations' type-list check does not match."""
-    present = [c for c in columns if c in schema.names]
-    fields = []
-    for name in present:
-        kind = schema.field(name).type
-        fields.append(pa.field(name, kind.value_type if pa.types.is_dictionary(kind) else kind))
+    fields = [pa.field(name, value_type(schema.field(name).type)) for name in columns if name in schema.names]
     frame = pa.schema(fields).empty_table().to_pandas()
-    text = [f.name for f in fields if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
+    text = [f.name for f in fields if is_text(f.type)]
     return frame.astype({name: object for name in text}) if text else frame
 
 
@@ -186,18 +184,13 @@ def value_frame(batch: pa.RecordBatch | pa.Table, plan: Plan):
     data = {}
     unit = plan.spec.privacy_unit
     if unit:
-        units = batch.column(unit)
-        if pa.types.is_string(units.type) or pa.types.is_large_string(units.type):
-            units = units.cast(pa.large_binary())  # never decoded: invalid UTF-8 in one id cannot raise
-        data[unit] = units.to_pandas()
+        data[unit] = text_as_bytes(batch.column(unit)).to_pandas()
     for name in plan.used_columns():
         column = batch.column(name)
         if isinstance(plan.domains[name], IntegerDomain):
             data[name] = _integer_values(column)
             continue
-        encoded = column if pa.types.is_dictionary(column.type) else column.dictionary_encode()
-        if isinstance(encoded, pa.ChunkedArray):
-            encoded = encoded.combine_chunks()
+        encoded = dictionary_encoded(column)
         texts = [_as_text(v) for v in dictionary_values(encoded.dictionary)]
         categories = sorted({t for t in texts if t is not None})
         position = {text: i for i, text in enumerate(categories)}

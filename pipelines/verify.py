@@ -33,7 +33,8 @@ from dprelease.accounting.signing import SIGNATURE_FILE, check, fingerprint, loa
 
 from .manifest import DESCRIPTIVE_FIELDS, derived_section, domain_file_names, sha256_file
 from .plan import Plan, build_plan
-from .spec import parse_spec
+from .release import MEASUREMENTS_DIR, TABLES_DIR
+from .spec import brief, parse_spec
 from .validation import manifest_record
 
 MANIFEST = "manifest.json"
@@ -67,7 +68,7 @@ def _safe_relative(path: object) -> str | None:
 
 def expected_files(plan: Plan) -> set[str]:
     """The files a release of this plan holds (besides the manifest and its signature)."""
-    names = {f"{folder}/{t.name}.{ext}" for t in plan.tables for folder in ("tables", "measurements")
+    names = {f"{folder}/{t.name}.{ext}" for t in plan.tables for folder in (TABLES_DIR, MEASUREMENTS_DIR)
              for ext in ("parquet", "csv")}
     return names | set(domain_file_names(plan).values())
 
@@ -99,8 +100,7 @@ def _check_files(root: Path, manifest: dict, report: VerifyReport) -> None:
         if not HEX64.match(str(entry.get("sha256"))) or sha256_file(target) != entry.get("sha256"):
             report.problems.append(f"file {path}: SHA-256 differs from the manifest")
         report.checked_files += 1
-    allowed_dirs = {PurePosixPath(p).parent.as_posix() for p in listed} - {"."}
-    allowed_dirs |= {parent.as_posix() for d in list(allowed_dirs) for parent in PurePosixPath(d).parents} - {"."}
+    allowed_dirs = {parent.as_posix() for p in listed for parent in PurePosixPath(p).parents} - {"."}
     allowed_files = listed | {MANIFEST} | ({SIGNATURE_FILE} if manifest.get("signature") else set())
     for item in sorted(root.rglob("*")):
         relative = item.relative_to(root).as_posix()
@@ -122,7 +122,7 @@ def _compare(path: str, expected, actual, problems: list[str]) -> None:
             if key not in actual:
                 problems.append(f"{path}.{key}: missing from the manifest")
             elif key not in expected:
-                problems.append(f"{path}.{key}: not expected (value {_short(actual[key])})")
+                problems.append(f"{path}.{key}: not expected (value {brief(actual[key], 200)})")
             else:
                 _compare(f"{path}.{key}", expected[key], actual[key], problems)
     elif isinstance(expected, list) and isinstance(actual, list):
@@ -134,23 +134,18 @@ def _compare(path: str, expected, actual, problems: list[str]) -> None:
         if not math.isclose(expected, actual, rel_tol=1e-9, abs_tol=1e-12):
             problems.append(f"{path}: manifest says {actual!r}, recomputed {expected!r}")
     elif expected != actual or type(expected) is not type(actual):
-        problems.append(f"{path}: manifest says {_short(actual)}, recomputed {_short(expected)}")
-
-
-def _short(value, limit: int = 200) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+        problems.append(f"{path}: manifest says {brief(actual, 200)}, recomputed {brief(expected, 200)}")
 
 
 def _replan(root: Path, manifest: dict, report: VerifyReport):
-    """(plan, embedded spec) or None."""
-    # Plan the embedded spec over the release's own domain files; the spec must be in canonical form.
+    """(plan, embedded spec), the plan made over the release's own domain files; None when the embedded
+    spec is missing, invalid or cannot be planned. The spec must be in the canonical form dprelease writes."""
     document = manifest.get("spec")
     if not isinstance(document, dict):
         report.problems.append("spec: missing or not a mapping")
         return None
     try:
-        original = parse_spec(json.loads(json.dumps(document)))
+        original = parse_spec(document)
     except DPReleaseError as error:
         report.problems.append(f"spec: invalid: {error}")
         return None
@@ -187,7 +182,7 @@ def _fraction(block: dict, name: str, problems: list[str]) -> Fraction | None:
     except (ValueError, ZeroDivisionError):
         value = None
     if value is None or value < 0 or str(value) != text:
-        problems.append(f"ledger.{name}: {_short(text)} is not a non-negative exact fraction in canonical form")
+        problems.append(f"ledger.{name}: {brief(text, 200)} is not a non-negative exact fraction in canonical form")
         return None
     return value
 
@@ -201,8 +196,7 @@ def _check_ledger(plan: Plan, manifest: dict, report: VerifyReport) -> None:
     if not isinstance(block, dict):
         problems.append("ledger: must be an object or null")
         return
-    totals = plan.totals
-    unit, spend = ("epsilon", totals.pure_epsilon) if plan.definition == "pure" else ("rho", totals.rho)
+    unit, spend = plan.ledger_spend()
     _compare("ledger.unit", unit, block.get("unit"), problems)
     _compare("ledger.dataset_id", plan.spec.dataset_id, block.get("dataset_id"), problems)
     _compare("ledger.period", plan.spec.period, block.get("period"), problems)
@@ -300,12 +294,13 @@ def _check_derived(root: Path, manifest: dict, plan: Plan, embedded_spec, report
         _compare("input_validation", manifest_record(plan), manifest["input_validation"], report.problems)
     listed = {e.get("path") for e in manifest.get("files", []) if isinstance(e, dict)} \
         if isinstance(manifest.get("files"), list) else set()
-    for missing in sorted(expected_files(plan) - listed):
+    expected_paths = expected_files(plan)
+    for missing in sorted(expected_paths - listed):
         report.problems.append(f"files: {missing} is part of this release but not listed")
-    for extra in sorted(p for p in listed - expected_files(plan) if isinstance(p, str)):
+    for extra in sorted(p for p in listed - expected_paths if isinstance(p, str)):
         report.problems.append(f"files: {extra} is listed but not part of a release of this spec")
     if not HEX16.match(str(manifest.get("key_id"))):
-        report.problems.append(f"key_id: {_short(manifest.get('key_id'))} is not a 16-digit lowercase hex key id")
+        report.problems.append(f"key_id: {brief(manifest.get('key_id'), 200)} is not a 16-digit lowercase hex key id")
     software = manifest.get("software")
     if not isinstance(software, dict) or software.get("name") != "dprelease":
         report.problems.append("software.name: must be 'dprelease'")

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from .csprng import prf_blocks
+from .encode import text_as_bytes
 from .segments import run_positions
 
 _MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -36,25 +37,22 @@ def unit_fingerprints(units: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
     Used as PRF input and for spill partitioning, never for grouping.
     """
-    if pa.types.is_integer(units.type):  # every value fits: unsigned as uint64, signed as int64 (bit view)
-        wide = pa.uint64() if pa.types.is_unsigned_integer(units.type) else pa.int64()
-        return units.cast(wide).fill_null(0).to_numpy(zero_copy_only=False).view(np.uint64)
+    if pa.types.is_integer(units.type):  # bit view of the exact 64-bit value
+        return _wide_integers(units).fill_null(0).to_numpy(zero_copy_only=False).view(np.uint64)
     encoded = pc.dictionary_encode(units)
     if isinstance(encoded, pa.ChunkedArray):
         encoded = encoded.combine_chunks()
     digests = [
         int.from_bytes(hashlib.blake2b(_unit_bytes(v), digest_size=8).digest(), "little")
-        for v in _dictionary_bytes(encoded.dictionary)
+        for v in text_as_bytes(encoded.dictionary).to_pylist()
     ]
     table = np.array(digests + [0], dtype=np.uint64)
     return table[encoded.indices.fill_null(len(digests)).to_numpy(zero_copy_only=False)]
 
 
-def _dictionary_bytes(dictionary: pa.Array) -> list:
-    """Text as its raw bytes (never decoded: invalid UTF-8 in one unit id cannot raise), others as values."""
-    if pa.types.is_string(dictionary.type) or pa.types.is_large_string(dictionary.type):
-        return dictionary.cast(pa.large_binary()).to_pylist()
-    return dictionary.to_pylist()
+def _wide_integers(units: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """Integer units as uint64 (unsigned) or int64 (signed): every value of the type fits exactly."""
+    return units.cast(pa.uint64() if pa.types.is_unsigned_integer(units.type) else pa.int64())
 
 
 def _unit_bytes(value) -> bytes:
@@ -93,8 +91,7 @@ def records_over_limit(units: pa.Array | pa.ChunkedArray, k: int) -> np.ndarray:
     if n <= k:
         return np.empty(0, dtype=np.int64)
     if pa.types.is_integer(units.type):
-        wide = pa.uint64() if pa.types.is_unsigned_integer(units.type) else pa.int64()
-        values = units.cast(wide).to_numpy(zero_copy_only=False)  # exact for every value of the type
+        values = _wide_integers(units).to_numpy(zero_copy_only=False)
         ordered = np.sort(values)
         heavy = ordered[k:][ordered[k:] == ordered[:-k]]
         if heavy.size == 0:

@@ -19,13 +19,21 @@ from .domains import CategoricalDomain, Domain, GeographyDomain, IntegerDomain
 INVALID = -1
 
 
+def is_text(kind: pa.DataType) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
+def text_as_bytes(array: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """A text array as binary (zero-copy, never decoded: invalid UTF-8 in one value cannot raise);
+    any other array unchanged."""
+    return array.cast(pa.large_binary()) if is_text(array.type) else array
+
+
 def dictionary_values(dictionary: pa.Array) -> list:
     """The Python values of a column's dictionary; text that is not valid UTF-8 becomes None (an invalid
     value, routed by the column's policy) instead of an error that a single record could raise."""
-    if pa.types.is_string(dictionary.type) or pa.types.is_large_string(dictionary.type):
-        return [_decoded(v) for v in dictionary.cast(pa.large_binary()).to_pylist()]
-    if pa.types.is_binary(dictionary.type) or pa.types.is_large_binary(dictionary.type):
-        return [_decoded(v) for v in dictionary.to_pylist()]
+    if is_text(dictionary.type):
+        return [_decoded(v) for v in text_as_bytes(dictionary).to_pylist()]
     return dictionary.to_pylist()
 
 
@@ -38,16 +46,15 @@ def _decoded(value: bytes | None) -> str | None:
         return None
 
 
-def _dictionary_encoded(column: pa.Array | pa.ChunkedArray) -> pa.DictionaryArray:
+def dictionary_encoded(column: pa.Array | pa.ChunkedArray) -> pa.DictionaryArray:
+    """One dictionary array of a column (already dictionary-typed or encoded here; chunks combined)."""
     encoded = column if pa.types.is_dictionary(column.type) else pc.dictionary_encode(column)
-    if isinstance(encoded, pa.ChunkedArray):
-        encoded = encoded.unify_dictionaries().combine_chunks() if encoded.num_chunks else encoded.combine_chunks()
-    return encoded
+    return encoded.combine_chunks() if isinstance(encoded, pa.ChunkedArray) else encoded
 
 
 def _lookup_codes(column: pa.Array | pa.ChunkedArray, table: dict[str, int]) -> np.ndarray:
     """Codes of a string-like column via its dictionary; INVALID for misses and nulls."""
-    encoded = _dictionary_encoded(column)
+    encoded = dictionary_encoded(column)
     dictionary = dictionary_values(encoded.dictionary)
     lut = np.array([table.get(_as_text(v), INVALID) for v in dictionary] + [INVALID], dtype=np.int64)
     indices = encoded.indices.fill_null(len(dictionary))
@@ -85,7 +92,7 @@ def _integer_values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
         return values
     if pa.types.is_null(column.type):
         return np.full(len(column), np.nan)
-    encoded = _dictionary_encoded(column)
+    encoded = dictionary_encoded(column)
     parsed = np.array([_parse_integer(v) for v in dictionary_values(encoded.dictionary)] + [math.nan])
     indices = encoded.indices.fill_null(len(encoded.dictionary))
     return parsed[indices.to_numpy(zero_copy_only=False)]

@@ -21,10 +21,11 @@ from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.encode import UNIT, ColumnEncoder, encoded_table
 from dprelease.transforms.samplers import table_noise
 
+from ..housekeeping import leftover_tag
 from ..plan import Plan
 from ..source import InputSource
-from ..housekeeping import leftover_tag
 from .base import Engine, ProgressHook, no_progress
+
 
 def spill_prefix(release_id: str) -> str:
     """Name prefix of a release's spill directories in TMPDIR: the owner's process token follows it."""

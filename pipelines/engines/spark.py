@@ -20,7 +20,6 @@ import shutil
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from dprelease.accounting.errors import DPReleaseError, InputSchemaError, SpecError
 from dprelease.transforms.aggregate import bounded_counts
@@ -29,7 +28,7 @@ from dprelease.transforms.encode import ColumnEncoder, encode_batch
 from dprelease.transforms.samplers import FAIL_FIRST_ATTEMPT_ENV, noisy_range
 
 from ..plan import Plan
-from ..source import InputSource
+from ..source import InputSource, value_type
 from .base import Engine, ProgressHook, no_progress
 
 NOISE_RANGE_CELLS = 1 << 18
@@ -40,9 +39,7 @@ ARROW_BATCH_ROWS = 1 << 19
 
 def _plain_schema(schema: pa.Schema, columns: list[str]) -> pa.Schema:
     """`columns` of a file schema with dictionary types replaced by their value types (as Spark reads them)."""
-    fields = [schema.field(c) for c in columns]
-    return pa.schema([pa.field(f.name, f.type.value_type if pa.types.is_dictionary(f.type) else f.type)
-                      for f in fields])
+    return pa.schema([pa.field(c, value_type(schema.field(c).type)) for c in columns])
 
 
 def _import_pyspark():
@@ -151,8 +148,8 @@ class SparkEngine(Engine):
             except Exception:  # noqa: BLE001 - pyspark raises several types for unsupported types
                 problems.append(f"input column {field.name!r}: type {field.type} cannot be read by the spark engine; "
                                 "store it as int64 or string, or use the embedded or beam engine")
-        for path in source.files():
-            found = _plain_schema(pq.read_schema(path), source.columns)
+        for path, schema in source.file_schemas.items():
+            found = _plain_schema(schema, source.columns)
             for field, want in zip(found, expected):
                 if field.type != want.type:
                     problems.append(f"input file {path}: column {field.name!r} is {field.type}, the first file's is "

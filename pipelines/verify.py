@@ -238,7 +238,7 @@ def _check_running_total(prefix: str, values: dict, charged: Fraction, budget: s
 
 def _check_measurements(root: Path, plan: Plan, report: VerifyReport) -> None:
     for table in plan.tables:
-        for folder, column in (("measurements", "noisy_count"), ("tables", "count")):
+        for folder, column in ((MEASUREMENTS_DIR, "noisy_count"), (TABLES_DIR, "count")):
             path = root / folder / f"{table.name}.parquet"
             if not path.is_file():
                 continue

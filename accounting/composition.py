@@ -11,8 +11,8 @@ from fractions import Fraction
 from typing import Literal
 
 from .conversions import zcdp_to_epsilon
-from .mechanisms import DiscreteGaussian, DiscreteLaplace, Mechanism
-from .sensitivity import CountSensitivity
+from .mechanisms import DiscreteGaussian, DiscreteLaplace, ExponentialSelection, Mechanism
+from .sensitivity import Sensitivity
 
 Definition = Literal["pure", "approx", "zcdp"]
 
@@ -28,7 +28,7 @@ class MeasurementEvent:
 
     table: str
     mechanism: Mechanism
-    sensitivity: CountSensitivity
+    sensitivity: Sensitivity
     allocated: Fraction
 
     @property
@@ -52,19 +52,25 @@ def compose(events: list[MeasurementEvent], definition: Definition, delta: float
     """Basic composition for pure DP (epsilons add) or additive zCDP (rhos add).
 
     For zCDP/approx the composed rho is also reported as (epsilon, delta) with the
-    CKS20 conversion. Raises if events mix mechanism families (check first, then sum).
+    CKS20 conversion. Raises if events mix mechanism families (check first, then sum):
+    pure DP takes discrete Laplace and selections accounted in epsilon, zCDP discrete Gaussian
+    and selections accounted in rho (epsilon^2/8 each, bounded range).
     """
     allocated = sum((e.allocated for e in events), Fraction(0))
     if definition == "pure":
-        if any(not isinstance(e.mechanism, DiscreteLaplace) for e in events):
-            raise ValueError("pure-DP composition requires discrete Laplace measurements")
+        if any(not (isinstance(e.mechanism, DiscreteLaplace) or _selection_in(e, "epsilon")) for e in events):
+            raise ValueError("pure-DP composition requires discrete Laplace measurements or pure selections")
         eps = sum((e.loss for e in events), Fraction(0))
         return Totals(definition, eps, None, None, None, allocated)
-    if any(not isinstance(e.mechanism, DiscreteGaussian) for e in events):
-        raise ValueError("zCDP composition requires discrete Gaussian measurements")
+    if any(not (isinstance(e.mechanism, DiscreteGaussian) or _selection_in(e, "rho")) for e in events):
+        raise ValueError("zCDP composition requires discrete Gaussian measurements or selections accounted in rho")
     rho = sum((e.loss for e in events), Fraction(0))
     eps = zcdp_to_epsilon(float(rho), delta) if delta is not None else None
     return Totals(definition, None, rho, eps, delta, allocated)
+
+
+def _selection_in(event: MeasurementEvent, unit: str) -> bool:
+    return isinstance(event.mechanism, ExponentialSelection) and event.mechanism.accounted_as == unit
 
 
 def basic_composition_approx(budgets: list[tuple[float, float]]) -> tuple[float, float]:

@@ -5,6 +5,7 @@ import math
 from fractions import Fraction
 
 from .composition import MeasurementEvent, Totals
+from .mechanisms import ExponentialSelection
 
 
 def exact(value: Fraction) -> dict:
@@ -17,8 +18,19 @@ def read_exact(entry: dict) -> Fraction:
 
 
 def measurement_record(event: MeasurementEvent) -> dict:
-    """Mechanism, sensitivity, allocation, actual loss and expected error of one measurement."""
+    """Mechanism, sensitivity, allocation, actual loss and expected error of one measurement (a selection's
+    expected error depends on its candidates: the caller adds it)."""
     mechanism = event.mechanism
+    if isinstance(mechanism, ExponentialSelection):
+        return {
+            "mechanism": {"kind": mechanism.kind, "parameter": mechanism.parameter_name,
+                          "value": exact(mechanism.parameter), "selections": mechanism.selections,
+                          "accounted_as": mechanism.accounted_as},
+            "sensitivity": {"l1": event.sensitivity.l1, "l2_squared": event.sensitivity.l2_squared,
+                            "derivation": event.sensitivity.derivation},
+            "allocated": exact(event.allocated),
+            "loss": exact(event.loss),
+        }
     variance = mechanism.variance()
     return {
         "mechanism": {"kind": mechanism.kind, "parameter": mechanism.parameter_name,

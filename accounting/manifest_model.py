@@ -47,9 +47,11 @@ class Dimension(Strict):
 
 
 class Mechanism(Strict):
-    kind: Literal["discrete_laplace", "discrete_gaussian"]
-    parameter: Literal["scale", "sigma2"]
+    kind: Literal["discrete_laplace", "discrete_gaussian", "exponential"]
+    parameter: Literal["scale", "sigma2", "epsilon"]
     value: Exact
+    selections: int | None = None
+    accounted_as: Literal["epsilon", "rho"] | None = None
 
 
 class Sensitivity(Strict):
@@ -59,15 +61,38 @@ class Sensitivity(Strict):
 
 
 class ExpectedError(Strict):
-    variance: float
-    std: float
-    margin_95: int
+    variance: float | None = None
+    std: float | None = None
+    margin_95: int | None = None
+    rank_margin_95: int | None = None
+    note: str | None = None
+
+
+class Measure(Strict):
+    column: str
+    clamp: list[int]
+
+
+class Quantile(Strict):
+    q: list[str]
+    candidates: list[int]
+    score_sensitivity: list[int]
+
+
+class MeanRecord(Strict):
+    table: str
+    sum_table: str
+    count_table: str
+    measure: Measure
 
 
 class TableRecord(Strict):
     name: str
     query: str
-    kind: Literal["histogram", "marginals", "hierarchy"]
+    kind: Literal["histogram", "marginals", "hierarchy", "sum", "mean", "quantile", "count_units"]
+    statistic: Literal["sum", "units", "quantile", "count"] | None = None
+    measure: Measure | None = None
+    quantile: Quantile | None = None
     cells: int
     dimensions: list[Dimension]
     invariant: bool
@@ -168,6 +193,8 @@ class Manifest(Strict):
     implied_loss: ImpliedLoss
     invariants: list[Invariant]
     post_processing: list[Step]
+    means: list[MeanRecord] | None = Field(
+        None, description="Mean tables, each derived from a noisy sum and a noisy count table (absent without means).")
     ledger: Ledger | None
     input_validation: InputValidation | None = Field(
         description="Present when the input was validated: the suite's hash and the policies, never pass/fail.")

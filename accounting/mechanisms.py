@@ -15,12 +15,24 @@ from typing import Literal
 import numpy as np
 
 from .errors import SpecError
-from .sensitivity import CountSensitivity
+from .sensitivity import Sensitivity
 
 _MAX_DENOMINATOR = 2**20
-_MAX_LAPLACE_SCALE = 2**20
-_MAX_GAUSSIAN_SIGMA = 30000
-_GAUSSIAN_PRODUCT_LIMIT = 2**62
+_MAX_LAPLACE_SCALE = 2**40
+_LAPLACE_NUMERATOR_LIMIT = 2**52
+"""The sampler adds t * v (t: the scale's numerator, v: a geometric draw) in 64 bits: t < 2**52 leaves
+room for any v below 2**11, whose probability of being exceeded is e**-2048."""
+_MAX_GAUSSIAN_SIGMA = 2**21
+_SIGMA_64 = 30000
+_GAUSSIAN_PRODUCT_LIMIT_64 = 2**62
+"""Up to sigma 30000 (counts), sigma2's denominator keeps D = 2 a b t^2 below 2**62, as every earlier
+version did: the same spec gives the same mechanism, so old manifests still verify."""
+_GAUSSIAN_PRODUCT_LIMIT = 2**86
+"""Above it (sums), the sampler's acceptance step divides by D in 128-bit arithmetic; D < 2**86 keeps the
+squared numerator in 128 bits whenever the acceptance probability is above exp(-2**40)."""
+_EXACT_PMF_SIGMA = _SIGMA_64
+"""Above this sigma the discrete Gaussian's variance and 95% margin are those of the continuous one
+(they differ by far less than a double's precision); up to it they are summed from the pmf."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +48,7 @@ class DiscreteLaplace:
         """What the sampler takes: the scale."""
         return self.scale
 
-    def privacy_loss(self, sensitivity: CountSensitivity) -> Fraction:
+    def privacy_loss(self, sensitivity: Sensitivity) -> Fraction:
         """Pure epsilon of one release of a vector with this L1 sensitivity."""
         return Fraction(sensitivity.l1) / self.scale
 
@@ -77,7 +89,7 @@ class DiscreteGaussian:
         """What the sampler takes: the variance parameter sigma^2."""
         return self.sigma2
 
-    def privacy_loss(self, sensitivity: CountSensitivity) -> Fraction:
+    def privacy_loss(self, sensitivity: Sensitivity) -> Fraction:
         """rho of one release of a vector with this squared L2 sensitivity."""
         return Fraction(sensitivity.l2_squared) / (2 * self.sigma2)
 
@@ -89,10 +101,14 @@ class DiscreteGaussian:
         return xs, weights / weights.sum()
 
     def variance(self) -> float:
+        if self.sigma2 > _EXACT_PMF_SIGMA ** 2:
+            return float(self.sigma2)
         xs, pmf = self._pmf()
         return float(np.sum(xs * xs * pmf))
 
     def margin_95(self) -> int:
+        if self.sigma2 > _EXACT_PMF_SIGMA ** 2:
+            return math.ceil(1.959963984540054 * math.sqrt(float(self.sigma2)))
         xs, pmf = self._pmf()
         centre = xs.size // 2
         inside = pmf[centre] + np.concatenate(([0.0], np.cumsum(pmf[centre + 1:] * 2)))
@@ -102,7 +118,38 @@ class DiscreteGaussian:
         return f"sigma2={self.sigma2}"
 
 
-Mechanism = DiscreteLaplace | DiscreteGaussian
+@dataclass(frozen=True)
+class ExponentialSelection:
+    """The exponential mechanism over a public list of candidates, once per (cell, quantile): candidate j
+    is chosen with probability proportional to exp(-epsilon * score_j / (2 * score sensitivity)), sampled
+    exactly (rejection with exact Bernoulli(exp(-x)) draws, `dprelease.transforms.selection`).
+
+    Privacy: each selection is epsilon-DP and epsilon-bounded-range, hence epsilon^2/8-zCDP (Cesar and
+    Rogers 2021); `selections` selections per table compose to selections * epsilon (pure) or
+    selections * epsilon^2 / 8 (rho). `accounted_as` says which the release's definition uses.
+    """
+
+    epsilon: Fraction
+    selections: int
+    accounted_as: Literal["epsilon", "rho"]
+    kind: Literal["exponential"] = "exponential"
+    parameter_name = "epsilon"
+
+    @property
+    def parameter(self) -> Fraction:
+        """The epsilon of each selection."""
+        return self.epsilon
+
+    def privacy_loss(self, sensitivity: Sensitivity) -> Fraction:
+        """Loss of the table's selections; `sensitivity` is the score sensitivity they were calibrated to."""
+        per = self.epsilon if self.accounted_as == "epsilon" else self.epsilon ** 2 / 8
+        return per * self.selections
+
+    def parameter_text(self) -> str:
+        return f"epsilon={self.epsilon} per selection"
+
+
+Mechanism = DiscreteLaplace | DiscreteGaussian | ExponentialSelection
 
 
 def _round_up(value: Fraction, denominator: int) -> Fraction:
@@ -111,14 +158,20 @@ def _round_up(value: Fraction, denominator: int) -> Fraction:
     return Fraction(math.ceil(value * denominator), denominator)
 
 
-def calibrate_laplace(epsilon: Fraction, sensitivity: CountSensitivity, where: str) -> DiscreteLaplace:
+def calibrate_laplace(epsilon: Fraction, sensitivity: Sensitivity, where: str) -> DiscreteLaplace:
     """Discrete Laplace whose loss is at most `epsilon` for this sensitivity.
 
-    Privacy: scale >= L1 / epsilon (rounded up to a denominator <= 2^20).
+    Privacy: scale >= L1 / epsilon (rounded up to a denominator <= 2^20, smaller for scales so large
+    that the sampler's numerator must stay below 2^52).
     """
     if epsilon <= 0:
         raise SpecError(f"{where}: allocated epsilon ({epsilon}) must be > 0")
-    scale = _round_up(Fraction(sensitivity.l1) / epsilon, _MAX_DENOMINATOR)
+    exact_scale = Fraction(sensitivity.l1) / epsilon
+    denominator = _MAX_DENOMINATOR
+    scale = _round_up(exact_scale, denominator)
+    while scale.numerator >= _LAPLACE_NUMERATOR_LIMIT and denominator > 1:
+        denominator //= 2
+        scale = _round_up(exact_scale, denominator)
     if scale > _MAX_LAPLACE_SCALE:
         raise SpecError(
             f"{where}: noise scale {float(scale):.4g} exceeds {_MAX_LAPLACE_SCALE}; "
@@ -127,12 +180,12 @@ def calibrate_laplace(epsilon: Fraction, sensitivity: CountSensitivity, where: s
     return DiscreteLaplace(scale=scale)
 
 
-def calibrate_gaussian(rho: Fraction, sensitivity: CountSensitivity, where: str) -> DiscreteGaussian:
+def calibrate_gaussian(rho: Fraction, sensitivity: Sensitivity, where: str) -> DiscreteGaussian:
     """Discrete Gaussian whose zCDP loss is at most `rho` for this sensitivity.
 
     Privacy: sigma2 >= L2^2 / (2 rho). sigma2 is rounded up to a denominator b such that
     the sampler's exact integer arithmetic (2 a b t^2 with sigma2 = a/b, t = floor(sigma)+1)
-    stays below 2^62.
+    stays below 2^62, or, for sigma above 30000 (where no b does), below 2^86.
     """
     if rho <= 0:
         raise SpecError(f"{where}: allocated rho ({rho}) must be > 0")
@@ -142,12 +195,38 @@ def calibrate_gaussian(rho: Fraction, sensitivity: CountSensitivity, where: str)
             f"{where}: noise sigma {math.sqrt(float(exact)):.4g} exceeds {_MAX_GAUSSIAN_SIGMA}; "
             "raise the budget or lower the weight's share"
         )
+    limit = _GAUSSIAN_PRODUCT_LIMIT_64 if math.sqrt(float(exact)) <= _SIGMA_64 else _GAUSSIAN_PRODUCT_LIMIT
     denominator = _MAX_DENOMINATOR
     while True:
         sigma2 = _round_up(exact, denominator)
         t = math.isqrt(sigma2.numerator // sigma2.denominator) + 1
-        if 2 * sigma2.numerator * sigma2.denominator * t * t < _GAUSSIAN_PRODUCT_LIMIT:
+        if 2 * sigma2.numerator * sigma2.denominator * t * t < limit:
             return DiscreteGaussian(sigma2=sigma2)
         if denominator == 1:
             raise AssertionError("unreachable: sigma bounded above")  # pragma: no cover
         denominator //= 2
+
+
+def calibrate_selection(budget: Fraction, selections: int, definition: str, where: str) -> ExponentialSelection:
+    """Exponential mechanism selections whose composed loss is at most `budget`.
+
+    Privacy: pure: epsilon = budget / selections; zCDP: the largest epsilon with denominator 2^20 and
+    selections * epsilon^2 / 8 <= budget (rounded down: less loss). Each selection is calibrated to its
+    score sensitivity by the sampler (exp(-epsilon * score / (2 * sensitivity))).
+    """
+    if budget <= 0:
+        raise SpecError(f"{where}: allocated budget ({budget}) must be > 0")
+    if definition == "pure":
+        epsilon = budget / selections
+        if epsilon.denominator > _MAX_DENOMINATOR:
+            epsilon = Fraction(math.floor(epsilon * _MAX_DENOMINATOR), _MAX_DENOMINATOR)
+        if epsilon <= 0:
+            raise SpecError(f"{where}: allocated epsilon ({budget}) is too small for {selections} selection(s)")
+        return ExponentialSelection(epsilon, selections, "epsilon")
+    per_rho = budget / selections
+    numerator = math.isqrt(math.floor(8 * per_rho * _MAX_DENOMINATOR ** 2))
+    while Fraction(numerator, _MAX_DENOMINATOR) ** 2 / 8 > per_rho:  # isqrt of a floor: never too large, checked
+        numerator -= 1
+    if numerator <= 0:
+        raise SpecError(f"{where}: allocated rho ({budget}) is too small for {selections} selection(s)")
+    return ExponentialSelection(Fraction(numerator, _MAX_DENOMINATOR), selections, "rho")

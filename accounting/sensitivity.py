@@ -1,7 +1,8 @@
-"""Sensitivity of count tables, derived from contribution bounds and the neighbouring relation."""
+"""Sensitivity of every statistic, derived from contribution bounds and the neighbouring relation."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Literal
 
 Neighbouring = Literal["add_remove", "replace"]
@@ -26,8 +27,9 @@ class ContributionBounds:
 
 
 @dataclass(frozen=True)
-class CountSensitivity:
-    """L1 and squared-L2 sensitivity of one count vector (a histogram over a public domain).
+class Sensitivity:
+    """L1 and squared-L2 sensitivity of one vector released over a public domain (counts, sums), or of
+    a selection's integer scores (quantiles: `l1` is the score sensitivity, `l2_squared` unused: 0).
 
     Integers, so the discrete mechanisms' guarantees apply exactly.
     """
@@ -37,7 +39,7 @@ class CountSensitivity:
     derivation: str
 
 
-def count_sensitivity(bounds: ContributionBounds) -> CountSensitivity:
+def count_sensitivity(bounds: ContributionBounds) -> Sensitivity:
     """Sensitivity of one histogram when each unit contributes at most k records.
 
     Privacy: adding or removing one unit changes at most k records, so the count
@@ -47,11 +49,64 @@ def count_sensitivity(bounds: ContributionBounds) -> CountSensitivity:
     """
     k = bounds.max_records_per_unit
     if bounds.neighbouring == "add_remove":
-        return CountSensitivity(
+        return Sensitivity(
             l1=k, l2_squared=k * k,
             derivation=f"add/remove one unit with at most k={k} records: L1 = k, L2 = k",
         )
-    return CountSensitivity(
+    return Sensitivity(
         l1=2 * k, l2_squared=2 * k * k,
         derivation=f"replace one unit of at most k={k} records: L1 = 2k, L2 = sqrt(2)*k",
     )
+
+
+def sum_sensitivity(bounds: ContributionBounds, lo: int, hi: int) -> Sensitivity:
+    """Sensitivity of a vector of per-cell sums of a measure clamped to [lo, hi].
+
+    Privacy: every value summed lies in [lo, hi], so one record moves its cell's sum by at most
+    M = max(|lo|, |hi|). Adding or removing a unit changes at most k records: L1 <= kM and, all in one
+    cell, L2 <= kM. Replacing a unit removes up to k records and adds up to k others, possibly in
+    other cells: L1 <= 2kM, L2^2 <= 2(kM)^2.
+    """
+    k = bounds.max_records_per_unit
+    m = max(abs(lo), abs(hi))
+    if bounds.neighbouring == "add_remove":
+        return Sensitivity(l1=k * m, l2_squared=(k * m) ** 2,
+                           derivation=f"add/remove one unit, at most k={k} records each within clamp [{lo}, {hi}]: "
+                                      f"L1 = L2 = k*max(|lo|,|hi|) = {k * m}")
+    return Sensitivity(l1=2 * k * m, l2_squared=2 * (k * m) ** 2,
+                       derivation=f"replace one unit of at most k={k} records within clamp [{lo}, {hi}]: "
+                                  f"L1 = 2k*max(|lo|,|hi|) = {2 * k * m}, L2 = sqrt(2)*k*max(|lo|,|hi|)")
+
+
+def unit_count_sensitivity(bounds: ContributionBounds) -> Sensitivity:
+    """Sensitivity of a vector of per-cell counts of distinct privacy units.
+
+    Privacy: a unit is counted at most once per cell, in the cells of its at most k kept records, so
+    adding or removing it changes at most k cells by 1: L1 <= k, L2^2 <= k. Replacing it: L1 <= 2k,
+    L2^2 <= 2k.
+    """
+    k = bounds.max_records_per_unit
+    if bounds.neighbouring == "add_remove":
+        return Sensitivity(l1=k, l2_squared=k,
+                           derivation=f"add/remove one unit: at most k={k} cells change by 1: L1 = k, L2 = sqrt(k)")
+    return Sensitivity(l1=2 * k, l2_squared=2 * k,
+                       derivation=f"replace one unit: at most 2k={2 * k} cells change by 1: L1 = 2k, L2 = sqrt(2k)")
+
+
+def quantile_score_sensitivity(bounds: ContributionBounds, q: Fraction) -> Sensitivity:
+    """Sensitivity of the integer quantile scores |(b - a) * below(c) - a * above(c)| for q = a/b, where
+    below(c) / above(c) count a cell's values < c / > c (summed over the cells a unit's records reach).
+
+    Privacy: one added record raises below(c) (by 1: the score moves by at most b - a) or above(c) (at
+    most a) or neither, so adding or removing a unit's k records moves the scores, summed over cells, by
+    at most k * max(a, b - a). Replacing a record can lower below(c) and raise above(c) at once (b):
+    k * b.
+    """
+    k = bounds.max_records_per_unit
+    a, b = q.numerator, q.denominator
+    if bounds.neighbouring == "add_remove":
+        return Sensitivity(l1=k * max(a, b - a), l2_squared=0,
+                           derivation=f"quantile {q} score, add/remove one unit of at most k={k} records: "
+                                      f"k*max(a, b-a) = {k * max(a, b - a)}")
+    return Sensitivity(l1=k * b, l2_squared=0,
+                       derivation=f"quantile {q} score, replace one unit of at most k={k} records: k*b = {k * b}")

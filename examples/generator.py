@@ -1,4 +1,4 @@
-"""A synthetic census-like person file: nested geography, households, age, sex, race, ethnicity.
+"""A synthetic census-like person file: nested geography, households, age, sex, race, ethnicity, income.
 
 The geography is fixed (seeded) and public: state (2 chars) > county (5) > tract (11),
 with uneven numbers of counties and tracts and uneven populations. Persons are generated
@@ -55,7 +55,17 @@ def _households(rng: np.random.Generator, n_rows: int) -> np.ndarray:
     return sizes[sizes > 0]
 
 
-def _chunk(rng, start_person, start_household, n_rows, tracts, tract_weights, dirty_rate) -> pa.Table:
+def _incomes(rng: np.random.Generator, age: np.ndarray) -> np.ndarray:
+    """Annual personal income in dollars: 0 under 15, else a skewed (lognormal) draw with a spike at 0;
+    a few are missing (null) like real survey answers."""
+    income = np.rint(rng.lognormal(10.2, 1.0, age.size)).astype(np.float64)
+    income[(rng.random(age.size) < 0.12) | ~(age >= 15)] = 0.0
+    income[rng.random(age.size) < 0.002] = np.nan
+    return income
+
+
+def _chunk(rng, start_person, start_household, n_rows, tracts, tract_weights, dirty_rate,
+           income_rng=None) -> pa.Table:
     sizes = _households(rng, n_rows)
     household = np.repeat(np.arange(sizes.size, dtype=np.int64) + start_household, sizes)
     tract_of_household = rng.choice(len(tracts), size=sizes.size, p=tract_weights)
@@ -78,6 +88,8 @@ def _chunk(rng, start_person, start_household, n_rows, tracts, tract_weights, di
         "race": pa.DictionaryArray.from_arrays(pa.array(race_index), pa.array(RACES + ["Unknown"])),
         "ethnicity": pa.DictionaryArray.from_arrays(
             pa.array(np.repeat(ethnicity_of_household, sizes)), pa.array(ETHNICITIES)),
+        # its own generator: the other columns are those of earlier versions for the same seed
+        "income": pa.array(_incomes(income_rng or np.random.default_rng(0), age), from_pandas=True).cast(pa.int64()),
     })
 
 
@@ -93,6 +105,7 @@ def write_demo_data(out: Path, rows: int, seed: int = 1, dirty_rate: float = 0.0
     weights = geo_rng.lognormal(0.0, 0.6, len(tracts))
     weights /= weights.sum()
     rng = np.random.default_rng(seed)
+    income_rng = np.random.default_rng([seed, 2])
     domain_file = out.parent / "geography.txt"
     domain_file.write_text("".join(t + "\n" for t in tracts))
     writer = None
@@ -100,7 +113,7 @@ def write_demo_data(out: Path, rows: int, seed: int = 1, dirty_rate: float = 0.0
     try:
         for start in range(0, rows, CHUNK_ROWS):
             n = min(CHUNK_ROWS, rows - start)
-            table = _chunk(rng, person, household, n, tracts, weights, dirty_rate)
+            table = _chunk(rng, person, household, n, tracts, weights, dirty_rate, income_rng)
             person += n
             household = int(table.column("household_id")[-1].as_py()) + 1 if n else household
             if out.suffix == ".csv":

@@ -104,21 +104,31 @@ def schema(manifest: bool) -> None:
 
 
 def _plan_table(plan) -> Table:
+    from .manifest import rank_margin_95
+
     unit = "epsilon" if plan.definition == "pure" else "rho"
     table = Table(title=f"Plan of release {plan.spec.release_id} ({plan.definition})",
-                  caption="L1/L2: sensitivity; noise: DLap scale b or DGauss variance s2; std and 95% margin per cell")
+                  caption="L1/L2: sensitivity (quantiles: of the scores); noise: DLap scale b, DGauss variance s2 or "
+                          "exponential mechanism (EM) epsilon per selection; std and 95% margin per cell (quantiles: "
+                          "rank error in records)")
     table.add_column("table", no_wrap=True)
-    for header in ("cells", "L1", "L2", unit, "noise", "std", "95%"):
+    for header in ("statistic", "cells", "L1", "L2", unit, "noise", "std", "95%"):
         table.add_column(header, justify="right", no_wrap=True)
     for t in plan.tables:
+        statistic = f"{t.statistic}({t.measure.column})" if t.measure else t.statistic
         if t.invariant:
-            table.add_row(t.name, f"{t.n_cells:,}", "-", "-", "0", "exact (invariant)", "0", "±0")
+            table.add_row(t.name, statistic, f"{t.n_cells:,}", "-", "-", "0", "exact (invariant)", "0", "±0")
             continue
         m = t.event.mechanism
         sens = t.event.sensitivity
+        if m.kind == "exponential":
+            table.add_row(t.name, statistic, f"{t.n_cells:,} x {len(t.quantiles)} q", str(sens.l1), "-",
+                          f"{float(t.event.allocated):.4g}", f"EM eps={float(m.epsilon):.4g} x {m.selections}", "-",
+                          f"±{rank_margin_95(t)} ranks")
+            continue
         noise = f"DLap b={m.scale}" if m.kind == "discrete_laplace" else f"DGauss s2={m.sigma2}"
         table.add_row(
-            t.name, f"{t.n_cells:,}", str(sens.l1), f"{sens.l2_squared ** 0.5:.3g}",
+            t.name, statistic, f"{t.n_cells:,}", str(sens.l1), f"{sens.l2_squared ** 0.5:.3g}",
             f"{float(t.event.allocated):.4g}", noise, f"{m.variance() ** 0.5:.3f}", f"±{m.margin_95()}",
         )
     return table
@@ -150,6 +160,9 @@ def plan(spec: Path, max_cells: int | None) -> None:
         limit = max_cells_setting(max_cells)
         console.print(_plan_table(result))
         console.print(f"Sensitivity: {result.sensitivity.derivation}")
+        for derivation in dict.fromkeys(t.event.sensitivity.derivation for t in result.measured()
+                                        if t.statistic != "count" or t.measure):
+            console.print(f"Sensitivity: {derivation}")
         console.print(_totals_text(result))
         console.print(f"{len(result.tables)} tables, {result.n_cells:,} cells "
                       f"(limit {limit:,}); a run needs about {human_bytes(estimated_memory_bytes(result))} "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import math
 import subprocess
 import sys
 from fractions import Fraction
@@ -17,7 +18,7 @@ from dprelease.accounting.composition import compose
 from dprelease.accounting.conversions import zcdp_to_epsilon
 from dprelease.accounting.manifest import exact, measurement_record, totals_record
 
-from .plan import Plan
+from .plan import Plan, TablePlan
 from .postprocessing import steps_applied
 
 MANIFEST_VERSION = 1
@@ -73,8 +74,10 @@ def implied_loss(plan: Plan) -> dict:
     by_attribute: dict[str, Fraction] = {}
     by_level: dict[str, Fraction] = {}
     for t in plan.measured():
+        involved = [dim.column for dim in t.dims] + ([t.measure.column] if t.measure else [])
+        for column in dict.fromkeys(involved):
+            by_attribute[column] = by_attribute.get(column, Fraction(0)) + t.event.loss
         for dim in t.dims:
-            by_attribute[dim.column] = by_attribute.get(dim.column, Fraction(0)) + t.event.loss
             if dim.level:
                 by_level[dim.label] = by_level.get(dim.label, Fraction(0)) + t.event.loss
     unit = "epsilon" if plan.definition == "pure" else "rho"
@@ -91,6 +94,44 @@ def implied_loss(plan: Plan) -> dict:
     return {"by_attribute": render(by_attribute), "by_geography_level": render(by_level)}
 
 
+def statistic_record(table: TablePlan) -> dict:
+    """What a table of a sum, mean, quantile or count_units query measures (nothing for plain counts, so
+    manifests of count releases keep their shape): statistic, measure and clamp, quantiles and candidates,
+    and a quantile's expected rank error."""
+    record: dict = {}
+    if table.statistic != "count" or table.measure is not None:
+        record["statistic"] = table.statistic
+    if table.measure is not None:
+        record["measure"] = {"column": table.measure.column, "clamp": [table.measure.lower, table.measure.upper]}
+    if table.quantiles:
+        record["quantile"] = {"q": [str(q) for q in table.quantiles], "candidates": list(table.layout.candidates),
+                              "score_sensitivity": list(table.score_sensitivities)}
+        record["expected_error"] = {"rank_margin_95": rank_margin_95(table), "note": RANK_NOTE}
+    return record
+
+
+RANK_NOTE = ("exponential mechanism utility bound: with probability >= 95% the chosen candidate's score is within "
+             "(2 * sensitivity / epsilon) * ln(20 * candidates) of the best candidate's; divided by b (q = a/b), "
+             "about the number of records by which its rank misses q * n (largest over q)")
+
+
+def rank_margin_95(table: TablePlan) -> int:
+    """The RANK_NOTE bound, in records, for the worst of the table's quantiles (public: from the plan)."""
+    epsilon = float(table.event.mechanism.epsilon)
+    m = len(table.layout.candidates)
+    return max(math.ceil(2 * sensitivity / epsilon * math.log(20 * m) / q.denominator)
+               for q, sensitivity in zip(table.quantiles, table.score_sensitivities))
+
+
+def means_section(plan: Plan) -> dict:
+    """The mean tables and the sum and count tables they divide (only in releases that have means)."""
+    if not plan.means:
+        return {}
+    return {"means": [{"table": m.name, "sum_table": m.sum_table, "count_table": m.count_table,
+                       "measure": {"column": m.measure.column, "clamp": [m.measure.lower, m.measure.upper]}}
+                      for m in plan.means]}
+
+
 def accounting_section(plan: Plan) -> dict:
     """The part of the manifest `verify` recomputes from the spec alone."""
     tables = []
@@ -102,6 +143,7 @@ def accounting_section(plan: Plan) -> dict:
                            "note": "published exactly: true counts, not protected by differential privacy"})
         else:
             record.update({"invariant": False, **measurement_record(t.event)})
+        record.update(statistic_record(t))
         tables.append(record)
     totals = compose([t.event for t in plan.measured()], plan.definition, plan.delta)
     return {
@@ -149,6 +191,7 @@ def derived_section(plan: Plan) -> dict:
                         "note": "true counts published exactly; the guarantee holds conditional on them"}
                        for t in plan.tables if t.invariant],
         "post_processing": steps_applied(plan),
+        **means_section(plan),
         "domain_files": domain_file_names(plan),
     }
 

@@ -14,15 +14,18 @@ from pathlib import Path
 from dprelease.accounting.composition import MeasurementEvent, Totals, compose
 from dprelease.accounting.conversions import approx_to_zcdp
 from dprelease.accounting.errors import SpecError
-from dprelease.accounting.mechanisms import calibrate_gaussian, calibrate_laplace
+from dprelease.accounting.mechanisms import calibrate_gaussian, calibrate_laplace, calibrate_selection
 from dprelease.accounting.rationals import allocate
-from dprelease.accounting.sensitivity import ContributionBounds, CountSensitivity, count_sensitivity
+from dprelease.accounting.sensitivity import (ContributionBounds, Sensitivity, count_sensitivity,
+                                              quantile_score_sensitivity, sum_sensitivity, unit_count_sensitivity)
 from dprelease.transforms.aggregate import TableLayout
 from dprelease.transforms.domains import (NATION, CategoricalDomain, Dimension, Domain, GeographyDomain,
-                                          IntegerDomain, dimension)
+                                          IntegerDomain, MeasureDomain, dimension, measure_key)
+from dprelease.transforms.release_values import TableRelease
 
-from .spec import (CategoricalColumn, GeographyColumn, HierarchyQuery, HistogramQuery, IntegerColumn,
-                   MarginalsQuery, ReleaseSpec)
+from .spec import (CategoricalColumn, CountUnitsQuery, GeographyColumn, HierarchyQuery, HistogramQuery,
+                   IntegerColumn, MarginalsQuery, MeanQuery, QuantileQuery, ReleaseSpec, SumQuery)
+from .spec_checks import measure_clamp, quantile_candidates
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,19 @@ class HierarchyLink:
     parent_table: str | None
 
 
+VALUE_NAMES = {"count": "count", "sum": "sum", "units": "units", "quantile": "value"}
+"""The value column of a table's files, by statistic (measurements: 'noisy_' + it)."""
+
+
+@dataclass(frozen=True)
+class Measure:
+    """The measure column a sum, mean or quantile table aggregates, and its public clamp."""
+
+    column: str
+    lower: int
+    upper: int
+
+
 @dataclass(frozen=True)
 class TablePlan:
     name: str
@@ -43,10 +59,32 @@ class TablePlan:
     layout: TableLayout
     event: MeasurementEvent | None
     hierarchy: HierarchyLink | None
+    measure: Measure | None = None
+    quantiles: tuple[Fraction, ...] = ()
+    score_sensitivities: tuple[int, ...] = ()
 
     @property
     def n_cells(self) -> int:
+        """Public cells of the table (rows of its files; a quantile table has a row per cell and q)."""
         return self.layout.n_cells
+
+    @property
+    def statistic(self) -> str:
+        return self.layout.statistic
+
+    @property
+    def value_name(self) -> str:
+        return VALUE_NAMES[self.statistic]
+
+    @property
+    def release(self) -> TableRelease:
+        """What the engines' workers need to release this table (picklable, engine-neutral)."""
+        return TableRelease(self.name, self.layout.n_measured, self.event.mechanism if self.event else None,
+                            self.layout.buckets, self.quantiles, self.layout.candidates, self.score_sensitivities)
+
+    @property
+    def n_outputs(self) -> int:
+        return self.release.n_outputs
 
     @property
     def invariant(self) -> bool:
@@ -58,14 +96,25 @@ class TablePlan:
 
 
 @dataclass(frozen=True)
+class MeanOutput:
+    """A mean table: derived from the noisy sum and noisy count tables of one mean query (post-processing)."""
+
+    name: str
+    sum_table: str
+    count_table: str
+    measure: Measure
+
+
+@dataclass(frozen=True)
 class Plan:
     spec: ReleaseSpec
     domains: dict[str, Domain]
     bounds: ContributionBounds
-    sensitivity: CountSensitivity
+    sensitivity: Sensitivity
     allocation_budget: Fraction
     tables: tuple[TablePlan, ...]
     totals: Totals
+    means: tuple[MeanOutput, ...] = ()
 
     @property
     def definition(self) -> str:
@@ -77,8 +126,8 @@ class Plan:
 
     @property
     def n_cells(self) -> int:
-        """Public cells of every table together (what a run holds in memory)."""
-        return sum(t.n_cells for t in self.tables)
+        """Entries of every table's measurement vector together (what a run holds in memory)."""
+        return sum(t.layout.n_measured for t in self.tables)
 
     def ledger_spend(self) -> tuple[str, Fraction]:
         """(unit, amount) the ledger charges for this release: epsilon under pure DP, else rho."""
@@ -92,8 +141,13 @@ class Plan:
         """Tables released with noise (every table but the invariants)."""
         return [t for t in self.tables if not t.invariant]
 
+    def encoded_columns(self) -> list[str]:
+        """The encoded columns the tables read (spec columns, and measures as `measure_key(column)`)."""
+        return sorted({c for t in self.tables for c in t.layout.inputs})
+
     def used_columns(self) -> list[str]:
-        return sorted({c for t in self.tables for c in t.layout.columns})
+        """The input columns read (besides the privacy unit)."""
+        return sorted({getattr(self.domains[c], "source", c) for c in self.encoded_columns()})
 
 
 def read_geography_leaves(path: Path, width: int, where: str) -> tuple[str, ...]:
@@ -128,6 +182,9 @@ def build_domains(spec: ReleaseSpec, base_dir: Path) -> dict[str, Domain]:
         elif isinstance(column, IntegerColumn):
             edges = tuple(column.bins) if column.bins else None
             domains[name] = IntegerDomain(name, column.min, column.max, edges, column.on_invalid)
+            if measure_clamp(spec, name) is not None:
+                lo, hi = measure_clamp(spec, name)
+                domains[measure_key(name)] = MeasureDomain(measure_key(name), name, lo, hi)
         else:
             assert isinstance(column, GeographyColumn)
             levels = tuple(column.levels.items())
@@ -145,7 +202,8 @@ def _dims(refs: list[str], domains: dict[str, Domain]) -> list[Dimension]:
     return dims
 
 
-def _layout(name: str, dims: list[Dimension], domains: dict[str, Domain]) -> TableLayout:
+def _layout(name: str, dims: list[Dimension], domains: dict[str, Domain], statistic: str = "count",
+            measure: Measure | None = None, candidates: tuple[int, ...] = ()) -> TableLayout:
     lookups = []
     for dim in dims:
         domain = domains[dim.column]
@@ -153,19 +211,45 @@ def _layout(name: str, dims: list[Dimension], domains: dict[str, Domain]) -> Tab
             lookups.append(domain.leaf_to_level(dim.level))
         else:
             lookups.append(None)
-    return TableLayout(name, tuple(d.column for d in dims), tuple(lookups), tuple(d.size for d in dims))
+    if measure is None:
+        return TableLayout(name, tuple(d.column for d in dims), tuple(lookups), tuple(d.size for d in dims), statistic)
+    domain = domains[measure_key(measure.column)]
+    return TableLayout(name, tuple(d.column for d in dims), tuple(lookups), tuple(d.size for d in dims), statistic,
+                       domain.name, domain.lower, domain.invalid_code, candidates)
 
 
-def _query_tables(query, domains) -> list[tuple[str, list[Dimension], HierarchyLink | None]]:
-    """(table name, dims, hierarchy link) of each table a query asks for."""
+@dataclass(frozen=True)
+class TableShape:
+    """One table a query asks for, before budget: name, dimensions, statistic, budget weight within the query."""
+
+    name: str
+    dims: list[Dimension]
+    link: HierarchyLink | None = None
+    statistic: str = "count"
+    measure: Measure | None = None
+    weight: Fraction = Fraction(1)
+
+
+def _query_tables(query, spec: ReleaseSpec, domains) -> list[TableShape]:
+    """Every table a query asks for."""
     if isinstance(query, HistogramQuery):
-        return [(query.name, _dims(query.by, domains), None)]
+        return [TableShape(query.name, _dims(query.by, domains))]
+    if isinstance(query, CountUnitsQuery):
+        return [TableShape(query.name, _dims(query.by, domains), statistic="units")]
+    if isinstance(query, (SumQuery, MeanQuery, QuantileQuery)):
+        measure = Measure(query.column, *measure_clamp(spec, query.column))
+        dims = _dims(query.by, domains)
+        if isinstance(query, MeanQuery):
+            share = Fraction(query.count_share)
+            return [TableShape(f"{query.name}.sum", dims, None, "sum", measure, 1 - share),
+                    TableShape(f"{query.name}.count", dims, None, "count", measure, share)]
+        return [TableShape(query.name, dims, None, "sum" if isinstance(query, SumQuery) else "quantile", measure)]
     if isinstance(query, MarginalsQuery):
         prefix = _dims([query.within], domains) if query.within else []
         tables = []
         for combo in itertools.combinations(query.attributes, query.way):
             suffix = "-".join(ref.replace(".", "_") for ref in combo)
-            tables.append((f"{query.name}.{suffix}", prefix + _dims(list(combo), domains), None))
+            tables.append(TableShape(f"{query.name}.{suffix}", prefix + _dims(list(combo), domains)))
         return tables
     assert isinstance(query, HierarchyQuery)
     tables = []
@@ -173,8 +257,31 @@ def _query_tables(query, domains) -> list[tuple[str, list[Dimension], HierarchyL
     for i, level in enumerate(query.levels):
         parent = f"{query.name}.{query.levels[i - 1]}" if i else None
         geo = _dims([f"{query.geography}.{level}"], domains)
-        tables.append((f"{query.name}.{level}", geo + by, HierarchyLink(query.name, i, parent)))
+        tables.append(TableShape(f"{query.name}.{level}", geo + by, HierarchyLink(query.name, i, parent)))
     return tables
+
+
+def _sensitivity(shape: TableShape, bounds: ContributionBounds) -> Sensitivity:
+    """The table's sensitivity, derived from the contribution bounds (accounting.sensitivity)."""
+    if shape.statistic == "sum":
+        return sum_sensitivity(bounds, shape.measure.lower, shape.measure.upper)
+    if shape.statistic == "units":
+        return unit_count_sensitivity(bounds)
+    return count_sensitivity(bounds)
+
+
+def _quantile_table(query: QuantileQuery, shape: TableShape, spec: ReleaseSpec, domains, bounds, budget: Fraction,
+                    definition: str) -> TablePlan:
+    """A quantile table: one exponential-mechanism selection per (cell, q), the budget split equally among q."""
+    quantiles = tuple(Fraction(q) for q in query.q)
+    scores = [quantile_score_sensitivity(bounds, q) for q in quantiles]
+    sensitivity = Sensitivity(max(s.l1 for s in scores), 0, "; ".join(s.derivation for s in scores))
+    mechanism = calibrate_selection(budget, len(quantiles), definition, f"table {shape.name}")
+    candidates = tuple(quantile_candidates(spec, query))
+    layout = _layout(shape.name, shape.dims, domains, "quantile", shape.measure, candidates)
+    event = MeasurementEvent(shape.name, mechanism, sensitivity, budget)
+    return TablePlan(shape.name, query.name, query.kind, tuple(shape.dims), layout, event, None, shape.measure,
+                     quantiles, tuple(s.l1 for s in scores))
 
 
 def allocation_budget(spec: ReleaseSpec) -> Fraction:
@@ -199,26 +306,36 @@ def build_plan(spec: ReleaseSpec, base_dir: Path) -> Plan:
     total = allocation_budget(spec)
     query_shares = allocate(total, [Fraction(q.weight) for q in spec.queries])
     tables: list[TablePlan] = []
+    means: list[MeanOutput] = []
+    definition = "pure" if spec.budget.definition == "pure" else "rho"
     for query, share in zip(spec.queries, query_shares):
-        specs = _query_tables(query, domains)
-        noisy = [name for name, _, _ in specs if name not in spec.invariants]
-        parts = dict(zip(noisy, allocate(share, [Fraction(1)] * len(noisy))))
-        for name, dims, link in specs:
+        shapes = _query_tables(query, spec, domains)
+        noisy = [shape for shape in shapes if shape.name not in spec.invariants]
+        parts = dict(zip([shape.name for shape in noisy], allocate(share, [shape.weight for shape in noisy])))
+        for shape in shapes:
+            if isinstance(query, QuantileQuery):
+                tables.append(_quantile_table(query, shape, spec, domains, bounds, parts[shape.name], definition))
+                continue
             event = None
-            if name in parts:
-                where = f"table {name}"
-                if spec.budget.definition == "pure":
-                    mechanism = calibrate_laplace(parts[name], sensitivity, where)
+            if shape.name in parts:
+                where = f"table {shape.name}"
+                sensitivity = _sensitivity(shape, bounds)
+                if definition == "pure":
+                    mechanism = calibrate_laplace(parts[shape.name], sensitivity, where)
                 else:
-                    mechanism = calibrate_gaussian(parts[name], sensitivity, where)
-                event = MeasurementEvent(name, mechanism, sensitivity, parts[name])
-            tables.append(TablePlan(name, query.name, query.kind, tuple(dims), _layout(name, dims, domains), event, link))
+                    mechanism = calibrate_gaussian(parts[shape.name], sensitivity, where)
+                event = MeasurementEvent(shape.name, mechanism, sensitivity, parts[shape.name])
+            layout = _layout(shape.name, shape.dims, domains, shape.statistic, shape.measure)
+            tables.append(TablePlan(shape.name, query.name, query.kind, tuple(shape.dims), layout, event, shape.link,
+                                    shape.measure))
+        if isinstance(query, MeanQuery):
+            means.append(MeanOutput(query.name, shapes[0].name, shapes[1].name, shapes[0].measure))
     names = [t.name for t in tables]
     if len(set(names)) != len(names):
         raise SpecError(f"queries: two tables would share a name: {sorted({n for n in names if names.count(n) > 1})}")
     totals = compose([t.event for t in tables if t.event is not None], spec.budget.definition,
                      getattr(spec.budget, "delta", None))
-    return Plan(spec, domains, bounds, sensitivity, total, tuple(tables), totals)
+    return Plan(spec, domains, bounds, sensitivity, total, tuple(tables), totals, tuple(means))
 
 
-__all__ = ["Plan", "TablePlan", "HierarchyLink", "build_plan", "build_domains", "NATION"]
+__all__ = ["Plan", "TablePlan", "HierarchyLink", "MeanOutput", "Measure", "build_plan", "build_domains", "NATION"]

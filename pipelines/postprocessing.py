@@ -15,8 +15,8 @@ from dprelease.transforms.postprocess import (clamp_nonnegative, hierarchical_le
                                               iterative_proportional_fit, match_margins,
                                               nonnegative_integer_children, round_joint, top_down_hierarchy)
 
-from .plan import Plan, TablePlan
-from .spec import HierarchyQuery, MarginalsQuery
+from .plan import MeanOutput, Plan, TablePlan
+from .spec import CountUnitsQuery, HierarchyQuery, MarginalsQuery, MeanQuery, QuantileQuery, SumQuery
 
 JOINT_LIMIT = 20_000_000
 """Largest joint table (units x attribute cells) fitted for exactly consistent integer marginals."""
@@ -35,6 +35,13 @@ STEPS = {
                         "unit with its unit total preserved: totals agree exactly, other shared sub-marginals only "
                         "up to rounding",
     "histogram": "negative noisy counts set to 0",
+    "count_units": "negative noisy unit counts set to 0",
+    "sum_nonnegative": "negative noisy sums set to 0 (the clamp's lower bound is >= 0)",
+    "sum": "published raw (the clamp allows negative values)",
+    "mean": "NAME.count: negative noisy counts set to 0; NAME.sum: negative sums set to 0 when the clamp's lower "
+            "bound is >= 0; NAME (the mean): raw noisy sum / raw noisy count, clamped to the clamp, null where the "
+            "noisy count is below 1",
+    "quantile": "published as selected (each value a public candidate)",
 }
 
 
@@ -50,8 +57,23 @@ def post_process(plan: Plan, noisy: dict[str, np.ndarray]) -> dict[str, np.ndarr
             published.update(_marginals(plan, query, noisy, unit_totals))
     for t in plan.tables:
         if t.name not in published:
-            published[t.name] = clamp_nonnegative(noisy[t.name])
+            published[t.name] = noisy[t.name].copy() if _published_raw(t) else clamp_nonnegative(noisy[t.name])
     return published
+
+
+def _published_raw(table: TablePlan) -> bool:
+    """Quantile selections, and sums whose clamp allows negative values, are published as released."""
+    return table.statistic == "quantile" or (table.statistic == "sum" and table.measure.lower < 0)
+
+
+def mean_values(mean: MeanOutput, noisy: dict[str, np.ndarray]) -> np.ndarray:
+    """Per cell: raw noisy sum / raw noisy count, clamped to the measure's [lo, hi]; NaN (null) where the
+    noisy count is below 1. Post-processing: reads noisy measurements and the public clamp only."""
+    sums = noisy[mean.sum_table].astype(np.float64)
+    counts = noisy[mean.count_table].astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.clip(sums / counts, mean.measure.lower, mean.measure.upper)
+    return np.where(counts >= 1, ratio, np.nan)
 
 
 def _hierarchy(plan: Plan, query: HierarchyQuery, noisy, unit_totals) -> dict[str, np.ndarray]:
@@ -166,6 +188,10 @@ def steps_applied(plan: Plan) -> list[dict]:
             key = "hierarchy"
         elif isinstance(q, MarginalsQuery):
             key = "marginals_joint" if joint_size(plan, q) <= JOINT_LIMIT else "marginals_tables"
+        elif isinstance(q, SumQuery):
+            key = "sum" if plan.table(q.name).measure.lower < 0 else "sum_nonnegative"
+        elif isinstance(q, (CountUnitsQuery, MeanQuery, QuantileQuery)):
+            key = q.kind
         else:
             key = "histogram"
         steps.append({"query": q.name, "step": STEPS[key]})

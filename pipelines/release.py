@@ -31,7 +31,8 @@ from dprelease.transforms.domains import dimension_labels
 
 from .housekeeping import leftover_tag
 from .manifest import build_manifest, domain_file_names, dump_manifest, sha256_file
-from .plan import Plan, TablePlan
+from .plan import MeanOutput, Plan, TablePlan
+from .postprocessing import mean_values
 
 LOG = logging.getLogger("dprelease")
 
@@ -40,14 +41,29 @@ MEASUREMENTS_DIR = "measurements"
 
 
 def table_frame(plan: Plan, table: TablePlan, values: np.ndarray, value_name: str) -> pa.Table:
-    """One row per public cell: a label column per dimension, then the value column."""
+    """One row per public cell (a quantile table: per cell and q, cell-major): a label column per
+    dimension, then `q` for a quantile table, then the value column."""
+    return _cell_frame(plan, table.dims, table.quantiles, {value_name: pa.array(np.asarray(values, dtype=np.int64))})
+
+
+def _cell_frame(plan: Plan, dims, quantiles, values: dict[str, pa.Array]) -> pa.Table:
     columns = {}
-    coordinates = unravel_cells(tuple(d.size for d in table.dims))
-    for dim, coords in zip(table.dims, coordinates):
+    repeat = max(1, len(quantiles))
+    coordinates = unravel_cells(tuple(d.size for d in dims))
+    for dim, coords in zip(dims, coordinates):
         labels = pa.array(dimension_labels(plan.domains[dim.column], dim), type=pa.string())
-        columns[dim.output_name] = labels.take(pa.array(coords))
-    columns[value_name] = pa.array(np.asarray(values, dtype=np.int64))
-    return pa.table(columns)
+        columns[dim.output_name] = labels.take(pa.array(np.repeat(coords, repeat)))
+    if quantiles:
+        n_cells = int(np.prod([d.size for d in dims])) if dims else 1
+        columns["q"] = pa.array(np.tile([float(q) for q in quantiles], n_cells), type=pa.float64())
+    return pa.table({**columns, **values})
+
+
+def mean_frame(plan: Plan, mean: MeanOutput, noisy: dict[str, np.ndarray]) -> pa.Table:
+    """The mean table of a mean query: per cell, noisy sum / noisy count clamped to the measure's [lo, hi];
+    null where the noisy count is below 1. Post-processing of the raw measurements only."""
+    table = plan.table(mean.sum_table)
+    return _cell_frame(plan, table.dims, (), {"mean": pa.array(mean_values(mean, noisy), type=pa.float64())})
 
 
 def _write_frame(frame: pa.Table, stem: Path) -> list[Path]:
@@ -112,11 +128,13 @@ def stage_release(
     try:
         files: list[Path] = []
         for i, table in enumerate(plan.tables):
-            files += _write_frame(table_frame(plan, table, published[table.name], "count"),
+            files += _write_frame(table_frame(plan, table, published[table.name], table.value_name),
                                   staging / TABLES_DIR / table.name)
-            files += _write_frame(table_frame(plan, table, noisy[table.name], "noisy_count"),
+            files += _write_frame(table_frame(plan, table, noisy[table.name], f"noisy_{table.value_name}"),
                                   staging / MEASUREMENTS_DIR / table.name)
             progress("write", i + 1, len(plan.tables))
+        for mean in plan.means:
+            files += _write_frame(mean_frame(plan, mean, noisy), staging / TABLES_DIR / mean.name)
         for name, relative in domain_file_names(plan).items():
             path = staging / relative
             path.parent.mkdir(exist_ok=True)

@@ -78,12 +78,26 @@ def _problems_page(report: VerifyReport) -> str:
             f"<ul>{items}</ul></body></html>\n")
 
 
+def _measure_text(table: dict) -> str:
+    """'sum of income clamped to [0, 500000]; ' for a measure table, '' otherwise (escaped)."""
+    measure = table.get("measure")
+    if not measure:
+        return escape(f"{table['statistic']}; ") if table.get("statistic") else ""
+    low, high = measure["clamp"]
+    return escape(f"{table['statistic']} of {measure['column']} clamped to [{low}, {high}]; ")
+
+
+def _candidates_text(candidates: list) -> str:
+    shown = ", ".join(str(c) for c in candidates[:8])
+    return f"{shown}, ... ({len(candidates)})" if len(candidates) > 8 else shown
+
+
 def render(report: VerifyReport, ledger_history: list | None = None) -> str:
     if not _conforms(report.manifest):
         return _problems_page(report)
     manifest = report.manifest
     tables = manifest.get("tables", [])
-    margins = [t["expected_error"]["margin_95"] for t in tables if t.get("expected_error")]
+    margins = [t["expected_error"]["margin_95"] for t in tables if (t.get("expected_error") or {}).get("margin_95")]
     scale = 100 / max(margins) if margins and max(margins) > 0 else 1.0
     status = ('<p class="ok">Verified: every file hash, allocation, mechanism and total matches.</p>' if report.ok
               else '<p class="bad">MISMATCH:</p><ul>' + "".join(f"<li>{escape(p)}</li>" for p in report.problems) + "</ul>")
@@ -97,8 +111,16 @@ def render(report: VerifyReport, ledger_history: list | None = None) -> str:
             error_rows.append([escape(t["name"]), f"{t['cells']:,}", "exact (invariant)", "0", "0", ""])
             continue
         mechanism = t["mechanism"]
+        measured = _measure_text(t)
+        if mechanism["kind"] == "exponential":
+            error_rows.append([escape(t["name"]), f"{t['cells']:,} x {len(t['quantile']['q'])} q",
+                               f"{measured}exponential mechanism, epsilon={escape(mechanism['value']['fraction'])} per "
+                               f"selection; q {escape(', '.join(t['quantile']['q']))}; candidates "
+                               f"{escape(_candidates_text(t['quantile']['candidates']))}",
+                               "-", f"±{t['expected_error']['rank_margin_95']} ranks", ""])
+            continue
         error_rows.append([escape(t["name"]), f"{t['cells']:,}",
-                           f"{escape(mechanism['kind'])} {escape(mechanism['parameter'])}={escape(mechanism['value']['fraction'])}",
+                           f"{measured}{escape(mechanism['kind'])} {escape(mechanism['parameter'])}={escape(mechanism['value']['fraction'])}",
                            f"{t['expected_error']['std']:.3f}", f"±{t['expected_error']['margin_95']}",
                            _error_bar(t["expected_error"]["margin_95"], scale)])
     privacy = manifest.get("privacy", {})

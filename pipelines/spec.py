@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dprelease.accounting.errors import SpecError
 from dprelease.accounting.rationals import parse_rational
@@ -120,6 +120,14 @@ class Contribution(Frozen):
     )
 
 
+def _no_clamp(data: Any, kind: str) -> Any:
+    """`clamp` on a column that cannot be a measure: say why instead of 'unknown field'."""
+    if isinstance(data, dict) and "clamp" in data:
+        raise ValueError(f"clamp applies to integer columns only (a measure to sum, average or rank); "
+                         f"this column is {kind}")
+    return data
+
+
 class CategoricalColumn(Frozen):
     type: Literal["categorical"]
     values: list[str | int] = Field(min_length=1, description="Required. The public list of values (matched as text).")
@@ -134,6 +142,8 @@ class CategoricalColumn(Frozen):
             raise ValueError(f"must be distinct; repeated: {duplicates}")
         return values
 
+    _refuse_clamp = model_validator(mode="before")(lambda data: _no_clamp(data, "categorical"))
+
 
 class IntegerColumn(Frozen):
     type: Literal["integer"]
@@ -144,6 +154,13 @@ class IntegerColumn(Frozen):
         description="Optional. Bin edges e0 < e1 < ... with e0 = min and last = max + 1; cell i is [e_i, e_i+1).",
     )
     on_invalid: Literal["other", "drop"] = Field("other", description="Defaulted (other).")
+    clamp: list[int] | None = Field(
+        None,
+        description="Optional. [lo, hi] (public, within ±(2**31 - 1)): makes the column a measure that sum, mean and "
+                    "quantile queries aggregate. Each value is clamped to [lo, hi] first; a null, NaN or non-integer "
+                    "value is left out of the measure's tables (never an error). Independent of min/max/bins, which "
+                    "govern the column as a table dimension.",
+    )
 
 
 class GeographyColumn(Frozen):
@@ -164,42 +181,104 @@ class GeographyColumn(Frozen):
             raise ValueError("widths must be distinct positive integers")
         return dict(sorted(levels.items(), key=lambda item: item[1]))
 
+    _refuse_clamp = model_validator(mode="before")(lambda data: _no_clamp(data, "geography"))
+
 
 Column = Annotated[Union[CategoricalColumn, IntegerColumn, GeographyColumn], Field(discriminator="type")]
 
 
-class HistogramQuery(Frozen):
+class QueryBase(Frozen):
+    """Fields every query has: its name and its budget weight."""
+
     name: str = Field(pattern=NAME, description="Required. Unique query name (letters, digits, _ and -).")
-    kind: Literal["histogram"]
-    by: list[str] = Field(default_factory=list, description="Defaulted ([]: the total). Columns or geo levels 'geo.county'.")
     weight: str = Field("1", description="Defaulted (1). Share of the budget relative to the other queries.")
 
     _check_weight = field_validator("weight", mode="before")(lambda v: _positive_rational(v, "weight"))
 
 
-class MarginalsQuery(Frozen):
-    name: str = Field(pattern=NAME)
+class HistogramQuery(QueryBase):
+    kind: Literal["histogram"]
+    by: list[str] = Field(default_factory=list, description="Defaulted ([]: the total). Columns or geo levels 'geo.county'.")
+
+
+class MarginalsQuery(QueryBase):
     kind: Literal["marginals"]
     attributes: list[str] = Field(min_length=1, description="Required. Attributes whose t-way combinations are tabulated.")
     way: int = Field(2, ge=1, description="Defaulted (2). t: the size of each combination.")
     within: str | None = Field(None, description="Optional. A geography level every marginal is crossed with, 'geo.county'.")
-    weight: str = Field("1")
-
-    _check_weight = field_validator("weight", mode="before")(lambda v: _positive_rational(v, "weight"))
 
 
-class HierarchyQuery(Frozen):
-    name: str = Field(pattern=NAME)
+class HierarchyQuery(QueryBase):
     kind: Literal["hierarchy"]
     geography: str = Field(description="Required. The geography column.")
     levels: list[str] = Field(min_length=1, description="Required. Levels coarse to fine, e.g. [nation, state, county].")
     by: list[str] = Field(default_factory=list, description="Defaulted ([]). Attributes crossed with every level.")
-    weight: str = Field("1")
-
-    _check_weight = field_validator("weight", mode="before")(lambda v: _positive_rational(v, "weight"))
 
 
-Query = Annotated[Union[HistogramQuery, MarginalsQuery, HierarchyQuery], Field(discriminator="kind")]
+class SumQuery(QueryBase):
+    kind: Literal["sum"]
+    column: str = Field(description="Required. An integer column with `clamp`: the measure summed per cell.")
+    by: list[str] = Field(default_factory=list, description="Defaulted ([]: the total). Columns or geo levels.")
+
+
+class MeanQuery(QueryBase):
+    kind: Literal["mean"]
+    column: str = Field(description="Required. An integer column with `clamp`: the measure averaged per cell.")
+    by: list[str] = Field(default_factory=list, description="Defaulted ([]). Columns or geo levels.")
+    count_share: str = Field(
+        "1/3", description="Defaulted (1/3). Share of the query's budget for the noisy count of records with a valid "
+                           "measure (tables NAME.sum and NAME.count); the rest measures the sum. The mean is "
+                           "their ratio, clamped to [lo, hi] (post-processing).")
+
+    @field_validator("count_share", mode="before")
+    @classmethod
+    def _share(cls, value: Any) -> str:
+        text = _positive_rational(value, "count_share")
+        if Fraction(text) >= 1:
+            raise ValueError(f"must be a fraction in (0, 1) (got {brief(value)})")
+        return text
+
+
+MAX_QUANTILE_DENOMINATOR = 1000
+MAX_CANDIDATES = 10_000
+
+
+class QuantileQuery(QueryBase):
+    kind: Literal["quantile"]
+    column: str = Field(description="Required. An integer column with `clamp`: the measure ranked per cell.")
+    by: list[str] = Field(default_factory=list, description="Defaulted ([]). Columns or geo levels.")
+    q: list[str] = Field(min_length=1, max_length=20,
+                         description="Required. Quantiles in (0, 1), e.g. [0.5] or [0.25, 0.5, 0.75] (denominators "
+                                     f"up to {MAX_QUANTILE_DENOMINATOR}); the budget is split equally among them.")
+    candidates: list[int] | None = Field(
+        None, description=f"Optional. Public candidate values, strictly increasing, within the clamp (2..{MAX_CANDIDATES:,}); "
+                          "default: the column's bin edges within its clamp. Each release picks one of them.")
+
+    @field_validator("q", mode="before")
+    @classmethod
+    def _quantiles(cls, values: Any) -> list[str]:
+        if not isinstance(values, list):
+            raise ValueError(f"must be a list of quantiles in (0, 1) (got {brief(values)})")
+        parsed = []
+        for value in values:
+            q = parse_rational(value)
+            if not 0 < q < 1 or q.denominator > MAX_QUANTILE_DENOMINATOR:
+                raise ValueError(f"each q must lie in (0, 1) with a denominator of at most {MAX_QUANTILE_DENOMINATOR} "
+                                 f"(got {brief(value)})")
+            parsed.append(str(q))
+        if len(set(parsed)) != len(parsed):
+            raise ValueError(f"must be distinct (got {brief(values)})")
+        return parsed
+
+
+class CountUnitsQuery(QueryBase):
+    kind: Literal["count_units"]
+    by: list[str] = Field(default_factory=list, description="Defaulted ([]). Columns or geo levels.")
+
+
+Query = Annotated[Union[HistogramQuery, MarginalsQuery, HierarchyQuery, SumQuery, MeanQuery, QuantileQuery,
+                        CountUnitsQuery], Field(discriminator="kind")]
+MEASURE_QUERIES = (SumQuery, MeanQuery, QuantileQuery)
 
 
 class OutputSpec(Frozen):
@@ -261,7 +340,8 @@ def _pydantic_messages(error: ValidationError) -> list[str]:
     messages = []
     for item in error.errors():
         loc = tuple(p for p in item["loc"] if p not in ("pure", "approx", "zcdp", "categorical", "integer",
-                                                       "geography", "histogram", "marginals", "hierarchy"))
+                                                       "geography", "histogram", "marginals", "hierarchy", "sum", "mean",
+                                                       "quantile", "count_units"))
         path = _location(loc)
         msg = item["msg"].removeprefix("Value error, ")
         if item["type"] == "missing":

@@ -1,18 +1,36 @@
 """Cross-field checks of a spec: references between queries and columns, bins, levels, names."""
 from __future__ import annotations
 
-from .spec import (CategoricalColumn, GeographyColumn, HierarchyQuery, HistogramQuery, IntegerColumn,
-                   MarginalsQuery, ReleaseSpec)
+from .spec import (MAX_CANDIDATES, MEASURE_QUERIES, CategoricalColumn, CountUnitsQuery, GeographyColumn,
+                   HierarchyQuery, HistogramQuery, IntegerColumn, MarginalsQuery, QuantileQuery, ReleaseSpec)
 
 NATION = "nation"
 MAX_INTEGER_BOUND = 2**53 - 1
 """Integer domains lie within ±(2**53 - 1), so any input value beyond them, however large, is out of
 domain (an invalid value handled by policy) even after conversion to a double."""
+MAX_CLAMP = 2**31 - 1
+"""Measure clamps lie within ±(2**31 - 1): sums of up to 2**32 records per cell are exact in int64, and
+per-batch partial sums exact in doubles."""
+
+
+def _check_clamp(path: str, column: IntegerColumn, problems: list[str]) -> None:
+    clamp = column.clamp
+    if clamp is None:
+        return
+    if len(clamp) != 2:
+        problems.append(f"{path}.clamp = {clamp}: must be [lo, hi]")
+    elif clamp[0] > clamp[1]:
+        problems.append(f"{path}.clamp = {clamp}: lo must be <= hi")
+    elif max(abs(clamp[0]), abs(clamp[1])) > MAX_CLAMP:
+        problems.append(f"{path}.clamp = {clamp}: lo and hi must lie within ±{MAX_CLAMP} (2**31 - 1)")
+    elif clamp == [0, 0]:
+        problems.append(f"{path}.clamp = {clamp}: every value would be 0; give a range that holds the measure")
 
 
 def _check_column(name: str, column, problems: list[str]) -> None:
     path = f"columns.{name}"
     if isinstance(column, IntegerColumn):
+        _check_clamp(path, column, problems)
         if max(abs(column.min), abs(column.max)) > MAX_INTEGER_BOUND:
             problems.append(f"{path}: min and max must lie within ±{MAX_INTEGER_BOUND} (2**53 - 1: exact as doubles); "
                             f"got [{column.min}, {column.max}]")
@@ -80,8 +98,11 @@ def cross_reference_problems(spec: ReleaseSpec) -> list[str]:
         path = f"queries[{i}]"
         if names.count(query.name) > 1:
             problems.append(f"{path}.name = {query.name!r}: duplicate query name")
-        if isinstance(query, HistogramQuery):
+        if isinstance(query, (HistogramQuery, CountUnitsQuery)):
             _check_refs(spec, query.by, f"{path}.by", problems)
+        elif isinstance(query, MEASURE_QUERIES):
+            _check_refs(spec, query.by, f"{path}.by", problems)
+            _check_measure(spec, query, path, problems)
         elif isinstance(query, MarginalsQuery):
             _check_refs(spec, query.attributes, f"{path}.attributes", problems)
             if query.way > len(query.attributes):
@@ -108,6 +129,49 @@ def cross_reference_problems(spec: ReleaseSpec) -> list[str]:
                 problems.append(f"{path}.by: cannot cross the hierarchy with its own geography column")
     _check_invariants(spec, problems)
     return problems
+
+
+def measure_clamp(spec: ReleaseSpec, column: str) -> tuple[int, int] | None:
+    """The clamp of a measure column, None when the column is not a measure."""
+    declared = spec.columns.get(column)
+    if isinstance(declared, IntegerColumn) and declared.clamp is not None and len(declared.clamp) == 2:
+        return declared.clamp[0], declared.clamp[1]
+    return None
+
+
+def quantile_candidates(spec: ReleaseSpec, query: QuantileQuery) -> list[int]:
+    """The query's candidates, or the column's bin edges within its clamp."""
+    if query.candidates is not None:
+        return list(query.candidates)
+    column = spec.columns[query.column]
+    lo, hi = measure_clamp(spec, query.column)
+    return [edge for edge in (column.bins or []) if lo <= edge <= hi]
+
+
+def _check_measure(spec: ReleaseSpec, query, path: str, problems: list[str]) -> None:
+    column = spec.columns.get(query.column)
+    if column is None:
+        problems.append(f"{path}.column = {query.column!r}: unknown column; known: {sorted(spec.columns)}")
+        return
+    if not isinstance(column, IntegerColumn) or column.clamp is None:
+        problems.append(f"{path}.column = {query.column!r}: a {query.kind} needs an integer column with "
+                        f"clamp: [lo, hi] (this one is {column.type}{'' if column.type != 'integer' else ' without clamp'})")
+        return
+    if measure_clamp(spec, query.column) is None:
+        return  # the clamp itself is reported
+    if not isinstance(query, QuantileQuery):
+        return
+    lo, hi = measure_clamp(spec, query.column)
+    candidates = quantile_candidates(spec, query)
+    where = f"{path}.candidates" if query.candidates is not None else f"{path}.candidates (default: columns.{query.column}.bins within the clamp)"
+    if len(candidates) < 2:
+        problems.append(f"{where} = {candidates}: needs at least 2 candidate values; list them")
+    elif len(candidates) > MAX_CANDIDATES:
+        problems.append(f"{where}: {len(candidates):,} candidates; at most {MAX_CANDIDATES:,}")
+    elif any(b <= a for a, b in zip(candidates, candidates[1:])):
+        problems.append(f"{where} = {candidates[:20]}: must be strictly increasing")
+    elif candidates[0] < lo or candidates[-1] > hi:
+        problems.append(f"{where} = {candidates[:20]}: must lie within the clamp [{lo}, {hi}]")
 
 
 def _check_invariants(spec: ReleaseSpec, problems: list[str]) -> None:

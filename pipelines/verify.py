@@ -70,7 +70,8 @@ def expected_files(plan: Plan) -> set[str]:
     """The files a release of this plan holds (besides the manifest and its signature)."""
     names = {f"{folder}/{t.name}.{ext}" for t in plan.tables for folder in (TABLES_DIR, MEASUREMENTS_DIR)
              for ext in ("parquet", "csv")}
-    return names | set(domain_file_names(plan).values())
+    means = {f"{TABLES_DIR}/{m.name}.{ext}" for m in plan.means for ext in ("parquet", "csv")}
+    return names | means | set(domain_file_names(plan).values())
 
 
 def _check_files(root: Path, manifest: dict, report: VerifyReport) -> None:
@@ -237,21 +238,29 @@ def _check_running_total(prefix: str, values: dict, charged: Fraction, budget: s
 
 
 def _check_measurements(root: Path, plan: Plan, report: VerifyReport) -> None:
+    """Every table file is readable Parquet with a row per public cell (and q) and its value column's type."""
     for table in plan.tables:
-        for folder, column in ((MEASUREMENTS_DIR, "noisy_count"), (TABLES_DIR, "count")):
-            path = root / folder / f"{table.name}.parquet"
-            if not path.is_file():
-                continue
-            try:
-                data = pq.read_table(path)
-            except (pa.ArrowException, OSError) as error:
-                report.problems.append(f"{folder}/{table.name}.parquet: cannot be read as Parquet "
-                                       f"({type(error).__name__})")
-                continue
-            if data.num_rows != table.n_cells:
-                report.problems.append(f"{folder}/{table.name}: {data.num_rows} rows, the public domain has {table.n_cells}")
-            if column not in data.column_names or not pa.types.is_integer(data.schema.field(column).type):
-                report.problems.append(f"{folder}/{table.name}: column {column!r} must hold integers")
+        for folder, column in ((MEASUREMENTS_DIR, f"noisy_{table.value_name}"), (TABLES_DIR, table.value_name)):
+            _check_table_file(root, folder, table.name, table.n_outputs, column, pa.types.is_integer, report)
+    for mean in plan.means:
+        _check_table_file(root, TABLES_DIR, mean.name, plan.table(mean.sum_table).n_cells, "mean",
+                          pa.types.is_floating, report)
+
+
+def _check_table_file(root: Path, folder: str, name: str, rows: int, column: str, kind, report: VerifyReport) -> None:
+    path = root / folder / f"{name}.parquet"
+    if not path.is_file():
+        return
+    try:
+        data = pq.read_table(path)
+    except (pa.ArrowException, OSError) as error:
+        report.problems.append(f"{folder}/{name}.parquet: cannot be read as Parquet ({type(error).__name__})")
+        return
+    if data.num_rows != rows:
+        report.problems.append(f"{folder}/{name}: {data.num_rows} rows, the public domain has {rows}")
+    if column not in data.column_names or not kind(data.schema.field(column).type):
+        report.problems.append(f"{folder}/{name}: column {column!r} must hold "
+                               f"{'integers' if kind is pa.types.is_integer else 'numbers'}")
 
 
 def _check_signature(root: Path, manifest: dict, manifest_bytes: bytes, public_key_path: Path | None,

@@ -1,6 +1,7 @@
 /*
  * Exact discrete Laplace and discrete Gaussian samplers (Canonne, Kamath, Steinke 2020,
- * Algorithms 1-3), one lane (cell) at a time, reading only that lane's random bits.
+ * Algorithms 1-3) and the exponential mechanism by exact rejection, one lane (cell) at a time,
+ * reading only that lane's random bits.
  *
  * Randomness: lane i owns the bit stream words[i*W .. (i+1)*W) (little-endian 64-bit words,
  * each read from its least significant bit). A lane that needs more bits than it was given
@@ -124,6 +125,53 @@ static int bernoulli_exp(bits_t *b, uint64_t whole, uint64_t num, uint64_t den)
     return bernoulli_exp_fraction(b, num, den);
 }
 
+typedef unsigned __int128 u128;
+
+/* Bernoulli(num / den) for den < 2^126: the same bits as bernoulli_frac for the same rational. */
+static int bernoulli_frac_wide(bits_t *b, u128 num, u128 den)
+{
+    if (num == 0)
+        return 0;
+    if (num >= den)
+        return 1;
+    u128 r = num;
+    for (;;) {
+        r <<= 1;
+        int pbit = r >= den;
+        if (pbit)
+            r -= den;
+        int ubit = take_bit(b);
+        if (b->exhausted)
+            return 0;
+        if (ubit != pbit)
+            return ubit < pbit;
+        if (r == 0)
+            return 0;
+    }
+}
+
+/* Bernoulli(exp(-(whole + num/den))), 0 <= num < den < 2^126 (Algorithm 1 on the fraction). */
+static int bernoulli_exp_wide(bits_t *b, uint64_t whole, u128 num, u128 den)
+{
+    if (!(den >> 63))
+        return bernoulli_exp(b, whole, (uint64_t)num, (uint64_t)den);
+    for (uint64_t i = 0; i < whole; i++) {
+        if (!bernoulli_exp_fraction(b, 1, 1) || b->exhausted)
+            return 0;
+    }
+    uint64_t k = 1;
+    for (;;) {
+        int a = bernoulli_frac_wide(b, num, den);
+        if (a && k > 1)
+            a = bernoulli_frac(b, 1, k);
+        if (b->exhausted)
+            return 0;
+        if (!a)
+            return (int)(k & 1);
+        k++;
+    }
+}
+
 /* Discrete Laplace with scale t/s (Algorithm 2). */
 static int64_t discrete_laplace(bits_t *b, uint64_t t, uint64_t s)
 {
@@ -149,8 +197,9 @@ static int64_t discrete_laplace(bits_t *b, uint64_t t, uint64_t s)
 
 #define GAMMA_CAP (UINT64_C(1) << 62)
 
-/* Discrete Gaussian with sigma2 = a/bb (Algorithm 3); t = floor(sigma) + 1, d = 2 a bb t^2 < 2^62. */
-static int64_t discrete_gaussian(bits_t *b, uint64_t a, uint64_t bb, uint64_t t, uint64_t d)
+/* Discrete Gaussian with sigma2 = a/bb (Algorithm 3); t = floor(sigma) + 1, d = 2 a bb t^2 < 2^86.
+ * With d < 2^62 every quantity is the 64-bit one of earlier versions (same bits, same values). */
+static int64_t discrete_gaussian(bits_t *b, uint64_t a, uint64_t bb, uint64_t t, u128 d)
 {
     for (;;) {
         int64_t y = discrete_laplace(b, t, 1);
@@ -158,24 +207,43 @@ static int64_t discrete_gaussian(bits_t *b, uint64_t a, uint64_t bb, uint64_t t,
             return 0;
         uint64_t z = y < 0 ? (uint64_t)(-y) : (uint64_t)y;
         __int128 e = (__int128)z * bb * t - (__int128)a;
-        unsigned __int128 ea = (unsigned __int128)(e < 0 ? -e : e);
-        uint64_t whole, frac;
-        if (!(ea >> 32)) {
-            uint64_t sq = (uint64_t)ea * (uint64_t)ea;
-            uint64_t q = sq / d;
-            whole = q > GAMMA_CAP ? GAMMA_CAP : q;
-            frac = sq % d;
-        } else if (ea >> 63) {
-            whole = GAMMA_CAP; /* gamma >= 2^64: acceptance below exp(-2^62) either way */
+        u128 ea = (u128)(e < 0 ? -e : e);
+        uint64_t whole;
+        u128 frac;
+        if (ea >> 63) {
+            whole = GAMMA_CAP; /* gamma >= 2^126 / d > 2^40: acceptance below exp(-2^40) either way */
             frac = 0;
         } else {
-            unsigned __int128 sq = ea * ea;
-            unsigned __int128 q = sq / d;
+            u128 sq = ea * ea;
+            u128 q = sq / d;
             whole = q > GAMMA_CAP ? GAMMA_CAP : (uint64_t)q;
-            frac = (uint64_t)(sq % d);
+            frac = sq % d;
         }
-        if (bernoulli_exp(b, whole, frac, d))
+        if (bernoulli_exp_wide(b, whole, frac, d))
             return y;
+        if (b->exhausted)
+            return 0;
+    }
+}
+
+/* The exponential mechanism over m candidates with integer scores (lower is better; min subtracted):
+ * P(j) proportional to exp(-score_j * num / den). Rejection: propose j uniformly, accept with probability
+ * exp(-(score_j - min) * num / den) (exact Bernoulli), so the accepted j has exactly that distribution. */
+static int64_t exponential_select(bits_t *b, const int64_t *scores, uint64_t m, uint64_t num, uint64_t den)
+{
+    int64_t best = scores[0];
+    for (uint64_t j = 1; j < m; j++)
+        if (scores[j] < best)
+            best = scores[j];
+    for (;;) {
+        uint64_t j = uniform_below(b, m);
+        if (b->exhausted)
+            return 0;
+        u128 gamma = (u128)(uint64_t)(scores[j] - best) * num;
+        u128 q = gamma / den;
+        uint64_t whole = q > GAMMA_CAP ? GAMMA_CAP : (uint64_t)q;
+        if (bernoulli_exp(b, whole, (uint64_t)(gamma % den), den))
+            return (int64_t)j;
         if (b->exhausted)
             return 0;
     }
@@ -212,15 +280,19 @@ static PyObject *py_sample(PyObject *self, PyObject *args)
     int64_t *o = (int64_t *)out.buf;
     uint8_t *st = (uint8_t *)status.buf;
     Py_ssize_t missing = 0;
-    uint64_t t = 0, d = 0;
+    uint64_t t = 0;
+    u128 d = 0;
     if (kind == 1) {
         t = isqrt_floor(p1 / p2) + 1;
-        unsigned __int128 dd = (unsigned __int128)2 * p1 * p2 * t * t;
-        if (dd >> 62) {
-            PyErr_SetString(PyExc_ValueError, "sample: 2 a b t^2 must be below 2^62");
+        if (t >> 32) {
+            PyErr_SetString(PyExc_ValueError, "sample: sigma too large");
             goto done;
         }
-        d = (uint64_t)dd;
+        d = (u128)2 * p1 * p2 * t * t;
+        if (d >> 86) {
+            PyErr_SetString(PyExc_ValueError, "sample: 2 a b t^2 must be below 2^86");
+            goto done;
+        }
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < lanes; i++) {
@@ -238,10 +310,51 @@ done:
     return result;
 }
 
+/* select(words, words_per_lane, scores, m, num, den, out, status) -> lanes that ran out of bits */
+static PyObject *py_select(PyObject *self, PyObject *args)
+{
+    Py_buffer words, scores, out, status;
+    Py_ssize_t per_lane, m;
+    unsigned long long num, den;
+    if (!PyArg_ParseTuple(args, "y*ny*nKKw*w*", &words, &per_lane, &scores, &m, &num, &den, &out, &status))
+        return NULL;
+    Py_ssize_t lanes = out.len / (Py_ssize_t)sizeof(int64_t);
+    PyObject *result = NULL;
+    if (per_lane <= 0 || m <= 0 || den == 0 || den > (UINT64_C(1) << 62) ||
+        words.len != lanes * per_lane * (Py_ssize_t)sizeof(uint64_t) ||
+        scores.len != lanes * m * (Py_ssize_t)sizeof(int64_t) || status.len != lanes) {
+        PyErr_SetString(PyExc_ValueError, "select: inconsistent arguments");
+        goto done;
+    }
+    const uint64_t *w = (const uint64_t *)words.buf;
+    const int64_t *sc = (const int64_t *)scores.buf;
+    int64_t *o = (int64_t *)out.buf;
+    uint8_t *st = (uint8_t *)status.buf;
+    Py_ssize_t missing = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < lanes; i++) {
+        bits_t b = {w + i * per_lane, (uint64_t)per_lane, 0, 0, 0, 0};
+        o[i] = exponential_select(&b, sc + i * m, (uint64_t)m, num, den);
+        st[i] = (uint8_t)b.exhausted;
+        missing += b.exhausted;
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(missing);
+done:
+    PyBuffer_Release(&words);
+    PyBuffer_Release(&scores);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&status);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"sample", py_sample, METH_VARARGS,
      "sample(kind, words, words_per_lane, p1, p2, out, status) -> number of lanes out of bits.\n"
      "kind 0: discrete Laplace, scale p1/p2; kind 1: discrete Gaussian, sigma2 p1/p2."},
+    {"select", py_select, METH_VARARGS,
+     "select(words, words_per_lane, scores, m, num, den, out, status) -> number of lanes out of bits.\n"
+     "Per lane: index j of m with probability proportional to exp(-(score_j - min) * num / den)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,4 +1,8 @@
-"""Aggregation: count vectors over a table's full public cell domain.
+"""Aggregation: measurement vectors over a table's full public cell domain.
+
+Statistics: `count` (records), `sum` (a clamped measure), `units` (distinct privacy units) and
+`quantile` (per cell, counts of the measure's values in the 2m + 1 buckets around m public
+candidates: below c_0, at c_0, between c_0 and c_1, ..., above c_m-1). All are exact int64.
 
 Privacy: the output has one entry for every public cell (empty cells included), in a
 fixed C order of the table's dimensions, so the set and order of released cells never
@@ -6,12 +10,13 @@ depend on the data.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
 
-from .bound import bound_contributions, record_keys
+from .bound import bound_contributions, dense_unit_ids, record_keys
 
 
 @dataclass(frozen=True)
@@ -25,13 +30,36 @@ class TableLayout:
     columns: tuple[str, ...]
     lookups: tuple[np.ndarray | None, ...]
     sizes: tuple[int, ...]
+    statistic: Literal["count", "sum", "units", "quantile"] = "count"
+    measure: str | None = None
+    """Encoded measure column (codes value - lower; `invalid` for no value): summed or ranked, and for a
+    `count` with a measure, the records counted are those with a valid value."""
+    lower: int = 0
+    invalid: int = 0
+    candidates: tuple[int, ...] = field(default=())
 
     @property
     def n_cells(self) -> int:
+        """Public cells of the table."""
         n = 1
         for size in self.sizes:
             n *= size
         return n
+
+    @property
+    def buckets(self) -> int:
+        """Entries per cell of the measurement vector: 2m + 1 for a quantile, else 1."""
+        return 2 * len(self.candidates) + 1 if self.statistic == "quantile" else 1
+
+    @property
+    def n_measured(self) -> int:
+        """Length of the measurement vector."""
+        return self.n_cells * self.buckets
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """Encoded columns the layout reads."""
+        return self.columns + ((self.measure,) if self.measure else ())
 
     def cell_index(self, codes: dict[str, np.ndarray], n_rows: int) -> np.ndarray:
         index = np.zeros(n_rows, dtype=np.int64)
@@ -47,6 +75,50 @@ class TableLayout:
         """True counts of every cell (int64, length n_cells)."""
         return np.bincount(self.cell_index(codes, n_rows), minlength=self.n_cells).astype(np.int64)
 
+    def measure_vector(self, codes: dict[str, np.ndarray], n_rows: int, units: np.ndarray | None = None) -> np.ndarray:
+        """The table's exact measurement vector (int64, length n_measured) over these records.
+
+        `units`: dense ids of the records' privacy units (all records of each unit present), or None when
+        every record is its own unit."""
+        if self.statistic == "count" and self.measure is None:
+            return self.count(codes, n_rows)
+        index = self.cell_index(codes, n_rows)
+        if self.statistic == "units":
+            return _distinct_units(index, units, self.n_cells)
+        values = codes[self.measure].astype(np.int64)
+        valid = values != self.invalid
+        index, values = index[valid], values[valid] + self.lower
+        if self.statistic == "count":
+            return np.bincount(index, minlength=self.n_cells).astype(np.int64)
+        if self.statistic == "sum":
+            return _exact_sums(index, values, self.n_cells)
+        candidates = np.asarray(self.candidates, dtype=np.int64)
+        below = np.searchsorted(candidates, values, side="left")
+        equal = (below < candidates.size) & (candidates[np.minimum(below, candidates.size - 1)] == values)
+        bucket = 2 * below + equal
+        return np.bincount(index * self.buckets + bucket, minlength=self.n_measured).astype(np.int64)
+
+
+def _exact_sums(index: np.ndarray, values: np.ndarray, n_cells: int) -> np.ndarray:
+    """Per-cell sums of int64 values, exactly: float64 bincounts over chunks short enough that every
+    partial sum stays below 2**53 in magnitude (exact in doubles), added up in int64."""
+    largest = int(np.abs(values).max()) if values.size else 0
+    chunk = max(1, (1 << 53) // max(largest, 1))
+    sums = np.zeros(n_cells, dtype=np.int64)
+    for start in range(0, index.size, chunk):
+        stop = start + chunk
+        sums += np.bincount(index[start:stop], weights=values[start:stop].astype(np.float64),
+                            minlength=n_cells).astype(np.int64)
+    return sums
+
+
+def _distinct_units(index: np.ndarray, units: np.ndarray | None, n_cells: int) -> np.ndarray:
+    """Per cell, the number of distinct units among its records (each record its own unit: the count)."""
+    if units is None:
+        return np.bincount(index, minlength=n_cells).astype(np.int64)
+    pairs = np.unique(units.astype(np.int64) * n_cells + index)
+    return np.bincount(pairs % n_cells, minlength=n_cells).astype(np.int64)
+
 
 def unravel_cells(sizes: tuple[int, ...]) -> list[np.ndarray]:
     """Per-dimension coordinates of every cell, in the C order used by `TableLayout`."""
@@ -58,15 +130,18 @@ def unravel_cells(sizes: tuple[int, ...]) -> list[np.ndarray]:
 
 def bounded_counts(layouts: list[TableLayout], codes: dict[str, np.ndarray], sizes: list[int],
                    units: pa.Array | pa.ChunkedArray | None, k: int, subkey: bytes) -> list[np.ndarray]:
-    """True counts of every table over records that hold all records of their units (a partition).
+    """True measurement vectors of every table over records that hold all records of their units (a partition).
 
     Privacy: with `units`, each unit's records are first bounded to k (`bound_contributions`);
     with None every record is its own unit and is counted as is.
     """
     n_rows = len(next(iter(codes.values()))) if codes else 0
+    unit_ids = None
     if units is not None and n_rows:
         columns = list(codes)
         keep = bound_contributions(units, record_keys([codes[c] for c in columns], sizes), k, subkey)
         codes = {c: values[keep] for c, values in codes.items()}
         n_rows = int(keep.sum())
-    return [layout.count(codes, n_rows) for layout in layouts]
+        if any(layout.statistic == "units" for layout in layouts):
+            unit_ids = dense_unit_ids(units.filter(pa.array(keep)))
+    return [layout.measure_vector(codes, n_rows, unit_ids) for layout in layouts]

@@ -11,11 +11,13 @@ rows. The steps, composable in any Beam pipeline:
                                           shard by a keyed hash of the unit, bound each shard with the
                                           bounding kernel (a unit's records all meet in one shard)
     CountCells(layouts)                   bounded tables -> (table, (cells, counts)): a combine of
-                                          sparse per-batch count vectors
+                                          sparse per-batch measurement vectors (counts, sums, unit
+                                          counts, quantile buckets)
     Histogram / Marginals / Hierarchy     CountCells for the tables of one query of a plan
-    AddNoise(tables, key)                 (table, counts) -> (table, start, noisy int64 vector) for
+    AddNoise(releases, key)               (table, counts) -> (table, start, released int64 vector) for
                                           every range of every table's public cell domain, empty
-                                          tables and cells included; noise from the sampler kernel
+                                          tables and cells included; noise from the sampler kernel,
+                                          quantiles from the selection kernel
     WriteNoisyRanges(directory)           one .npy file per range, through Beam's FileSystems
 
 Privacy: a cell's noise is a pure function of (key, table, cell), and the records kept for a unit
@@ -34,10 +36,11 @@ import numpy as np
 import pyarrow as pa
 
 from .aggregate import TableLayout
-from .bound import bound_contributions, record_keys, shard_salt, unit_shards
+from .bound import bound_contributions, dense_unit_ids, record_keys, shard_salt, unit_shards
 from .csprng import ReleaseKey
 from .encode import UNIT, ColumnEncoder, encoded_table
-from .samplers import FAIL_FIRST_ATTEMPT_ENV, noisy_range
+from .release_values import TableRelease, noisy_range
+from .samplers import FAIL_FIRST_ATTEMPT_ENV
 
 NOISE_RANGE_CELLS = 1 << 18
 
@@ -74,7 +77,7 @@ class EncodeRecords(beam.PTransform):
 
     @classmethod
     def from_plan(cls, plan) -> "EncodeRecords":
-        return cls({c: plan.domains[c] for c in plan.used_columns()}, plan.spec.privacy_unit)
+        return cls({c: plan.domains[c] for c in plan.encoded_columns()}, plan.spec.privacy_unit)
 
     def expand(self, batches):
         encoders, unit = self.encoders, self.unit
@@ -116,7 +119,7 @@ class BoundContributions(beam.PTransform):
 
     @classmethod
     def from_plan(cls, plan, key: ReleaseKey, shards: int = 16) -> "BoundContributions":
-        sizes = {c: plan.domains[c].size for c in plan.used_columns()}
+        sizes = {c: plan.domains[c].size for c in plan.encoded_columns()}
         return cls(plan.bounds.max_records_per_unit, key.derive("dprelease/bound"), sizes, shards, shard_salt(key))
 
     def expand(self, encoded):
@@ -151,8 +154,9 @@ class _SumSparseCounts(beam.CombineFn):
 
 class CountCells(beam.PTransform):
     """Bounded encoded tables -> (table name, (cells, counts)) for every table that has records:
-    per batch, the aggregation kernel's count vector over the public domain (nonzero cells kept),
-    combined across batches. AddNoise supplies the empty tables and cells."""
+    per batch, the aggregation kernel's measurement vector over the public domain (nonzero entries
+    kept), combined across batches. AddNoise supplies the empty tables and cells. A bounded table holds
+    every record of its units (one shard), so distinct units are counted exactly."""
 
     def __init__(self, layouts: list[TableLayout]):
         super().__init__()
@@ -162,9 +166,12 @@ class CountCells(beam.PTransform):
         layouts = self.layouts
 
         def sparse_counts(table: pa.Table):
-            codes = {c: table.column(c).to_numpy() for c in {c for layout in layouts for c in layout.columns}}
+            codes = {c: table.column(c).to_numpy() for c in {c for layout in layouts for c in layout.inputs}}
+            units = None
+            if UNIT in table.column_names and any(layout.statistic == "units" for layout in layouts):
+                units = dense_unit_ids(table.column(UNIT))
             for layout in layouts:
-                counts = layout.count(codes, table.num_rows)
+                counts = layout.measure_vector(codes, table.num_rows, units)
                 cells = np.flatnonzero(counts)
                 yield layout.name, (cells, counts[cells])
 
@@ -198,24 +205,26 @@ class Hierarchy(_QueryCounts):
 
 
 class _NoiseRange(beam.DoFn):
-    """One range of one table: its counts (zeros where no record fell) plus the keyed noise."""
+    """One range of one table: its measurements (zeros where no record fell) released by the table's
+    mechanism (noise, or a quantile selection per cell and q)."""
 
-    def __init__(self, tables: dict, key: ReleaseKey, range_cells: int, fail_first_dir: str | None):
-        self.tables, self.key, self.range_cells, self.fail_first_dir = tables, key, range_cells, fail_first_dir
+    def __init__(self, releases: dict[str, TableRelease], key: ReleaseKey, range_cells: int,
+                 fail_first_dir: str | None):
+        self.releases, self.key, self.range_cells, self.fail_first_dir = releases, key, range_cells, fail_first_dir
 
     def start_bundle(self):
         self._ranges_seen: list[str] = []
 
     def process(self, element):
         (name, start), parts = element
-        n_cells, mechanism = self.tables[name]
-        stop = min(start + self.range_cells, n_cells)
+        release = self.releases[name]
+        stop = min(start + release.range_length(self.range_cells), release.n_measured)
         counted = [part for part in parts if part is not None]  # None: the public range marker
         cells = np.concatenate([c for c, _ in counted]) if counted else np.empty(0, np.int64)
         counts = np.concatenate([n for _, n in counted]) if counted else np.empty(0, np.int64)
-        values = noisy_range(self.key, name, mechanism, start, stop, cells, counts)
+        values = noisy_range(self.key, release, start, stop, cells, counts)
         self._ranges_seen.append(f"{name}-{start}")
-        yield name, start, values
+        yield name, release.output_start(start), values
 
     def finish_bundle(self):
         """Test hook: a bundle holding a range not attempted before fails after all its noise was
@@ -230,14 +239,15 @@ class _NoiseRange(beam.DoFn):
 
 
 class AddNoise(beam.PTransform):
-    """(table, (cells, counts)) -> (table, start, noisy counts) for every range of every table.
+    """(table, (cells, counts)) -> (table, output start, released values) for every range of every table.
 
-    `tables`: name -> (n_cells, mechanism or None for an invariant). The ranges come from the public
-    domain sizes, so every cell is released whether or not any record fell in it."""
+    `releases`: name -> TableRelease (its measurement length and mechanism, None for an invariant). The
+    ranges come from the public domain sizes, so every cell is released whether or not any record fell
+    in it."""
 
-    def __init__(self, tables: dict, key: ReleaseKey, range_cells: int = NOISE_RANGE_CELLS):
+    def __init__(self, releases: dict[str, TableRelease], key: ReleaseKey, range_cells: int = NOISE_RANGE_CELLS):
         super().__init__()
-        self.tables, self.key, self.range_cells = dict(tables), key, range_cells
+        self.releases, self.key, self.range_cells = dict(releases), key, range_cells
         hook = os.environ.get(FAIL_FIRST_ATTEMPT_ENV, "")
         self.fail_first_dir = hook.removeprefix("noise:") if hook.startswith("noise:") else None
 
@@ -246,16 +256,17 @@ class AddNoise(beam.PTransform):
                   range_cells: int = NOISE_RANGE_CELLS) -> "AddNoise":
         """AddNoise for the plan's tables (or those in `names`), with their calibrated mechanisms."""
         wanted = set(names) if names is not None else {t.name for t in plan.tables}
-        return cls({t.name: (t.n_cells, t.event.mechanism if t.event else None)
-                    for t in plan.tables if t.name in wanted}, key, range_cells)
+        return cls({t.name: t.release for t in plan.tables if t.name in wanted}, key, range_cells)
 
     def expand(self, counts):
-        step = self.range_cells
-        ranges = [((name, start), None) for name, (n_cells, _) in sorted(self.tables.items())
-                  for start in range(0, n_cells, step)]
+        target = self.range_cells
+        steps = {name: release.range_length(target) for name, release in self.releases.items()}
+        ranges = [((name, start), None) for name, release in sorted(self.releases.items())
+                  for start in release.range_starts(target)]
 
         def split(element):
             name, (cells, values) = element
+            step = steps[name]
             first = cells // step
             for r in np.unique(first):
                 mine = first == r
@@ -265,7 +276,7 @@ class AddNoise(beam.PTransform):
                  counts.pipeline | "PublicRanges" >> beam.Create(ranges))
                 | "WithEveryRange" >> beam.Flatten()
                 | "GroupRanges" >> beam.GroupByKey()
-                | "Noise" >> beam.ParDo(_NoiseRange(self.tables, self.key, step, self.fail_first_dir)).with_output_types(Any))
+                | "Noise" >> beam.ParDo(_NoiseRange(self.releases, self.key, target, self.fail_first_dir)).with_output_types(Any))
 
 
 class WriteNoisyRanges(beam.PTransform):

@@ -126,7 +126,39 @@ class GeographyDomain:
         return np.asarray(mapping, dtype=np.int64)
 
 
-Domain = CategoricalDomain | IntegerDomain | GeographyDomain
+@dataclass(frozen=True)
+class MeasureDomain:
+    """An integer measure clamped to [lower, upper] (sum, mean, quantile queries).
+
+    Its encoded column (named `measure_key(source)`) holds value - lower for a valid value and
+    `invalid_code` for a null, NaN or non-integer one, which is left out of the measure's tables; the
+    record itself is never dropped for it."""
+
+    name: str
+    source: str
+    lower: int
+    upper: int
+    policy: Policy = "other"
+
+    @property
+    def span(self) -> int:
+        return self.upper - self.lower
+
+    @property
+    def invalid_code(self) -> int:
+        return self.span + 1
+
+    @property
+    def size(self) -> int:
+        return self.span + 2
+
+
+def measure_key(column: str) -> str:
+    """Name of a measure's encoded column ('#' cannot occur in a spec column reference)."""
+    return f"{column}#measure"
+
+
+Domain = CategoricalDomain | IntegerDomain | GeographyDomain | MeasureDomain
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .domains import CategoricalDomain, Domain, GeographyDomain, IntegerDomain
+from .domains import CategoricalDomain, Domain, GeographyDomain, IntegerDomain, MeasureDomain
 
 INVALID = -1
 
@@ -104,8 +104,15 @@ class ColumnEncoder:
 
     domain: Domain
 
+    @property
+    def source(self) -> str:
+        """The input column this encoder reads."""
+        return self.domain.source if isinstance(self.domain, MeasureDomain) else self.domain.name
+
     def encode(self, column: pa.Array | pa.ChunkedArray) -> np.ndarray:
         domain = self.domain
+        if isinstance(domain, MeasureDomain):
+            return self._encode_measure(_integer_values(column), domain)
         if isinstance(domain, IntegerDomain):
             codes = self._encode_integer(_integer_values(column), domain)
         else:
@@ -122,6 +129,13 @@ class ColumnEncoder:
             return {v: i for i, v in enumerate(domain.values)}
         assert isinstance(domain, GeographyDomain)
         return {leaf: i for i, leaf in enumerate(domain.leaves)}
+
+    @staticmethod
+    def _encode_measure(values: np.ndarray, domain: MeasureDomain) -> np.ndarray:
+        """value - lower after clamping to [lower, upper]; invalid_code for null/NaN/non-integers (kept rows)."""
+        valid = np.isfinite(values)
+        clamped = np.clip(np.where(valid, values, domain.lower), domain.lower, domain.upper)
+        return np.where(valid, clamped.astype(np.int64) - domain.lower, domain.invalid_code)
 
     @staticmethod
     def _encode_integer(values: np.ndarray, domain: IntegerDomain) -> np.ndarray:
@@ -142,7 +156,7 @@ def encode_batch(batch: pa.RecordBatch | pa.Table, encoders: dict[str, ColumnEnc
     codes: dict[str, np.ndarray] = {}
     keep = np.ones(batch.num_rows, dtype=bool)
     for name, encoder in encoders.items():
-        column_codes = encoder.encode(batch.column(name))
+        column_codes = encoder.encode(batch.column(encoder.source))
         keep &= column_codes != INVALID
         codes[name] = column_codes
     return codes, keep

@@ -33,7 +33,7 @@ def _kernel_parameters(kind: str, parameter: Fraction) -> tuple[int, int, int]:
     if kind == "discrete_gaussian":
         a, b = parameter.numerator, parameter.denominator
         t = math.isqrt(a // b) + 1
-        if 2 * a * b * t * t >= 2**62:
+        if 2 * a * b * t * t >= 2**86:
             raise ValueError(f"sigma2 ({parameter}) too large for exact 64-bit sampling; see calibrate_gaussian")
     elif parameter.numerator > 2**62 or parameter.denominator > 2**62:
         raise ValueError(f"scale ({parameter}) has too large a numerator or denominator")
@@ -54,11 +54,14 @@ def _words_for_rounds(stream: CellStream, cells: np.ndarray, rounds: int, chunk:
     return np.ascontiguousarray(np.concatenate(parts, axis=1))
 
 
-def _sample_chunk(stream: CellStream, start: int, stop: int, kind: int, p1: int, p2: int) -> np.ndarray:
+def _run_lanes(stream: CellStream, start: int, stop: int, kernel) -> np.ndarray:
+    """Run `kernel(words, words_per_lane, lanes, out, status)` on lanes [start, stop) with round 0, then
+    re-run every lane that ran out of bits with twice the rounds until none does (same prefix: the value
+    an unbounded stream gives)."""
     round0 = stream.block(0, start, stop)
     out = np.empty(stop - start, dtype=np.int64)
     status = np.zeros(stop - start, dtype=np.uint8)
-    _exact.sample(kind, round0, WORDS_PER_CELL, p1, p2, out, status)
+    kernel(round0, WORDS_PER_CELL, np.arange(stop - start), out, status)
     missing = np.flatnonzero(status) + start
     rounds = 1
     while missing.size:
@@ -66,11 +69,18 @@ def _sample_chunk(stream: CellStream, start: int, stop: int, kind: int, p1: int,
         words = _words_for_rounds(stream, missing, rounds, (start, stop), round0)
         values = np.empty(missing.size, dtype=np.int64)
         again = np.zeros(missing.size, dtype=np.uint8)
-        _exact.sample(kind, words, rounds * WORDS_PER_CELL, p1, p2, values, again)
+        kernel(words, rounds * WORDS_PER_CELL, missing - start, values, again)
         done = again == 0
         out[missing[done] - start] = values[done]
         missing = missing[~done]
     return out
+
+
+def _sample_chunk(stream: CellStream, start: int, stop: int, kind: int, p1: int, p2: int) -> np.ndarray:
+    def kernel(words, per_lane, lanes, out, status):
+        _exact.sample(kind, words, per_lane, p1, p2, out, status)
+
+    return _run_lanes(stream, start, stop, kernel)
 
 
 def sample_cells(stream: CellStream, start: int, stop: int, kind: str, parameter: Fraction) -> np.ndarray:
@@ -84,22 +94,31 @@ def sample_cells(stream: CellStream, start: int, stop: int, kind: str, parameter
     return out
 
 
+def select_cells(stream: CellStream, start: int, stop: int, scores: np.ndarray, epsilon: Fraction,
+                 sensitivity: int) -> np.ndarray:
+    """Exponential mechanism for lanes [start, stop): lane i picks j in 0..m-1 with probability proportional
+    to exp(-epsilon * (scores[i, j] - min_j scores[i]) / (2 * sensitivity)), exactly, from its own stream."""
+    scores = np.ascontiguousarray(scores, dtype=np.int64)
+    num, den = epsilon.numerator, 2 * sensitivity * epsilon.denominator
+    if num > 2**62 or den > 2**62:
+        raise ValueError(f"epsilon {epsilon} and sensitivity {sensitivity} exceed the selection kernel's 62 bits")
+    m = scores.shape[1]
+    out = np.empty(stop - start, dtype=np.int64)
+    for chunk_start in range(start, stop, CHUNK_CELLS):
+        chunk_stop = min(chunk_start + CHUNK_CELLS, stop)
+        block = scores[chunk_start - start: chunk_stop - start]
+
+        def kernel(words, per_lane, lanes, values, status, block=block):
+            _exact.select(words, per_lane, np.ascontiguousarray(block[lanes]), m, num, den, values, status)
+
+        out[chunk_start - start: chunk_stop - start] = _run_lanes(stream, chunk_start, chunk_stop, kernel)
+    return out
+
+
 def table_noise(key, table: str, mechanism, start: int, stop: int) -> np.ndarray:
     """Noise of cells [start, stop) of one table: from the table's own keyed stream, for its
     calibrated mechanism (`dprelease.accounting.mechanisms`)."""
     return sample_cells(CellStream.for_table(key, table), start, stop, mechanism.kind, mechanism.parameter)
-
-
-def noisy_range(key, table: str, mechanism, start: int, stop: int, cells: np.ndarray,
-                counts: np.ndarray) -> np.ndarray:
-    """Cells [start, stop) of one table as released: the true counts given sparsely (`cells`,
-    absolute indices, with their `counts`; every other cell is 0) plus the table's noise, or no
-    noise for an invariant (`mechanism` None). Shared by the engines that noise cell ranges in workers."""
-    values = np.zeros(stop - start, dtype=np.int64)
-    np.add.at(values, np.asarray(cells, dtype=np.int64) - start, counts)
-    if mechanism is not None:
-        values += table_noise(key, table, mechanism, start, stop)
-    return values
 
 
 FAIL_FIRST_ATTEMPT_ENV = "DPRELEASE_TEST_FAIL_FIRST_ATTEMPT"

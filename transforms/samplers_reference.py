@@ -107,8 +107,51 @@ def bernoulli_exp_fraction(src: LaneBits, lanes: np.ndarray, num, den) -> np.nda
     return result
 
 
+def _bernoulli_fraction_one(src: LaneBits, lane: int, num: int, den: int) -> bool:
+    """Bernoulli(num/den) for one lane, in Python integers (any size): the kernel's 128-bit path."""
+    if num == 0:
+        return False
+    if num >= den:
+        return True
+    r = num
+    while True:
+        r <<= 1
+        p_bit = r >= den
+        if p_bit:
+            r -= den
+        u_bit = bool(src.take(np.array([lane]), 1)[0])
+        if u_bit != p_bit:
+            return p_bit and not u_bit
+        if r == 0:
+            return False
+
+
+def _bernoulli_exp_fraction_one(src: LaneBits, lane: int, num: int, den: int) -> bool:
+    """Bernoulli(exp(-num/den)) for one lane (CKS20 Algorithm 1), Python integers."""
+    k = 1
+    while True:
+        success = _bernoulli_fraction_one(src, lane, num, den)
+        if success and k > 1:
+            success = _bernoulli_fraction_one(src, lane, 1, k)
+        if not success:
+            return k % 2 == 1
+        k += 1
+
+
 def bernoulli_exp(src: LaneBits, lanes: np.ndarray, whole, num, den) -> np.ndarray:
-    """Bernoulli(exp(-(whole + num/den))), 0 <= num < den."""
+    """Bernoulli(exp(-(whole + num/den))), 0 <= num < den (den beyond 64 bits: lane by lane)."""
+    if int(den) >= 2**63:
+        whole = np.broadcast_to(np.asarray(whole, dtype=np.int64), lanes.shape)
+        nums = list(num) if isinstance(num, (list, np.ndarray)) else [num] * lanes.size
+        out = np.empty(lanes.size, dtype=bool)
+        for i, lane in enumerate(lanes.tolist()):
+            alive = True
+            for _ in range(int(whole[i])):
+                if not _bernoulli_exp_fraction_one(src, lane, 1, 1):
+                    alive = False
+                    break
+            out[i] = alive and _bernoulli_exp_fraction_one(src, lane, int(nums[i]), int(den))
+        return out
     result = np.ones(lanes.size, dtype=bool)
     remaining = np.broadcast_to(np.asarray(whole, dtype=np.int64), lanes.shape).copy()
     pending = np.flatnonzero(remaining > 0)
@@ -154,7 +197,7 @@ def _split_gamma(abs_y: np.ndarray, a: int, b: int, t: int) -> tuple[np.ndarray,
     gamma = (|Y| - sigma2/t)^2 / (2 sigma2) = e^2 / D, e = |Y| b t - a, D = 2 a b t^2."""
     d = 2 * a * b * t * t
     whole = np.empty(abs_y.size, dtype=np.int64)
-    frac = np.empty(abs_y.size, dtype=np.uint64)
+    frac = np.empty(abs_y.size, dtype=np.uint64 if d < 2**63 else object)
     for i, z in enumerate(abs_y.tolist()):
         e = abs(z * b * t - a)
         if e >= 2**63:
@@ -178,6 +221,32 @@ def discrete_gaussian(src: LaneBits, lanes: np.ndarray, sigma2: Fraction) -> np.
         out[pending[accepted]] = y[accepted]
         pending = pending[~accepted]
     return out
+
+
+def exponential_select(src: LaneBits, lanes: np.ndarray, scores: np.ndarray, num: int, den: int) -> np.ndarray:
+    """Index j of each lane's row of `scores`, with probability proportional to exp(-(score_j - min) num/den):
+    propose j uniformly, accept with an exact Bernoulli(exp(-(score_j - min) num / den))."""
+    m = scores.shape[1]
+    best = scores.min(axis=1)
+    out = np.empty(lanes.size, dtype=np.int64)
+    pending = np.arange(lanes.size)
+    while pending.size:
+        j = uniform_below(src, lanes[pending], m).astype(np.int64)
+        gammas = [int(scores[p, c] - best[p]) * num for p, c in zip(pending.tolist(), j.tolist())]
+        whole = np.array([min(g // den, GAMMA_CAP) for g in gammas], dtype=np.int64)
+        frac = np.array([g % den for g in gammas], dtype=np.uint64)
+        accepted = bernoulli_exp(src, lanes[pending], whole, frac, den)
+        out[pending[accepted]] = j[accepted]
+        pending = pending[~accepted]
+    return out
+
+
+def select_cells_reference(stream: CellStream, start: int, stop: int, scores: np.ndarray, epsilon: Fraction,
+                           sensitivity: int) -> np.ndarray:
+    """The exponential mechanism for lanes [start, stop), computed by the numpy reference."""
+    src = LaneBits(stream, start, stop)
+    return exponential_select(src, np.arange(stop - start), np.asarray(scores, dtype=np.int64),
+                              epsilon.numerator, 2 * sensitivity * epsilon.denominator)
 
 
 def sample_cells_reference(stream: CellStream, start: int, stop: int, kind: str, parameter: Fraction) -> np.ndarray:

@@ -213,7 +213,7 @@ class BeamEngine(Engine):
     def _assemble(plan: Plan, directory: str) -> dict[str, np.ndarray]:
         from apache_beam.io.filesystems import FileSystems
 
-        vectors = [np.zeros(t.n_cells, dtype=np.int64) for t in plan.tables]
+        vectors = [np.zeros(t.n_outputs, dtype=np.int64) for t in plan.tables]
         covered = [0] * len(plan.tables)
         for metadata in FileSystems.match([f"{directory}/*.npy"])[0].metadata_list:
             table_id, start = (int(part) for part in os.path.basename(metadata.path)[:-4].split("-"))
@@ -222,6 +222,6 @@ class BeamEngine(Engine):
             vectors[table_id][start:start + values.size] = values
             covered[table_id] += values.size
         for t, vector, cells in zip(plan.tables, vectors, covered):
-            if cells != t.n_cells:
-                raise DPReleaseError(f"table {t.name}: the Beam pipeline returned {cells} of {t.n_cells} cells")
+            if cells != t.n_outputs:
+                raise DPReleaseError(f"table {t.name}: the Beam pipeline returned {cells} of {t.n_outputs} values")
         return {t.name: vector for t, vector in zip(plan.tables, vectors)}

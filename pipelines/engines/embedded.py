@@ -19,6 +19,7 @@ from dprelease.transforms.aggregate import bounded_counts
 from dprelease.transforms.bound import shard_salt, unit_shards
 from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.encode import UNIT, ColumnEncoder, encoded_table
+from dprelease.transforms.release_values import release_table
 from dprelease.transforms.samplers import table_noise
 
 from ..housekeeping import leftover_tag
@@ -81,11 +82,11 @@ class EmbeddedEngine(Engine):
         self.workers = workers or os.cpu_count() or 1
 
     def true_counts(self, plan: Plan, source: InputSource, key: ReleaseKey, progress: ProgressHook) -> dict[str, np.ndarray]:
-        """Bounded counts of every table. Private: only `noisy_measurements` may see them."""
-        columns = plan.used_columns()
+        """Bounded measurement vectors of every table. Private: only `noisy_measurements` may see them."""
+        columns = plan.encoded_columns()
         encoders = {c: ColumnEncoder(plan.domains[c]) for c in columns}
         sizes = [plan.domains[c].size for c in columns]
-        counts = {t.name: np.zeros(t.n_cells, dtype=np.int64) for t in plan.tables}
+        counts = {t.name: np.zeros(t.layout.n_measured, dtype=np.int64) for t in plan.tables}
         unit = source.unit_column
         row_bytes = 4 * len(columns) + 8
         partitions = max(1, -(-source.estimated_rows() * row_bytes // PARTITION_BYTES)) if unit else 1
@@ -114,17 +115,18 @@ class EmbeddedEngine(Engine):
         # the codes dict is built inline so the kernel holds its only reference and can drop
         # the unbounded arrays once filtered (peak memory)
         partial = bounded_counts([t.layout for t in plan.tables],
-                                 {c: table.column(c).to_numpy() for c in plan.used_columns()},
+                                 {c: table.column(c).to_numpy() for c in plan.encoded_columns()},
                                  sizes, units, plan.bounds.max_records_per_unit, subkey)
         for t, values in zip(plan.tables, partial):
             counts[t.name] += values
 
     def noise(self, plan: Plan, key: ReleaseKey, progress: ProgressHook) -> dict[str, np.ndarray]:
-        """Noise of every cell of every table, in parallel over cell ranges (same values for any split)."""
+        """Noise of every cell of every additive table, in parallel over cell ranges (same values for any split)."""
+        additive = [t for t in plan.measured() if not t.release.selects]
         jobs = [(t.name, t.event.mechanism, start, min(start + NOISE_RANGE_CELLS, t.n_cells))
-                for t in plan.measured() for start in range(0, t.n_cells, NOISE_RANGE_CELLS)]
-        noise = {t.name: np.zeros(t.n_cells, dtype=np.int64) for t in plan.tables}
-        total_cells = sum(t.n_cells for t in plan.measured())
+                for t in additive for start in range(0, t.n_cells, NOISE_RANGE_CELLS)]
+        noise = {t.name: np.zeros(t.n_cells, dtype=np.int64) for t in plan.tables if not t.release.selects}
+        total_cells = sum(t.n_cells for t in additive)
         if self.workers <= 1 or total_cells < 50_000:
             for i, (name, mechanism, start, stop) in enumerate(jobs):
                 noise[name][start:stop] = table_noise(key, name, mechanism, start, stop)
@@ -141,4 +143,8 @@ class EmbeddedEngine(Engine):
                            progress: ProgressHook = no_progress) -> dict[str, np.ndarray]:
         counts = self.true_counts(plan, source, key, progress)
         noise = self.noise(plan, key, progress)
-        return {name: counts[name] + noise[name] for name in counts}
+        released = {name: counts[name] + noise[name] for name in noise}
+        for t in plan.tables:
+            if t.release.selects:  # quantiles: selections in C, fast enough in this process
+                released[t.name] = release_table(key, t.release, counts[t.name], NOISE_RANGE_CELLS)
+        return released

@@ -1,11 +1,11 @@
 """The Spark engine: the same kernels as the embedded engine, run by Spark executors.
 
     read (Spark Parquet/CSV) -> drop null units, shuffle by privacy unit (JVM)
-    -> per partition: encode, bound, count (mapInArrow: the encoding, bounding and aggregation
-       kernels, emitting sparse partial counts)
-    -> sum partial counts (Spark groupBy) -> noise per (table, cell range) on the executors
-       (applyInArrow: sampler kernel; every public cell, empty ones included)
-    -> the driver receives only noisy counts (one per public cell), never row-level data.
+    -> per partition: encode, bound, measure (mapInArrow: the encoding, bounding and aggregation
+       kernels, emitting sparse partial measurements: counts, sums, unit counts, quantile buckets)
+    -> sum partials (Spark groupBy) -> release per (table, cell range) on the executors
+       (applyInArrow: noise or quantile selection kernel; every public cell, empty ones included)
+    -> the driver receives only released values (per public cell, or per cell and q), never row-level data.
 
 Because bounding sees all records of a unit in one partition and the noise of a cell is a
 pure function of (key, table, cell), the result is bit-identical to the embedded engine's,
@@ -25,7 +25,8 @@ from dprelease.accounting.errors import DPReleaseError, InputSchemaError, SpecEr
 from dprelease.transforms.aggregate import bounded_counts
 from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.encode import ColumnEncoder, encode_batch
-from dprelease.transforms.samplers import FAIL_FIRST_ATTEMPT_ENV, noisy_range
+from dprelease.transforms.release_values import noisy_range
+from dprelease.transforms.samplers import FAIL_FIRST_ATTEMPT_ENV
 
 from ..plan import Plan
 from ..source import InputSource, value_type
@@ -55,18 +56,19 @@ def _import_pyspark():
 
 def _encode_bound_count_function(plan: Plan, unit: str | None, subkey: bytes):
     """Per partition (all records of a unit together): encode every batch (encoding kernel),
-    bound contributions (bounding kernel) and count every table (aggregation kernel); emit the
-    nonzero cells as sparse partial counts."""
-    columns = plan.used_columns()
+    bound contributions (bounding kernel) and measure every table (aggregation kernel); emit the
+    nonzero entries as sparse partial counts, each with the release range it falls in."""
+    columns = plan.encoded_columns()
     encoders = {c: ColumnEncoder(plan.domains[c]) for c in columns}
     sizes = [plan.domains[c].size for c in columns]
     layouts = [t.layout for t in plan.tables]
+    steps = [t.release.range_length(NOISE_RANGE_CELLS) for t in plan.tables]
 
     def encode_bound_count(batches):
         parts: dict[str, list] = {c: [] for c in columns}
         units = []
         for batch in batches:
-            codes, keep = encode_batch(batch, encoders)
+            codes, keep = encode_batch(batch, encoders)  # reads each encoder's source column
             for c in columns:
                 parts[c].append(codes[c][keep].astype(np.int32))
             if unit:
@@ -80,6 +82,7 @@ def _encode_bound_count_function(plan: Plan, unit: str | None, subkey: bytes):
             cells = np.flatnonzero(counts)
             yield pa.RecordBatch.from_pydict({
                 "table_id": pa.array(np.full(cells.size, table_id, dtype=np.int32)),
+                "range_id": pa.array((cells // steps[table_id]).astype(np.int64)),
                 "cell": pa.array(cells.astype(np.int64)),
                 "count": pa.array(counts[cells]),
             })
@@ -87,8 +90,8 @@ def _encode_bound_count_function(plan: Plan, unit: str | None, subkey: bytes):
     return encode_bound_count
 
 
-def _noise_function(plan: Plan, key: ReleaseKey, chunk: int):
-    tables = [(t.name, t.n_cells, t.event) for t in plan.tables]
+def _noise_function(plan: Plan, key: ReleaseKey, target: int):
+    releases = [t.release for t in plan.tables]
     fail_first_attempt = os.environ.get(FAIL_FIRST_ATTEMPT_ENV) == "noise"
 
     def noise(group: pa.Table) -> pa.Table:
@@ -100,14 +103,15 @@ def _noise_function(plan: Plan, key: ReleaseKey, chunk: int):
                 raise RuntimeError("test hook: failing the first attempt of a noise task")
         table_id = int(group.column("table_id")[0].as_py())
         range_id = int(group.column("range_id")[0].as_py())
-        name, n_cells, event = tables[table_id]
-        start, stop = range_id * chunk, min((range_id + 1) * chunk, n_cells)
+        release = releases[table_id]
+        step = release.range_length(target)
+        start, stop = range_id * step, min((range_id + 1) * step, release.n_measured)
         cells = group.column("cell").to_numpy()
         real = cells >= 0  # range markers carry cell -1
-        values = noisy_range(key, name, event.mechanism if event else None, start, stop, cells[real],
-                             group.column("count").to_numpy()[real])
-        return pa.table({"table_id": pa.array(np.full(stop - start, table_id, dtype=np.int32)),
-                         "cell": pa.array(np.arange(start, stop, dtype=np.int64)),
+        values = noisy_range(key, release, start, stop, cells[real], group.column("count").to_numpy()[real])
+        first = release.output_start(start)
+        return pa.table({"table_id": pa.array(np.full(values.size, table_id, dtype=np.int32)),
+                         "cell": pa.array(np.arange(first, first + values.size, dtype=np.int64)),
                          "noisy": pa.array(values)})
 
     return noise
@@ -205,12 +209,11 @@ class SparkEngine(Engine):
                                  -(-source.estimated_rows() // ROWS_PER_PARTITION))
                 frame = frame.where(F.col(unit).isNotNull()).repartition(partitions, unit)
             partial = frame.mapInArrow(_encode_bound_count_function(plan, unit, key.derive("dprelease/bound")),
-                                       "table_id int, cell long, count long")
+                                       "table_id int, range_id long, cell long, count long")
             progress("read", 1, 1)
-            counts = (partial.groupBy("table_id", "cell").agg(F.sum("count").alias("count"))
-                      .withColumn("range_id", (F.col("cell") / F.lit(NOISE_RANGE_CELLS)).cast("long")))
+            counts = partial.groupBy("table_id", "range_id", "cell").agg(F.sum("count").alias("count"))
             ranges = [(i, r, -1, 0) for i, t in enumerate(plan.tables)
-                      for r in range(-(-t.n_cells // NOISE_RANGE_CELLS))]
+                      for r in range(len(t.release.range_starts(NOISE_RANGE_CELLS)))]
             markers = spark.createDataFrame(ranges, "table_id int, range_id long, cell long, count long")
             noisy = (counts.select("table_id", "range_id", "cell", "count").unionByName(markers)
                      .groupBy("table_id", "range_id")
@@ -233,9 +236,9 @@ class SparkEngine(Engine):
         out = {}
         for i, t in enumerate(plan.tables):
             mine = table_ids == i
-            vector = np.zeros(t.n_cells, dtype=np.int64)
+            vector = np.zeros(t.n_outputs, dtype=np.int64)
             vector[cells[mine]] = values[mine]
-            if np.count_nonzero(mine) != t.n_cells:
-                raise DPReleaseError(f"table {t.name}: the Spark job returned {np.count_nonzero(mine)} of {t.n_cells} cells")
+            if np.count_nonzero(mine) != t.n_outputs:
+                raise DPReleaseError(f"table {t.name}: the Spark job returned {np.count_nonzero(mine)} of {t.n_outputs} values")
             out[t.name] = vector
         return out

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Throughput and peak memory of the demo release and of the single count job (dprelease vs PipelineDP).
+# Throughput and peak memory of the demo release, the single count job and the sum + median job
+# (dprelease vs PipelineDP).
 # Usage: benchmarks/run.sh [ROWS ...]   (default: 1000000 10000000). Needs `pip install ".[bench]" pipeline-dp`.
 # Each figure is one whole process measured by /usr/bin/time -v: wall seconds and maximum resident set size.
 set -euo pipefail
@@ -15,7 +16,11 @@ for rows in "${sizes[@]}"; do
     --out out/releases --key-file "out/keys/demo-$rows.key" --no-ledger
   measure "count job (dprelease)" "$rows" dprelease run count_spec.yaml --input "$data/persons.parquet" \
     --out out/releases --key-file "out/keys/count-$rows.key" --no-ledger
+  measure "sum + median job (dprelease)" "$rows" dprelease run measures_spec.yaml --input "$data/persons.parquet" \
+    --out out/releases --key-file "out/keys/measures-$rows.key" --no-ledger
   if python -c "import pipeline_dp" 2>/dev/null && [ "$rows" -le "${PEER_MAX_ROWS:-1000000}" ]; then
     measure "count job (PipelineDP local)" "$rows" python pipelinedp_count.py "$data/persons.parquet" "$data/geography.txt"
+    measure "sum + median job (PipelineDP local)" "$rows" python pipelinedp_measures.py "$data/persons.parquet" \
+      "$data/geography.txt"
   fi
 done

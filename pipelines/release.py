@@ -63,7 +63,7 @@ def mean_frame(plan: Plan, mean: MeanOutput, noisy: dict[str, np.ndarray]) -> pa
     """The mean table of a mean query: per cell, noisy sum / noisy count clamped to the measure's [lo, hi];
     null where the noisy count is below 1. Post-processing of the raw measurements only."""
     table = plan.table(mean.sum_table)
-    return _cell_frame(plan, table.dims, (), {"mean": pa.array(mean_values(mean, noisy), type=pa.float64())})
+    return _cell_frame(plan, table.dims, (), {"mean": pa.array(mean_values(mean, noisy), type=pa.float64(), from_pandas=True)})
 
 
 def _write_frame(frame: pa.Table, stem: Path) -> list[Path]:

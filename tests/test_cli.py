@@ -41,7 +41,7 @@ def test_demo_release_end_to_end(tmp_path):
     assert "Published" in ran.stdout and key.is_file()
     manifest = json.loads((release / "manifest.json").read_text())
     assert manifest["engine"] == "embedded" and manifest["privacy"]["unit"] == "person_id"
-    assert len(manifest["tables"]) == 4 + 6
+    assert len(manifest["tables"]) == 4 + 6 + 4  # hierarchy, marginals, sum, quantile, mean (sum + count)
     assert manifest["ledger"]["spent_before"] == "0" and manifest["ledger"]["spent_after"] == "1"
     nation = pq.read_table(release / "tables" / "population.nation.parquet").to_pydict()["count"][0]
     assert abs(nation - 50_000) < 50

@@ -16,14 +16,26 @@ from dprelease.pipelines.manifest import DESCRIPTIVE_FIELDS
 from dprelease.pipelines.run import run_release
 from dprelease.pipelines.verify import verify_release
 
-from .conftest import small_spec, write_case
+from .conftest import GEO_LEAVES, small_spec, write_case
 
 
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
-    """A release with a ledger block (and period budget) and an input-validation record."""
+    """A release with a ledger block (and period budget), an input-validation record and a table of every
+    kind (sum, mean, quantile, unit count beside the count tables): their fields are edit-tested too."""
     directory = tmp_path_factory.mktemp("coverage")
-    spec = write_case(directory / "case", small_spec(period="2026-11", invariants=["pop.state"]))
+    base = small_spec()
+    columns = {**base["columns"], "income": {"type": "integer", "min": 0, "max": 10**5, "clamp": [0, 1000]}}
+    queries = base["queries"] + [
+        {"name": "total", "kind": "sum", "column": "income", "by": ["geo.county"]},
+        {"name": "avg", "kind": "mean", "column": "income", "by": ["sex"]},
+        {"name": "median", "kind": "quantile", "column": "income", "q": [0.5, 0.9], "candidates": [0, 100, 1000]},
+        {"name": "people", "kind": "count_units", "by": ["sex"]},
+    ]
+    rows = {"pid": [1, 2, 3], "geo": [GEO_LEAVES[0], GEO_LEAVES[3], GEO_LEAVES[5]], "age": [10, 40, 70],
+            "sex": ["F", "M", "F"], "income": [0, 500, 5000]}
+    spec = write_case(directory / "case", small_spec(period="2026-11", invariants=["pop.state"], columns=columns,
+                                                     queries=queries), rows)
     book = directory / "ledger.sqlite"
     set_budget(open_ledger(book), "test-data", "epsilon", Fraction(5), Fraction(2))
     return run_release(spec, key_file=directory / "k.key", out_dir=directory / "out", ledger=book,

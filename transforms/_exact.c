@@ -354,7 +354,7 @@ static PyMethodDef methods[] = {
      "kind 0: discrete Laplace, scale p1/p2; kind 1: discrete Gaussian, sigma2 p1/p2."},
     {"select", py_select, METH_VARARGS,
      "select(words, words_per_lane, scores, m, num, den, out, status) -> number of lanes out of bits.\n"
-     "Per lane: index j of m with probability proportional to exp(-(score_j - min) * num / den)."},
+     "Per lane: index j of m with probability proportional to e^-((score_j - min) * num / den)."},
     {NULL, NULL, 0, NULL},
 };
 

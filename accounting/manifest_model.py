@@ -86,6 +86,16 @@ class MeanRecord(Strict):
     measure: Measure
 
 
+class EstimateRecord(Strict):
+    """The GLS variance of a count table's cells (before rounding): public, from the plan."""
+
+    variance_min: float
+    variance_max: float
+    variance_mean: float
+    bound: Literal["exact", "upper bound"]
+    note: str
+
+
 class TableRecord(Strict):
     name: str
     query: str
@@ -102,6 +112,8 @@ class TableRecord(Strict):
     allocated: Exact | None = None
     loss: Exact | None = None
     expected_error: ExpectedError | None = None
+    estimate: EstimateRecord | None = Field(
+        None, description="Count tables of version-2 manifests: variance of the global least-squares estimate.")
 
 
 class Totals(Strict):
@@ -178,7 +190,7 @@ class Manifest(Strict):
     """A published release's manifest: no true counts, no row counts, no key. `dprelease verify` recomputes
     every field from the embedded spec or checks it for consistency, except those described as descriptive."""
 
-    manifest_version: Literal[1]
+    manifest_version: Literal[1, 2]
     release_id: str
     dataset_id: str
     software: Software

@@ -14,14 +14,18 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
+
 from dprelease.accounting.composition import compose
 from dprelease.accounting.conversions import zcdp_to_epsilon
 from dprelease.accounting.manifest import exact, measurement_record, totals_record
 
 from .plan import Plan, TablePlan
-from .postprocessing import steps_applied
+from .postprocessing import EstimateVariances, estimate_variances, steps_applied
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+"""2: one global least-squares estimate behind the count tables, its per-cell variance in the tables and
+the manifest. verify still checks version-1 manifests against the steps of their time."""
 DEPENDENCIES = ["numpy", "pyarrow", "pydantic", "PyYAML", "cryptography", "click", "rich"]
 NEIGHBOURING_NOTE = {
     "add_remove": "neighbouring inputs differ by adding or removing one privacy unit with all its records",
@@ -132,8 +136,22 @@ def means_section(plan: Plan) -> dict:
                       for m in plan.means]}
 
 
-def accounting_section(plan: Plan) -> dict:
-    """The part of the manifest `verify` recomputes from the spec alone."""
+ESTIMATE_NOTE = ("variance per cell of the generalised least-squares estimate from all count measurements, before "
+                 "the nonnegative integer step (which adds about 1/12 to 1/6 per cell from rounding and may move "
+                 "cells near 0); per cell in the tables' gls_variance column")
+
+
+def estimate_record(variances: np.ndarray, exact: bool) -> dict:
+    """The manifest's summary of a count table's GLS variances (6 significant digits)."""
+    def rounded(x: float) -> float:
+        return float(f"{x:.6g}")
+    return {"variance_min": rounded(float(variances.min())), "variance_max": rounded(float(variances.max())),
+            "variance_mean": rounded(float(variances.mean())), "bound": "exact" if exact else "upper bound",
+            "note": ESTIMATE_NOTE}
+
+
+def accounting_section(plan: Plan, estimate: EstimateVariances | None = None) -> dict:
+    """The part of the manifest `verify` recomputes from the spec alone (`estimate`: version 2 and on)."""
     tables = []
     for t in plan.tables:
         record = {"name": t.name, "query": t.query, "kind": t.kind, "cells": t.n_cells,
@@ -144,6 +162,8 @@ def accounting_section(plan: Plan) -> dict:
         else:
             record.update({"invariant": False, **measurement_record(t.event)})
         record.update(statistic_record(t))
+        if estimate is not None and t.name in estimate.per_cell:
+            record["estimate"] = estimate_record(estimate.per_cell[t.name], estimate.exact)
         tables.append(record)
     totals = compose([t.event for t in plan.measured()], plan.definition, plan.delta)
     return {
@@ -176,21 +196,23 @@ def domain_file_names(plan: Plan) -> dict[str, str]:
     return {name: f"domains/{name}.txt" for name, domain in plan.domains.items() if isinstance(domain, GeographyDomain)}
 
 
-def derived_section(plan: Plan) -> dict:
-    """Every manifest field that follows from the spec and its plan alone; `verify` recomputes all of it."""
+def derived_section(plan: Plan, version: int = MANIFEST_VERSION) -> dict:
+    """Every manifest field that follows from the spec and its plan alone; `verify` recomputes all of it
+    (for a manifest of `version`)."""
     spec = plan.spec
+    estimate = estimate_variances(plan) if version >= 2 else None
     return {
-        "manifest_version": MANIFEST_VERSION,
+        "manifest_version": version,
         "release_id": spec.release_id,
         "dataset_id": spec.dataset_id,
         "spec": spec.model_dump(mode="json"),
         "spec_sha256": spec.spec_hash(),
         "privacy": privacy_section(plan),
-        **accounting_section(plan),
+        **accounting_section(plan, estimate),
         "invariants": [{"table": t.name, "protected": False,
                         "note": "true counts published exactly; the guarantee holds conditional on them"}
                        for t in plan.tables if t.invariant],
-        "post_processing": steps_applied(plan),
+        "post_processing": steps_applied(plan, version),
         **means_section(plan),
         "domain_files": domain_file_names(plan),
     }

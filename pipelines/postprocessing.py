@@ -1,19 +1,21 @@
 """Post-processing of a release's noisy measurements into publishable tables.
 
 Reads only noisy measurements, their variances and the public plan (post-processing
-immunity). Order: hierarchy queries first (their integer totals become the totals of the
-marginal queries over the same geography level), then marginals, then plain histograms.
+immunity). First one generalised least-squares estimate over every count table of the release
+(hierarchy levels, marginals, histograms together: `transforms.estimation`); then the integer step:
+hierarchy queries top-down (their integer totals become the totals of the marginal queries over
+the same geography level), then marginals, then plain histograms.
 """
 from __future__ import annotations
 
-import itertools
+from dataclasses import dataclass
 
 import numpy as np
 
 from dprelease.transforms.domains import GeographyDomain
-from dprelease.transforms.postprocess import (clamp_nonnegative, hierarchical_least_squares,
-                                              iterative_proportional_fit, match_margins,
-                                              nonnegative_integer_children, round_joint, top_down_hierarchy)
+from dprelease.transforms.estimation import CountTable, generalised_least_squares, gls_variances
+from dprelease.transforms.postprocess import (clamp_nonnegative, iterative_proportional_fit,
+                                              nonnegative_integer_children, project_to_simplex, round_joint, top_down_hierarchy)
 
 from .plan import MeanOutput, Plan, TablePlan
 from .spec import CountUnitsQuery, HierarchyQuery, MarginalsQuery, MeanQuery, QuantileQuery, SumQuery
@@ -21,7 +23,34 @@ from .spec import CountUnitsQuery, HierarchyQuery, MarginalsQuery, MeanQuery, Qu
 JOINT_LIMIT = 20_000_000
 """Largest joint table (units x attribute cells) fitted for exactly consistent integer marginals."""
 
+COUNT_KINDS = ("hierarchy", "marginals", "histogram")
+"""Query kinds whose tables all count the same bounded records: one estimate covers them together."""
+
+ESTIMATE = ("one generalised least-squares estimate of every count table (hierarchy levels, marginals, "
+            "histograms) from all their noisy measurements and variances together, consistent wherever two "
+            "tables can be compared (best linear unbiased; invariants held exact)")
+
 STEPS = {
+    "hierarchy": ESTIMATE + "; then top-down per (parent, cell): nonnegative least-squares fit to the parent's "
+                 "final value and controlled rounding preserving the parent's integer",
+    "marginals_joint": ESTIMATE + "; unit totals from the hierarchy of the same geography level (else the estimate "
+                       "rounded); a nonnegative joint table per unit fitted to the estimated tables by iterative "
+                       "proportional fitting, rounded to the unit's integer total by controlled rounding; published "
+                       "tables are its marginals (exactly consistent)",
+    "marginals_tables": ESTIMATE + "; the joint table is too large to fit, so each table is made nonnegative and "
+                        "integral per unit with its unit total preserved: totals agree exactly, other shared "
+                        "sub-marginals only up to rounding",
+    "histogram": ESTIMATE + "; rounded to the nearest integer, negative values set to 0",
+    "count_units": "negative noisy unit counts set to 0",
+    "sum_nonnegative": "negative noisy sums set to 0 (the clamp's lower bound is >= 0)",
+    "sum": "published raw (the clamp allows negative values)",
+    "mean": "NAME.count: negative noisy counts set to 0; NAME.sum: negative sums set to 0 when the clamp's lower "
+            "bound is >= 0; NAME (the mean): raw noisy sum / raw noisy count, clamped to the clamp, null where the "
+            "noisy count is below 1",
+    "quantile": "published as selected (each value a public candidate)",
+}
+
+LEGACY_STEPS = {
     "hierarchy": "weighted least squares on the tree (best linear unbiased estimate, variances per level; "
                  "invariant levels held exact), then top-down per (parent, cell): nonnegative least-squares fit "
                  "to the parent's final value and controlled rounding preserving the parent's integer",
@@ -35,28 +64,65 @@ STEPS = {
                         "unit with its unit total preserved: totals agree exactly, other shared sub-marginals only "
                         "up to rounding",
     "histogram": "negative noisy counts set to 0",
-    "count_units": "negative noisy unit counts set to 0",
-    "sum_nonnegative": "negative noisy sums set to 0 (the clamp's lower bound is >= 0)",
-    "sum": "published raw (the clamp allows negative values)",
-    "mean": "NAME.count: negative noisy counts set to 0; NAME.sum: negative sums set to 0 when the clamp's lower "
-            "bound is >= 0; NAME (the mean): raw noisy sum / raw noisy count, clamped to the clamp, null where the "
-            "noisy count is below 1",
-    "quantile": "published as selected (each value a public candidate)",
 }
+"""The steps as manifests of version 1 state them (releases made before the global estimate): verify
+compares such a manifest against these texts."""
+
+
+def count_tables(plan: Plan) -> list[TablePlan]:
+    """The tables the global estimate covers."""
+    return [t for t in plan.tables if t.kind in COUNT_KINDS and t.statistic == "count"]
+
+
+def _estimator_inputs(plan: Plan) -> tuple[list[TablePlan], list[CountTable], dict[str, GeographyDomain]]:
+    tables = count_tables(plan)
+    geographies = {name: d for name, d in plan.domains.items() if isinstance(d, GeographyDomain)}
+    return tables, [CountTable(t.name, t.dims, t.noise_variance()) for t in tables], geographies
+
+
+def least_squares_estimates(plan: Plan, noisy: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The GLS estimate (float, before the integer step) of every count table of the plan."""
+    tables, inputs, geographies = _estimator_inputs(plan)
+    if not tables:
+        return {}
+    estimates = generalised_least_squares(inputs, [noisy[t.name] for t in tables], geographies)
+    return {t.name: e for t, e in zip(tables, estimates)}
+
+
+@dataclass(frozen=True)
+class EstimateVariances:
+    """Per cell of every count table, the variance of its GLS estimate before rounding; `exact` False
+    means an upper bound (see `transforms.estimation.gls_variances`). Public: from the plan only."""
+
+    per_cell: dict[str, np.ndarray]
+    exact: bool
+
+
+def estimate_variances(plan: Plan) -> EstimateVariances:
+    tables, inputs, geographies = _estimator_inputs(plan)
+    if not tables:
+        return EstimateVariances({}, True)
+    variances, exact = gls_variances(inputs, geographies)
+    return EstimateVariances({t.name: v for t, v in zip(tables, variances)}, exact)
 
 
 def post_process(plan: Plan, noisy: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Published table values (int64, >= 0) for every table of the plan."""
+    """Published table values (int64) for every table of the plan."""
+    estimates = least_squares_estimates(plan, noisy)
     published: dict[str, np.ndarray] = {}
     unit_totals: dict[tuple[str, str], np.ndarray] = {}
     for query in plan.spec.queries:
         if isinstance(query, HierarchyQuery):
-            published.update(_hierarchy(plan, query, noisy, unit_totals))
+            published.update(_hierarchy(plan, query, estimates, unit_totals))
     for query in plan.spec.queries:
         if isinstance(query, MarginalsQuery):
-            published.update(_marginals(plan, query, noisy, unit_totals))
+            published.update(_marginals(plan, query, estimates, unit_totals))
     for t in plan.tables:
-        if t.name not in published:
+        if t.name in published:
+            continue
+        if t.name in estimates:
+            published[t.name] = np.maximum(np.rint(estimates[t.name]), 0).astype(np.int64)
+        else:
             published[t.name] = noisy[t.name].copy() if _published_raw(t) else clamp_nonnegative(noisy[t.name])
     return published
 
@@ -76,18 +142,17 @@ def mean_values(mean: MeanOutput, noisy: dict[str, np.ndarray]) -> np.ndarray:
     return np.where(counts >= 1, ratio, np.nan)
 
 
-def _hierarchy(plan: Plan, query: HierarchyQuery, noisy, unit_totals) -> dict[str, np.ndarray]:
+def _hierarchy(plan: Plan, query: HierarchyQuery, estimates, unit_totals) -> dict[str, np.ndarray]:
     tables = [t for t in plan.tables if t.query == query.name]
     geo = plan.domains[query.geography]
     assert isinstance(geo, GeographyDomain)
     levels, parent_maps = [], []
     for i, t in enumerate(tables):
         units = t.dims[0].size
-        levels.append(noisy[t.name].reshape(units, t.n_cells // units))
+        levels.append(estimates[t.name].reshape(units, t.n_cells // units))
         parent_maps.append(geo.parent_of(query.levels[i], query.levels[i - 1]) if i else None)
-    estimates = hierarchical_least_squares(levels, [t.noise_variance() for t in tables], parent_maps)
     result = {}
-    for t, level, values in zip(tables, query.levels, top_down_hierarchy(estimates, parent_maps)):
+    for t, level, values in zip(tables, query.levels, top_down_hierarchy(levels, parent_maps)):
         result[t.name] = values.ravel()
         if not query.by:
             unit_totals.setdefault((query.geography, level), values.ravel())
@@ -105,68 +170,62 @@ def joint_size(plan: Plan, query: MarginalsQuery) -> int:
     return units * int(np.prod(list(sizes.values())))
 
 
-def _marginals(plan: Plan, query: MarginalsQuery, noisy, unit_totals) -> dict[str, np.ndarray]:
+def _marginals(plan: Plan, query: MarginalsQuery, estimates, unit_totals) -> dict[str, np.ndarray]:
+    """Integer tables of a marginals query from its (already consistent) least-squares estimates."""
     tables = [t for t in plan.tables if t.query == query.name]
     offset = 1 if query.within else 0
     attributes = list(dict.fromkeys(d.label for t in tables for d in t.dims[offset:]))
     size = {d.label: d.size for t in tables for d in t.dims[offset:]}
     units = tables[0].dims[0].size if query.within else 1
-    arrays = {t.name: noisy[t.name].astype(np.float64).reshape((units,) + tuple(d.size for d in t.dims[offset:]))
-              for t in tables}
+    arrays = {t.name: estimates[t.name].reshape((units,) + tuple(d.size for d in t.dims[offset:])) for t in tables}
     labels = {t.name: [d.label for d in t.dims[offset:]] for t in tables}
-    variance = {t.name: t.noise_variance() for t in tables}
-
-    totals = _unit_totals(plan, query, tables, arrays, variance, unit_totals, units)
-    consensus = {(): totals.astype(np.float64)}
-    for width in range(1, query.way):
-        for subset in itertools.combinations(attributes, width):
-            holders = [t for t in tables if set(subset) <= set(labels[t.name])]
-            if len(holders) < 2:
-                continue
-            estimates, weights = [], []
-            for t in holders:  # tables and subsets keep the query's attribute order: axes line up
-                other = tuple(1 + labels[t.name].index(a) for a in labels[t.name] if a not in subset)
-                projected = arrays[t.name].sum(axis=other)
-                collapsed = int(np.prod([size[a] for a in labels[t.name] if a not in subset]))
-                estimates.append(projected)
-                weights.append(1.0 / (variance[t.name] * collapsed))
-            mean = sum(w * e for w, e in zip(weights, estimates)) / sum(weights)
-            consensus[subset] = match_margins(mean, _targets(list(subset), consensus))
-    adjusted = {t.name: match_margins(arrays[t.name], _targets(labels[t.name], consensus)) for t in tables}
+    totals = _unit_totals(query, tables, arrays, unit_totals, units)
 
     if joint_size(plan, query) <= JOINT_LIMIT:
         shape = (units,) + tuple(size[a] for a in attributes)
+        one_way = _one_way_margins(arrays, labels, attributes, totals, units)
         margins = []
         for t in tables:
-            target = np.maximum(adjusted[t.name], 0.0)
-            flat = target.reshape(units, -1)
-            sums = flat.sum(axis=1)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                scale = np.where(sums > 0, totals / sums, 0.0)
-            margins.append(((0,) + tuple(1 + attributes.index(a) for a in labels[t.name]),
-                            target * scale.reshape((-1,) + (1,) * (target.ndim - 1))))
+            segments = np.repeat(np.arange(units), t.n_cells // units)
+            target = project_to_simplex(arrays[t.name].ravel(), segments, totals).reshape(arrays[t.name].shape)
+            if len(labels[t.name]) > 1:  # rake the table to the integer one-way margins every table shares
+                fixed = [((0, 1 + i), one_way[a]) for i, a in enumerate(labels[t.name])]
+                target = iterative_proportional_fit(target.shape, totals, fixed, start=target + RAKE_FLOOR)
+            margins.append(((0,) + tuple(1 + attributes.index(a) for a in labels[t.name]), target))
         joint = round_joint(iterative_proportional_fit(shape, totals.astype(np.float64), margins), totals)
         result = {}
         for t in tables:
             keep = [attributes.index(a) for a in labels[t.name]]
             other = tuple(1 + i for i in range(len(attributes)) if i not in keep)
-            table = joint.sum(axis=other)
-            result[t.name] = table.astype(np.int64).ravel()
+            result[t.name] = joint.sum(axis=other).astype(np.int64).ravel()
         return result
     segments = lambda t: np.repeat(np.arange(units), t.n_cells // units)  # noqa: E731
-    return {t.name: nonnegative_integer_children(adjusted[t.name].ravel(), segments(t), totals) for t in tables}
+    return {t.name: nonnegative_integer_children(arrays[t.name].ravel(), segments(t), totals) for t in tables}
 
 
-def _targets(labels: list[str], consensus: dict) -> list[tuple[tuple[int, ...], np.ndarray]]:
-    """Margins of a table with attribute axes `labels` (axis 0: unit) that have a consensus.
-    Subsets and labels both follow the query's attribute order, so kept axes are increasing."""
-    return [((0,) + tuple(1 + labels.index(a) for a in subset), values)
-            for subset, values in consensus.items()
-            if set(subset) <= set(labels) and len(subset) < len(labels)]
+RAKE_FLOOR = 1e-3
+"""Added to every cell before raking a table to its one-way margins, so a margin can reach a row the
+nonnegative fit left empty."""
 
 
-def _unit_totals(plan, query, tables: list[TablePlan], arrays, variance, unit_totals, units) -> np.ndarray:
-    """Integer total per unit: the hierarchy's final value at that level, else a weighted consensus."""
+def _one_way_margins(arrays, labels, attributes, totals, units) -> dict[str, np.ndarray]:
+    """Per attribute, its margin per unit (the estimate is consistent: any table holding the attribute
+    gives it) as nonnegative integers adding up to the unit totals."""
+    margins = {}
+    for a in attributes:
+        name = next(n for n in arrays if a in labels[n])
+        axis = 1 + labels[name].index(a)
+        other = tuple(i for i in range(1, arrays[name].ndim) if i != axis)
+        margin = arrays[name].sum(axis=other)
+        segments = np.repeat(np.arange(units), margin.shape[1])
+        margins[a] = nonnegative_integer_children(margin.ravel(), segments, totals).reshape(margin.shape).astype(
+            np.float64)
+    return margins
+
+
+def _unit_totals(query: MarginalsQuery, tables: list[TablePlan], arrays, unit_totals, units) -> np.ndarray:
+    """Integer total per unit: the hierarchy's final value at that level, else the (consistent) estimate
+    rounded: every table of the query carries the same estimated totals."""
     column, _, level = (query.within or "").partition(".")
     if query.within and (column, level) in unit_totals:
         return unit_totals[(column, level)]
@@ -174,14 +233,13 @@ def _unit_totals(plan, query, tables: list[TablePlan], arrays, variance, unit_to
         for (geo, lvl), values in unit_totals.items():
             if lvl == "nation":
                 return values
-    estimates = [arrays[t.name].reshape(units, -1).sum(axis=1) for t in tables]
-    weights = [1.0 / (variance[t.name] * (t.n_cells // units)) for t in tables]
-    mean = sum(w * e for w, e in zip(weights, estimates)) / sum(weights)
-    return np.maximum(np.rint(mean), 0).astype(np.int64)
+    estimate = arrays[tables[0].name].reshape(units, -1).sum(axis=1)
+    return np.maximum(np.rint(estimate), 0).astype(np.int64)
 
 
-def steps_applied(plan: Plan) -> list[dict]:
-    """The post-processing steps, per query, as the manifest lists them."""
+def steps_applied(plan: Plan, manifest_version: int = 2) -> list[dict]:
+    """The post-processing steps, per query, as a manifest of `manifest_version` lists them."""
+    texts = {**STEPS, **LEGACY_STEPS} if manifest_version == 1 else STEPS
     steps = []
     for q in plan.spec.queries:
         if isinstance(q, HierarchyQuery):
@@ -194,5 +252,5 @@ def steps_applied(plan: Plan) -> list[dict]:
             key = q.kind
         else:
             key = "histogram"
-        steps.append({"query": q.name, "step": STEPS[key]})
+        steps.append({"query": q.name, "step": texts[key]})
     return steps

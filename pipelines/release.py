@@ -32,18 +32,25 @@ from dprelease.transforms.domains import dimension_labels
 from .housekeeping import leftover_tag
 from .manifest import build_manifest, domain_file_names, dump_manifest, sha256_file
 from .plan import MeanOutput, Plan, TablePlan
-from .postprocessing import mean_values
+from .postprocessing import estimate_variances, mean_values
 
 LOG = logging.getLogger("dprelease")
 
 TABLES_DIR = "tables"
+GLS_VARIANCE = "gls_variance"
+"""Column of a published count table: the variance of the cell's least-squares estimate before rounding."""
 MEASUREMENTS_DIR = "measurements"
 
 
-def table_frame(plan: Plan, table: TablePlan, values: np.ndarray, value_name: str) -> pa.Table:
+def table_frame(plan: Plan, table: TablePlan, values: np.ndarray, value_name: str,
+                variance: np.ndarray | None = None) -> pa.Table:
     """One row per public cell (a quantile table: per cell and q, cell-major): a label column per
-    dimension, then `q` for a quantile table, then the value column."""
-    return _cell_frame(plan, table.dims, table.quantiles, {value_name: pa.array(np.asarray(values, dtype=np.int64))})
+    dimension, then `q` for a quantile table, then the value column, then (published count tables)
+    `gls_variance`, the variance of the cell's least-squares estimate before rounding."""
+    columns = {value_name: pa.array(np.asarray(values, dtype=np.int64))}
+    if variance is not None:
+        columns[GLS_VARIANCE] = pa.array(np.asarray(variance, dtype=np.float64))
+    return _cell_frame(plan, table.dims, table.quantiles, columns)
 
 
 def _cell_frame(plan: Plan, dims, quantiles, values: dict[str, pa.Array]) -> pa.Table:
@@ -127,8 +134,10 @@ def stage_release(
     staging.mkdir(mode=0o700)
     try:
         files: list[Path] = []
+        variances = estimate_variances(plan).per_cell
         for i, table in enumerate(plan.tables):
-            files += _write_frame(table_frame(plan, table, published[table.name], table.value_name),
+            files += _write_frame(table_frame(plan, table, published[table.name], table.value_name,
+                                              variances.get(table.name)),
                                   staging / TABLES_DIR / table.name)
             files += _write_frame(table_frame(plan, table, noisy[table.name], f"noisy_{table.value_name}"),
                                   staging / MEASUREMENTS_DIR / table.name)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path, PurePosixPath
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import ValidationError
@@ -31,13 +32,15 @@ from dprelease.accounting.errors import DPReleaseError
 from dprelease.accounting.manifest_model import Manifest
 from dprelease.accounting.signing import SIGNATURE_FILE, check, fingerprint, load_public_key, well_formed
 
-from .manifest import DESCRIPTIVE_FIELDS, derived_section, domain_file_names, sha256_file
+from .manifest import DESCRIPTIVE_FIELDS, MANIFEST_VERSION, derived_section, domain_file_names, sha256_file
 from .plan import Plan, build_plan
-from .release import MEASUREMENTS_DIR, TABLES_DIR
+from .postprocessing import estimate_variances
+from .release import GLS_VARIANCE, MEASUREMENTS_DIR, TABLES_DIR
 from .spec import brief, parse_spec
 from .validation import manifest_record
 
 MANIFEST = "manifest.json"
+SUPPORTED_VERSIONS = (1, 2)
 HEX16 = re.compile(r"^[0-9a-f]{16}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -247,6 +250,25 @@ def _check_measurements(root: Path, plan: Plan, report: VerifyReport) -> None:
                           pa.types.is_floating, report)
 
 
+def _check_estimate_columns(root: Path, plan: Plan, report: VerifyReport) -> None:
+    """Every count table's `gls_variance` column equals the variance recomputed from the plan."""
+    estimate = estimate_variances(plan)
+    for name, expected in estimate.per_cell.items():
+        path = root / TABLES_DIR / f"{name}.parquet"
+        try:
+            data = pq.read_table(path, columns=[GLS_VARIANCE])
+        except (pa.ArrowException, OSError, KeyError):
+            report.problems.append(f"{TABLES_DIR}/{name}: no readable {GLS_VARIANCE!r} column")
+            continue
+        column = data.column(GLS_VARIANCE)
+        if not pa.types.is_floating(column.type) or column.null_count or len(column) != expected.size:
+            report.problems.append(f"{TABLES_DIR}/{name}: {GLS_VARIANCE!r} must hold a number per cell")
+            continue
+        if not np.allclose(column.to_numpy(), expected, rtol=1e-6, atol=1e-9):
+            report.problems.append(f"{TABLES_DIR}/{name}: {GLS_VARIANCE!r} differs from the variance recomputed "
+                                   f"from the plan")
+
+
 def _check_table_file(root: Path, folder: str, name: str, rows: int, column: str, kind, report: VerifyReport) -> None:
     path = root / folder / f"{name}.parquet"
     if not path.is_file():
@@ -295,7 +317,9 @@ def _check_signature(root: Path, manifest: dict, manifest_bytes: bytes, public_k
 
 def _check_derived(root: Path, manifest: dict, plan: Plan, embedded_spec, report: VerifyReport) -> None:
     """Every derived field, the file set of the plan, the budget, the tables' shape and the ledger."""
-    expected = derived_section(plan)
+    version = manifest.get("manifest_version")
+    version = version if version in SUPPORTED_VERSIONS else MANIFEST_VERSION
+    expected = derived_section(plan, version)
     expected.update(spec=embedded_spec.model_dump(mode="json"), spec_sha256=embedded_spec.spec_hash())
     for key, value in expected.items():
         _compare(key, value, manifest.get(key), report.problems)
@@ -316,6 +340,8 @@ def _check_derived(root: Path, manifest: dict, plan: Plan, embedded_spec, report
     _check_budget(plan, report)
     _check_ledger(plan, manifest, report)
     _check_measurements(root, plan, report)
+    if version >= 2:
+        _check_estimate_columns(root, plan, report)
 
 
 def verify_release(release_dir: Path, public_key: Path | None = None) -> VerifyReport:

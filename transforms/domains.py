@@ -118,6 +118,13 @@ class GeographyDomain:
 
     def parent_of(self, child_level: str, parent_level: str) -> np.ndarray:
         """Array mapping each unit of `child_level` (incl. other) to its unit at `parent_level`."""
+        key = ("parent_of", child_level, parent_level)
+        if key not in self._cache:
+            self._cache[key] = self._parent_of(child_level, parent_level)
+            self._cache[key].setflags(write=False)
+        return self._cache[key]
+
+    def _parent_of(self, child_level: str, parent_level: str) -> np.ndarray:
         width = self.width(parent_level)
         index = {u: i for i, u in enumerate(self.units(parent_level))}
         mapping = [index[u[:width]] for u in self.units(child_level)]

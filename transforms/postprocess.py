@@ -178,11 +178,16 @@ def match_margins(table: np.ndarray, targets: list[tuple[tuple[int, ...], np.nda
 
 
 def iterative_proportional_fit(shape: tuple[int, ...], totals: np.ndarray,
-                               margins: list[tuple[tuple[int, ...], np.ndarray]], sweeps: int = 100) -> np.ndarray:
+                               margins: list[tuple[tuple[int, ...], np.ndarray]], sweeps: int = 100,
+                               start: np.ndarray | None = None) -> np.ndarray:
     """A nonnegative joint table (axis 0 = unit) whose unit totals are `totals` and whose margins
-    approach the nonnegative targets (IPF / raking; it preserves totals and nonnegativity)."""
-    cells_per_unit = int(np.prod(shape[1:]))
-    joint = np.broadcast_to((totals / cells_per_unit).reshape((-1,) + (1,) * (len(shape) - 1)), shape).copy()
+    approach the nonnegative targets (IPF / raking; it preserves totals and nonnegativity). From
+    `start` (nonnegative, each unit summing to its total) when given, else uniform."""
+    if start is not None:
+        joint = np.array(start, dtype=np.float64)
+    else:
+        cells_per_unit = int(np.prod(shape[1:]))
+        joint = np.broadcast_to((totals / cells_per_unit).reshape((-1,) + (1,) * (len(shape) - 1)), shape).copy()
     for _ in range(sweeps):
         worst = 0.0
         for kept, target in margins:

@@ -30,6 +30,7 @@ setup(
     },
     install_requires=[
         "numpy>=1.26",
+        "scipy>=1.11",
         "pyarrow>=14",
         "pydantic>=2.5",
         "PyYAML>=6",

@@ -297,6 +297,28 @@ def verify(release_dir: Path, public_key) -> None:
 @main.command()
 @click.argument("release_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Parquet file to write (default: <release dir>.synthetic.parquet beside the release).")
+def synthesize(release_dir: Path, out: Path | None) -> None:
+    """Write synthetic microdata consistent with a release's hierarchy and marginal tables.
+
+    Post-processing only: records drawn from the integer joint table behind the marginals and split among
+    the finest hierarchy level's units by their published counts. The release is verified first."""
+    from .synthesize import synthesize as draw
+    from .synthesize import write_synthetic
+
+    with _handled():
+        synthetic = draw(release_dir)
+        path = write_synthetic(synthetic, out or release_dir.parent / f"{release_dir.name}.synthetic.parquet")
+    records = synthetic.records
+    console.print(f"Wrote {records.num_rows:,} synthetic records ({', '.join(records.column_names)}) to {path}")
+    console.print(f"Tabulating them reproduces exactly: {', '.join(synthetic.reproduced) or 'none'}")
+    if synthetic.not_reproduced:
+        console.print(f"Not reproduced (tables of other queries): {', '.join(synthetic.not_reproduced)}")
+
+
+@main.command()
+@click.argument("release_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="HTML file to write (default: <release dir>.report.html beside the release).")
 @click.option("--public-key", type=click.Path(dir_okay=False, path_type=Path), help="Check the signature too.")
 @click.option("--ledger", envvar="DPRELEASE_LEDGER", help="Add the dataset's ledger history.")

@@ -106,8 +106,10 @@ def estimate_variances(plan: Plan) -> EstimateVariances:
     return EstimateVariances({t.name: v for t, v in zip(tables, variances)}, exact)
 
 
-def post_process(plan: Plan, noisy: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Published table values (int64) for every table of the plan."""
+def post_process(plan: Plan, noisy: dict[str, np.ndarray], joints: dict | None = None) -> dict[str, np.ndarray]:
+    """Published table values (int64) for every table of the plan. `joints`, when given, receives each
+    marginals query's fitted integer joint table (units x attribute cells), from which `synthesize`
+    draws records."""
     estimates = least_squares_estimates(plan, noisy)
     published: dict[str, np.ndarray] = {}
     unit_totals: dict[tuple[str, str], np.ndarray] = {}
@@ -116,7 +118,7 @@ def post_process(plan: Plan, noisy: dict[str, np.ndarray]) -> dict[str, np.ndarr
             published.update(_hierarchy(plan, query, estimates, unit_totals))
     for query in plan.spec.queries:
         if isinstance(query, MarginalsQuery):
-            published.update(_marginals(plan, query, estimates, unit_totals))
+            published.update(_marginals(plan, query, estimates, unit_totals, joints))
     for t in plan.tables:
         if t.name in published:
             continue
@@ -170,7 +172,7 @@ def joint_size(plan: Plan, query: MarginalsQuery) -> int:
     return units * int(np.prod(list(sizes.values())))
 
 
-def _marginals(plan: Plan, query: MarginalsQuery, estimates, unit_totals) -> dict[str, np.ndarray]:
+def _marginals(plan: Plan, query: MarginalsQuery, estimates, unit_totals, joints=None) -> dict[str, np.ndarray]:
     """Integer tables of a marginals query from its (already consistent) least-squares estimates."""
     tables = [t for t in plan.tables if t.query == query.name]
     offset = 1 if query.within else 0
@@ -193,6 +195,8 @@ def _marginals(plan: Plan, query: MarginalsQuery, estimates, unit_totals) -> dic
                 target = iterative_proportional_fit(target.shape, totals, fixed, start=target + RAKE_FLOOR)
             margins.append(((0,) + tuple(1 + attributes.index(a) for a in labels[t.name]), target))
         joint = round_joint(iterative_proportional_fit(shape, totals.astype(np.float64), margins), totals)
+        if joints is not None:
+            joints[query.name] = (attributes, joint)
         result = {}
         for t in tables:
             keep = [attributes.index(a) for a in labels[t.name]]

@@ -1,0 +1,174 @@
+"""`dprelease synthesize RELEASE`: integer microdata records consistent with a release's tables.
+
+TopDown's microdata detail file for dprelease: the records are drawn from the integer joint table that
+post-processing fits per geography unit for the release's marginals query (every published marginal
+is a margin of it), and each unit's records are split among the finest published hierarchy level's
+units by their published counts (which add up to the unit's total). Tabulating the records therefore
+reproduces the hierarchy and marginal tables exactly; `Synthetic.reproduced` says which tables do,
+checked by tabulating, not assumed.
+
+Privacy: post-processing only. It reads the release's published noisy measurements and its public
+spec and domains (re-planned and checked by `verify` first), never the confidential input; the split
+of a unit's records among its sub-units is shuffled by a public seed (the release id's hash) so the
+file is reproducible by anyone.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dprelease.accounting.errors import DPReleaseError, SpecError
+from dprelease.transforms.domains import NATION, GeographyDomain
+
+from .plan import Plan, TablePlan
+from .postprocessing import count_tables, post_process
+from .release import MEASUREMENTS_DIR, TABLES_DIR
+from .spec import HierarchyQuery, MarginalsQuery
+from .verify import verify_release
+
+
+@dataclass
+class Synthetic:
+    """Synthetic records (columns: geography levels coarse to fine, then attributes, as public labels)."""
+
+    records: pa.Table
+    reproduced: list[str] = field(default_factory=list)
+    not_reproduced: list[str] = field(default_factory=list)
+
+
+def synthesize(release_dir: Path) -> Synthetic:
+    """Records consistent with the release's published hierarchy and marginal tables."""
+    report = verify_release(release_dir)
+    if not report.ok:
+        raise DPReleaseError(f"synthesize: {release_dir} does not verify ({len(report.problems)} problem(s)); "
+                        f"run `dprelease verify {release_dir}`")
+    if report.manifest.get("manifest_version", 1) < 2:
+        raise SpecError(f"synthesize: {release_dir} has a version-1 manifest (made before the global estimate); "
+                        f"its tables were not fitted by this version's post-processing")
+    plan = report.plan
+    noisy = {t.name: pq.read_table(Path(release_dir) / MEASUREMENTS_DIR / f"{t.name}.parquet")
+             .column(f"noisy_{t.value_name}").to_numpy() for t in plan.tables}
+    joints: dict = {}
+    published = post_process(plan, noisy, joints)
+    for t in count_tables(plan):
+        on_disk = pq.read_table(Path(release_dir) / TABLES_DIR / f"{t.name}.parquet").column(t.value_name).to_numpy()
+        if not np.array_equal(on_disk, published[t.name]):
+            raise DPReleaseError(f"synthesize: recomputing {t.name} from the release's measurements does not give "
+                                 f"its published values (made by another version of dprelease?)")
+    columns, codes, geo = _records(plan, joints, published)
+    synthetic = Synthetic(pa.table(columns))
+    for t in count_tables(plan):
+        tabulated = _tabulate(t, codes, geo)
+        fits = tabulated is not None and np.array_equal(tabulated, published[t.name])
+        (synthetic.reproduced if fits else synthetic.not_reproduced).append(t.name)
+    return synthetic
+
+
+def _one(queries: list, kind: str):
+    if len(queries) > 1:
+        raise SpecError(f"synthesize: the release has {len(queries)} {kind} queries "
+                        f"({', '.join(q.name for q in queries)}); records are drawn for one")
+    return queries[0] if queries else None
+
+
+def _records(plan: Plan, joints: dict, published: dict) -> tuple[dict, dict, GeographyDomain | None]:
+    """Record columns (label arrays); each record's code per column and unit per geography level (keyed
+    by level name); the geography."""
+    marginals = _one([q for q in plan.spec.queries if isinstance(q, MarginalsQuery)], "marginals")
+    hierarchy = _one([q for q in plan.spec.queries if isinstance(q, HierarchyQuery)], "hierarchy")
+    if marginals is None and hierarchy is None:
+        raise SpecError("synthesize: the release has no hierarchy or marginals query to draw records from")
+    if hierarchy is not None and hierarchy.by:
+        raise SpecError(f"synthesize: hierarchy {hierarchy.name!r} is crossed with {hierarchy.by}; records are "
+                        f"drawn for hierarchies without `by` only")
+    if marginals is not None and marginals.name not in joints:
+        raise SpecError(f"synthesize: marginals {marginals.name!r} is too large for one joint table per unit; "
+                        f"its tables were made integral one by one, so no records reproduce them all")
+    geo_name = hierarchy.geography if hierarchy else (marginals.within or "").partition(".")[0] or None
+    geo = plan.domains[geo_name] if geo_name else None
+    columns: dict[str, pa.Array] = {}
+    if marginals is not None:
+        attributes, joint = joints[marginals.name]
+        level = marginals.within.partition(".")[2] if marginals.within else NATION
+        unit, attribute_codes = _expand(joint)
+    else:
+        attributes, level = [], hierarchy.levels[0]
+        top = plan.table(f"{hierarchy.name}.{level}")
+        unit, _ = _expand(published[top.name].reshape(top.dims[0].size, 1))
+        attribute_codes = []
+    geo_units = {}
+    if geo is not None:
+        geo_units[level] = unit
+        if hierarchy is not None:
+            finest = hierarchy.levels[-1]
+            if geo.width(finest) > geo.width(level):
+                geo_units[finest] = _split(plan, hierarchy, level, finest, unit, published)
+                unit = geo_units[finest]
+                level = finest
+        for name in geo.level_names()[1:]:
+            if geo.width(name) <= geo.width(level):
+                geo_units[name] = geo.parent_of(level, name)[unit]
+                columns[name] = pa.array(geo.labels(name), type=pa.string()).take(pa.array(geo_units[name]))
+    for label, codes in zip(attributes, attribute_codes):
+        domain = plan.domains[label]
+        if isinstance(domain, GeographyDomain):
+            raise SpecError(f"synthesize: marginals attribute {label!r} is a geography level; not supported")
+        columns[label] = pa.array(domain.labels(), type=pa.string()).take(pa.array(codes))
+        geo_units[label] = codes
+    return columns, geo_units, geo
+
+
+def _expand(joint: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """One record per unit of count: each record's unit and attribute codes (cell order)."""
+    counts = np.asarray(joint, dtype=np.int64).reshape(-1)
+    cells = np.repeat(np.arange(counts.size), counts)
+    coordinates = np.unravel_index(cells, joint.shape)
+    return np.asarray(coordinates[0], dtype=np.int64), [np.asarray(c, dtype=np.int64) for c in coordinates[1:]]
+
+
+def _split(plan: Plan, hierarchy: HierarchyQuery, level: str, finest: str, unit: np.ndarray,
+           published: dict) -> np.ndarray:
+    """Each record's unit at `finest`: a unit's records (shuffled by a public seed) dealt out to its
+    sub-units by their published counts, which must add up to the unit's number of records."""
+    geo = plan.domains[hierarchy.geography]
+    counts = published[f"{hierarchy.name}.{finest}"].astype(np.int64)
+    parent = geo.parent_of(finest, level)
+    per_unit = np.bincount(parent, weights=counts, minlength=geo.level_size(level) if level != NATION else 1)
+    records = np.bincount(unit, minlength=per_unit.size)
+    if not np.array_equal(per_unit.astype(np.int64), records):
+        raise SpecError(f"synthesize: the {finest} counts of {hierarchy.name!r} do not add up to the {level} totals "
+                        f"of the records (the marginals' geography level is not a level of the hierarchy?)")
+    seed = int.from_bytes(hashlib.sha256(plan.spec.release_id.encode()).digest()[:8], "little")
+    order = np.lexsort((np.random.default_rng(seed).random(unit.size), unit))
+    sub_units = np.argsort(parent, kind="stable")  # sub-units grouped by unit, in unit order like `order`
+    assigned = np.empty(unit.size, dtype=np.int64)
+    assigned[order] = np.repeat(sub_units, counts[sub_units])
+    return assigned
+
+
+def _tabulate(table: TablePlan, codes: dict, geo) -> np.ndarray | None:
+    """The records' counts in the table's cells; None where the records lack one of its dimensions."""
+    n = len(next(iter(codes.values()))) if codes else 0
+    index = np.zeros(n, dtype=np.int64)
+    for dim in table.dims:
+        key = dim.level if geo is not None and dim.column == geo.name else dim.column
+        if key == NATION:
+            column = np.zeros(n, dtype=np.int64)
+        elif key in codes:
+            column = codes[key]
+        else:
+            return None
+        index = index * dim.size + column
+    return np.bincount(index, minlength=table.n_cells)[:table.n_cells]
+
+
+def write_synthetic(synthetic: Synthetic, out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(synthetic.records, out, compression="zstd")
+    return out
+

@@ -105,31 +105,36 @@ def schema(manifest: bool) -> None:
 
 def _plan_table(plan) -> Table:
     from .manifest import rank_margin_95
+    from .postprocessing import estimate_variances
+
+    estimate = estimate_variances(plan)
 
     unit = "epsilon" if plan.definition == "pure" else "rho"
     table = Table(title=f"Plan of release {plan.spec.release_id} ({plan.definition})",
                   caption="L1/L2: sensitivity (quantiles: of the scores); noise: DLap scale b, DGauss variance s2 or "
                           "exponential mechanism (EM) epsilon per selection; std and 95% margin per cell (quantiles: "
-                          "rank error in records)")
+                          "rank error in records); GLS std: largest over the cells of the count tables' least-squares "
+                          f"estimate from all measurements, before rounding ({'exact' if estimate.exact else 'upper bound'})")
     table.add_column("table", no_wrap=True)
-    for header in ("statistic", "cells", "L1", "L2", unit, "noise", "std", "95%"):
+    for header in ("statistic", "cells", "L1", "L2", unit, "noise", "std", "95%", "GLS std"):
         table.add_column(header, justify="right", no_wrap=True)
     for t in plan.tables:
         statistic = f"{t.statistic}({t.measure.column})" if t.measure else t.statistic
         if t.invariant:
-            table.add_row(t.name, statistic, f"{t.n_cells:,}", "-", "-", "0", "exact (invariant)", "0", "±0")
+            table.add_row(t.name, statistic, f"{t.n_cells:,}", "-", "-", "0", "exact (invariant)", "0", "±0", "0")
             continue
         m = t.event.mechanism
         sens = t.event.sensitivity
         if m.kind == "exponential":
             table.add_row(t.name, statistic, f"{t.n_cells:,} x {len(t.quantiles)} q", str(sens.l1), "-",
                           f"{float(t.event.allocated):.4g}", f"EM eps={float(m.epsilon):.4g} x {m.selections}", "-",
-                          f"±{rank_margin_95(t)} ranks")
+                          f"±{rank_margin_95(t)} ranks", "-")
             continue
         noise = f"DLap b={m.scale}" if m.kind == "discrete_laplace" else f"DGauss s2={m.sigma2}"
         table.add_row(
             t.name, statistic, f"{t.n_cells:,}", str(sens.l1), f"{sens.l2_squared ** 0.5:.3g}",
             f"{float(t.event.allocated):.4g}", noise, f"{m.variance() ** 0.5:.3f}", f"±{m.margin_95()}",
+            f"{estimate.per_cell[t.name].max() ** 0.5:.3f}" if t.name in estimate.per_cell else "-",
         )
     return table
 

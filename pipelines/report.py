@@ -8,6 +8,8 @@ Written beside the release directory, never inside it (the release stays exactly
 """
 from __future__ import annotations
 
+import math
+
 import json
 
 from html import escape
@@ -92,6 +94,15 @@ def _candidates_text(candidates: list) -> str:
     return f"{shown}, ... ({len(candidates)})" if len(candidates) > 8 else shown
 
 
+def _estimate_text(estimate: dict | None) -> str:
+    """A count table's GLS standard deviation range (version-2 manifests), else '-'."""
+    if not estimate:
+        return "-"
+    low, high = math.sqrt(estimate["variance_min"]), math.sqrt(estimate["variance_max"])
+    span = f"{low:.3f}" if f"{low:.3f}" == f"{high:.3f}" else f"{low:.3f}–{high:.3f}"
+    return span + (" (upper bound)" if estimate["bound"] != "exact" else "")
+
+
 def render(report: VerifyReport, ledger_history: list | None = None) -> str:
     if not _conforms(report.manifest):
         return _problems_page(report)
@@ -108,7 +119,7 @@ def render(report: VerifyReport, ledger_history: list | None = None) -> str:
     error_rows = []
     for t in tables:
         if t.get("invariant"):
-            error_rows.append([escape(t["name"]), f"{t['cells']:,}", "exact (invariant)", "0", "0", ""])
+            error_rows.append([escape(t["name"]), f"{t['cells']:,}", "exact (invariant)", "0", "0", "-", ""])
             continue
         mechanism = t["mechanism"]
         measured = _measure_text(t)
@@ -117,11 +128,12 @@ def render(report: VerifyReport, ledger_history: list | None = None) -> str:
                                f"{measured}exponential mechanism, epsilon={escape(mechanism['value']['fraction'])} per "
                                f"selection; q {escape(', '.join(t['quantile']['q']))}; candidates "
                                f"{escape(_candidates_text(t['quantile']['candidates']))}",
-                               "-", f"±{t['expected_error']['rank_margin_95']} ranks", ""])
+                               "-", f"±{t['expected_error']['rank_margin_95']} ranks", "-", ""])
             continue
         error_rows.append([escape(t["name"]), f"{t['cells']:,}",
                            f"{measured}{escape(mechanism['kind'])} {escape(mechanism['parameter'])}={escape(mechanism['value']['fraction'])}",
                            f"{t['expected_error']['std']:.3f}", f"±{t['expected_error']['margin_95']}",
+                           _estimate_text(t.get("estimate")),
                            _error_bar(t["expected_error"]["margin_95"], scale)])
     privacy = manifest.get("privacy", {})
     sections = [
@@ -137,7 +149,10 @@ def render(report: VerifyReport, ledger_history: list | None = None) -> str:
         f"{escape(str(privacy.get('contribution_bounds', {}).get('max_records_per_unit')))} records per unit.</p>",
         "<h2>Budget split</h2>", _budget_chart(tables),
         "<h2>Expected error per cell</h2>",
-        _rows(["table", "cells", "noise", "std dev", "95% margin", "error bar"], error_rows, {1, 3, 4}),
+        _rows(["table", "cells", "noise", "std dev", "95% margin", "GLS std dev", "error bar"], error_rows, {1, 3, 4, 5}),
+        "<p>GLS std dev: the standard deviation of a cell's generalised least-squares estimate from all count "
+        "measurements together, before the nonnegative integer step (min–max over the table's cells; per cell in "
+        "the table's <code>gls_variance</code> column); an upper bound where marked.</p>",
         "<h2>Post-processing</h2>",
         "<ol>" + "".join(f"<li><b>{escape(s['query'])}</b>: {escape(s['step'])}</li>"
                           for s in manifest.get("post_processing", [])) + "</ol>",

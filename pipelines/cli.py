@@ -103,11 +103,12 @@ def schema(manifest: bool) -> None:
     click.echo(json.dumps(json_schema(), indent=2))
 
 
-def _plan_table(plan) -> Table:
+def _plan_table(plan, with_estimate: bool = True) -> Table:
+    """The plan as a table; `with_estimate` False skips the GLS variances (a plan over the cell limit)."""
     from .manifest import rank_margin_95
-    from .postprocessing import estimate_variances
+    from .postprocessing import EstimateVariances, estimate_variances
 
-    estimate = estimate_variances(plan)
+    estimate = estimate_variances(plan) if with_estimate else EstimateVariances({}, True)
 
     unit = "epsilon" if plan.definition == "pure" else "rho"
     table = Table(title=f"Plan of release {plan.spec.release_id} ({plan.definition})",
@@ -163,7 +164,7 @@ def plan(spec: Path, max_cells: int | None) -> None:
         parsed, base = load_spec(spec)
         result = build_plan(parsed, base)
         limit = max_cells_setting(max_cells)
-        console.print(_plan_table(result))
+        console.print(_plan_table(result, with_estimate=result.n_cells <= limit))
         console.print(f"Sensitivity: {result.sensitivity.derivation}")
         for derivation in dict.fromkeys(t.event.sensitivity.derivation for t in result.measured()
                                         if t.statistic != "count" or t.measure):

@@ -14,14 +14,21 @@ import numpy as np
 
 from dprelease.transforms.domains import GeographyDomain
 from dprelease.transforms.estimation import CountTable, generalised_least_squares, gls_variances
-from dprelease.transforms.postprocess import (clamp_nonnegative, iterative_proportional_fit,
-                                              nonnegative_integer_children, project_to_simplex, round_joint, top_down_hierarchy)
+from dprelease.transforms.postprocess import (clamp_nonnegative, fit_joint_least_squares, iterative_proportional_fit,
+                                              project_to_simplex,
+                                              nonnegative_integer_children, round_joint, top_down_hierarchy)
 
 from .plan import MeanOutput, Plan, TablePlan
 from .spec import CountUnitsQuery, HierarchyQuery, MarginalsQuery, MeanQuery, QuantileQuery, SumQuery
 
 JOINT_LIMIT = 20_000_000
 """Largest joint table (units x attribute cells) fitted for exactly consistent integer marginals."""
+
+JOINT_ITERATIONS = 100
+"""Mirror-descent iterations of the joint fit from its raked start (fewer when the loss stops improving)."""
+
+MIN_VARIANCE = 1e-9
+"""Floor of a table's weight in the joint fit (a huge epsilon gives a variance that rounds to 0)."""
 
 JOINT_SPREAD_LIMIT = 16
 """Largest ratio of a unit's joint cells to its largest table's cells for the joint path: rounding a
@@ -31,12 +38,13 @@ table-by-table path. Public: from the plan."""
 
 
 def uses_joint(plan: Plan, query: MarginalsQuery) -> bool:
-    """Whether a marginals query's integer tables come from one fitted joint table per unit."""
+    """Whether a marginals query's integer tables are the margins of one rounded joint table per unit."""
     tables = [t for t in plan.tables if t.query == query.name]
     units = tables[0].dims[0].size if query.within else 1
     largest = max(t.n_cells // units for t in tables)
     size = joint_size(plan, query)
     return size <= JOINT_LIMIT and size // units <= JOINT_SPREAD_LIMIT * largest
+
 
 COUNT_KINDS = ("hierarchy", "marginals", "histogram")
 """Query kinds whose tables all count the same bounded records: one estimate covers them together."""
@@ -49,11 +57,18 @@ STEPS = {
     "hierarchy": ESTIMATE + "; then top-down per (parent, cell): nonnegative least-squares fit to the parent's "
                  "final value and controlled rounding preserving the parent's integer",
     "marginals_joint": ESTIMATE + "; unit totals from the hierarchy of the same geography level (else the estimate "
-                       "rounded); a nonnegative joint table per unit fitted to the estimated tables by iterative "
-                       "proportional fitting, rounded to the unit's integer total by controlled rounding; published "
-                       "tables are its marginals (exactly consistent)",
-    "marginals_tables": ESTIMATE + "; the joint table is too large to fit or much larger than the tables (rounding "
-                        "it would spread error), so each table is made nonnegative and integral per unit with its unit total preserved: totals agree exactly, other shared "
+                       "rounded); a nonnegative joint table per unit with those totals fitted to the query's noisy "
+                       "tables by weighted least squares over the marginal polytope (entropic mirror descent, "
+                       "Private-PGM's estimator on one clique, started from the estimated tables made nonnegative, "
+                       "raked to shared integer one-way margins and joined by iterative proportional fitting), "
+                       "rounded to the unit's integer total by controlled rounding; published tables are its "
+                       "marginals (exactly consistent)",
+    "marginals_fitted_tables": ESTIMATE + "; a nonnegative joint fitted per unit as for a joint path, but much larger "
+                               "than the tables (rounding it would spread error), so each table, a margin of the "
+                               "fitted joint, is rounded to integers adding up to the unit total: totals agree exactly, "
+                               "other shared margins up to rounding",
+    "marginals_tables": ESTIMATE + "; the joint table is too large to fit, so each table is made nonnegative and "
+                        "integral per unit with its unit total preserved: totals agree exactly, other shared "
                         "sub-marginals only up to rounding",
     "histogram": ESTIMATE + "; rounded to the nearest integer, negative values set to 0",
     "count_units": "negative noisy unit counts set to 0",
@@ -133,7 +148,7 @@ def post_process(plan: Plan, noisy: dict[str, np.ndarray], joints: dict | None =
             published.update(_hierarchy(plan, query, estimates, unit_totals))
     for query in plan.spec.queries:
         if isinstance(query, MarginalsQuery):
-            published.update(_marginals(plan, query, estimates, unit_totals, joints))
+            published.update(_marginals(plan, query, estimates, noisy, unit_totals, joints))
     for t in plan.tables:
         if t.name in published:
             continue
@@ -187,44 +202,60 @@ def joint_size(plan: Plan, query: MarginalsQuery) -> int:
     return units * int(np.prod(list(sizes.values())))
 
 
-def _marginals(plan: Plan, query: MarginalsQuery, estimates, unit_totals, joints=None) -> dict[str, np.ndarray]:
-    """Integer tables of a marginals query from its (already consistent) least-squares estimates."""
+def _marginals(plan: Plan, query: MarginalsQuery, estimates, noisy, unit_totals, joints=None) -> dict[str, np.ndarray]:
+    """Integer tables of a marginals query: from a nonnegative joint fitted to its noisy tables (with the
+    unit totals fixed) where the joint is small enough, else from the least-squares estimates."""
     tables = [t for t in plan.tables if t.query == query.name]
     offset = 1 if query.within else 0
     attributes = list(dict.fromkeys(d.label for t in tables for d in t.dims[offset:]))
     size = {d.label: d.size for t in tables for d in t.dims[offset:]}
     units = tables[0].dims[0].size if query.within else 1
-    arrays = {t.name: estimates[t.name].reshape((units,) + tuple(d.size for d in t.dims[offset:])) for t in tables}
+    shapes = {t.name: (units,) + tuple(d.size for d in t.dims[offset:]) for t in tables}
+    arrays = {t.name: estimates[t.name].reshape(shapes[t.name]) for t in tables}
     labels = {t.name: [d.label for d in t.dims[offset:]] for t in tables}
     totals = _unit_totals(query, tables, arrays, unit_totals, units)
+    segments = {t.name: np.repeat(np.arange(units), t.n_cells // units) for t in tables}
+    if joint_size(plan, query) > JOINT_LIMIT:
+        return {t.name: nonnegative_integer_children(arrays[t.name].ravel(), segments[t.name], totals) for t in tables}
 
-    if uses_joint(plan, query):
-        shape = (units,) + tuple(size[a] for a in attributes)
-        one_way = _one_way_margins(arrays, labels, attributes, totals, units)
-        margins = []
-        for t in tables:
-            segments = np.repeat(np.arange(units), t.n_cells // units)
-            target = project_to_simplex(arrays[t.name].ravel(), segments, totals).reshape(arrays[t.name].shape)
-            if len(labels[t.name]) > 1:  # rake the table to the integer one-way margins every table shares
-                fixed = [((0, 1 + i), one_way[a]) for i, a in enumerate(labels[t.name])]
-                target = iterative_proportional_fit(target.shape, totals, fixed, start=target + RAKE_FLOOR)
-            margins.append(((0,) + tuple(1 + attributes.index(a) for a in labels[t.name]), target))
-        joint = round_joint(iterative_proportional_fit(shape, totals.astype(np.float64), margins), totals)
-        if joints is not None:
-            joints[query.name] = (attributes, joint)
-        result = {}
-        for t in tables:
-            keep = [attributes.index(a) for a in labels[t.name]]
-            other = tuple(1 + i for i in range(len(attributes)) if i not in keep)
-            result[t.name] = joint.sum(axis=other).astype(np.int64).ravel()
-        return result
-    segments = lambda t: np.repeat(np.arange(units), t.n_cells // units)  # noqa: E731
-    return {t.name: nonnegative_integer_children(arrays[t.name].ravel(), segments(t), totals) for t in tables}
+    axes = {t.name: (0,) + tuple(1 + attributes.index(a) for a in labels[t.name]) for t in tables}
+    shape = (units,) + tuple(size[a] for a in attributes)
+    measured = [(axes[t.name], noisy[t.name].astype(np.float64).reshape(shapes[t.name]),
+                 max(t.noise_variance(), MIN_VARIANCE)) for t in tables if not t.invariant]
+    start = _raked_start(arrays, labels, attributes, axes, shape, totals, units)
+    fitted = fit_joint_least_squares(shape, totals, measured, max_iterations=JOINT_ITERATIONS, start=start)
+
+    def margin(joint: np.ndarray, t: TablePlan) -> np.ndarray:
+        return joint.sum(axis=tuple(a for a in range(len(shape)) if a not in axes[t.name]))
+
+    if not uses_joint(plan, query):
+        return {t.name: nonnegative_integer_children(margin(fitted, t).ravel(), segments[t.name], totals)
+                for t in tables}
+    joint = round_joint(fitted, totals)
+    if joints is not None:
+        joints[query.name] = (attributes, joint)
+    return {t.name: margin(joint, t).astype(np.int64).ravel() for t in tables}
 
 
 RAKE_FLOOR = 1e-3
 """Added to every cell before raking a table to its one-way margins, so a margin can reach a row the
 nonnegative fit left empty."""
+
+
+def _raked_start(arrays, labels, attributes, axes, shape, totals, units) -> np.ndarray:
+    """A nonnegative joint near the estimate, where the fit begins: each table's estimate projected onto
+    {x >= 0, sum = total} and raked to integer one-way margins shared by all tables, then one joint per
+    unit fitted to those tables by iterative proportional fitting."""
+    one_way = _one_way_margins(arrays, labels, attributes, totals, units)
+    margins = []
+    for name, estimate in arrays.items():
+        segments = np.repeat(np.arange(units), estimate.size // units)
+        target = project_to_simplex(estimate.ravel(), segments, totals).reshape(estimate.shape)
+        if len(labels[name]) > 1:
+            fixed = [((0, 1 + i), one_way[a]) for i, a in enumerate(labels[name])]
+            target = iterative_proportional_fit(target.shape, totals, fixed, start=target + RAKE_FLOOR)
+        margins.append((axes[name], target))
+    return iterative_proportional_fit(shape, totals.astype(np.float64), margins)
 
 
 def _one_way_margins(arrays, labels, attributes, totals, units) -> dict[str, np.ndarray]:
@@ -264,7 +295,8 @@ def steps_applied(plan: Plan, manifest_version: int = 2) -> list[dict]:
         if isinstance(q, HierarchyQuery):
             key = "hierarchy"
         elif isinstance(q, MarginalsQuery):
-            key = "marginals_joint" if uses_joint(plan, q) else "marginals_tables"
+            key = ("marginals_tables" if joint_size(plan, q) > JOINT_LIMIT
+                   else "marginals_joint" if uses_joint(plan, q) else "marginals_fitted_tables")
         elif isinstance(q, SumQuery):
             key = "sum" if plan.table(q.name).measure.lower < 0 else "sum_nonnegative"
         elif isinstance(q, (CountUnitsQuery, MeanQuery, QuantileQuery)):

@@ -87,8 +87,9 @@ def _records(plan: Plan, joints: dict, published: dict) -> tuple[dict, dict, Geo
         raise SpecError(f"synthesize: hierarchy {hierarchy.name!r} is crossed with {hierarchy.by}; records are "
                         f"drawn for hierarchies without `by` only")
     if marginals is not None and marginals.name not in joints:
-        raise SpecError(f"synthesize: marginals {marginals.name!r} is too large for one joint table per unit; "
-                        f"its tables were made integral one by one, so no records reproduce them all")
+        raise SpecError(f"synthesize: the joint table of marginals {marginals.name!r} is too large to round (or much "
+                        f"larger than its tables); its tables were made integral one by one, so no records "
+                        f"reproduce them all")
     geo_name = hierarchy.geography if hierarchy else (marginals.within or "").partition(".")[0] or None
     geo = plan.domains[geo_name] if geo_name else None
     columns: dict[str, pa.Array] = {}

@@ -33,6 +33,7 @@ from dprelease.accounting.manifest_model import Manifest
 from dprelease.accounting.signing import SIGNATURE_FILE, check, fingerprint, load_public_key, well_formed
 
 from .manifest import DESCRIPTIVE_FIELDS, MANIFEST_VERSION, derived_section, domain_file_names, sha256_file
+from .limits import check_cell_limit
 from .plan import Plan, build_plan
 from .postprocessing import estimate_variances
 from .release import GLS_VARIANCE, MEASUREMENTS_DIR, TABLES_DIR
@@ -368,6 +369,11 @@ def verify_release(release_dir: Path, public_key: Path | None = None) -> VerifyR
     if planned is None:
         return report
     plan, embedded_spec = planned
+    try:
+        check_cell_limit(plan)
+    except DPReleaseError as error:
+        report.problems.append(f"spec: {error}")
+        return report
     report.plan = plan
     try:
         _check_derived(root, manifest, plan, embedded_spec, report)

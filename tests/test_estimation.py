@@ -233,3 +233,38 @@ def test_version_one_manifest_must_state_the_steps_of_its_time(release):
         manifest["post_processing"][0]["step"] = STEPS["hierarchy"]
     _rewrite_manifest(release, stale)
     assert any("post_processing[0].step" in p for p in verify_release(release).problems)
+
+
+def test_joint_fit_is_nonnegative_keeps_totals_and_is_closer_than_the_measurements():
+    """The fit is the weighted projection of the noisy margins onto the margins of nonnegative joints with the
+    given totals, a convex set holding the truth: its weighted distance to the true margins is smaller."""
+    from dprelease.transforms.postprocess import fit_joint_least_squares
+
+    rng = np.random.default_rng(11)
+    shape = (4, 6, 2, 5)
+    truth = rng.poisson(rng.gamma(0.6, 3.0, shape)).astype(np.float64)
+    totals = truth.reshape(4, -1).sum(axis=1)
+    measurements, true_margins = [], []
+    for kept, variance in (((0, 1, 2), 9.0), ((0, 1, 3), 4.0), ((0, 2, 3), 16.0)):
+        other = tuple(a for a in range(4) if a not in kept)
+        margin = truth.sum(axis=other)
+        true_margins.append(margin)
+        measurements.append((kept, margin + rng.normal(0, np.sqrt(variance), margin.shape), variance))
+    fitted = fit_joint_least_squares(shape, totals, measurements, max_iterations=5000, tolerance=1e-13)
+    assert np.all(fitted >= 0)
+    np.testing.assert_allclose(fitted.reshape(4, -1).sum(axis=1), totals)
+
+    def distance(values):
+        return sum(((v - m) ** 2).sum() / var for v, m, (_, _, var) in zip(values, true_margins, measurements))
+    fitted_margins = [fitted.sum(axis=tuple(a for a in range(4) if a not in kept)) for kept, _, _ in measurements]
+    assert distance(fitted_margins) < distance([y for _, y, _ in measurements])
+    exact = fit_joint_least_squares(shape, totals, [(k, m, v) for (k, _, v), m in zip(measurements, true_margins)],
+                                    max_iterations=5000, tolerance=1e-14)
+    for (kept, _, _), margin in zip(measurements, true_margins):
+        np.testing.assert_allclose(exact.sum(axis=tuple(a for a in range(4) if a not in kept)), margin, atol=0.05)
+
+
+def test_verify_refuses_to_replan_over_the_cell_limit(release, monkeypatch):
+    monkeypatch.setenv("DPRELEASE_MAX_CELLS", "5")
+    problems = verify_release(release).problems
+    assert any("over the limit of 5" in p for p in problems), problems

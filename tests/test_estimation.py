@@ -87,8 +87,10 @@ def test_gls_is_consistent_on_every_pair_and_equals_dense_gls():
             np.testing.assert_allclose(left, right, atol=1e-7, err_msg=f"{tables[i].name} vs {tables[j].name}")
 
 
-def test_variances_are_exact_where_links_across_levels_are_totals():
-    tables = mixed()
+@pytest.mark.parametrize("tables", [mixed(), hierarchy([4.0, 9.0, 2.0, 5.0], by=(B, C)),
+                                    hierarchy([4.0, 0.0, 2.0, 5.0], by=(B,)) + [CountTable("bc", (level("county"), B, C), 3.0)]],
+                         ids=["mixed", "hierarchy-by", "hierarchy-by-and-marginals"])
+def test_variances_are_exact_where_links_across_levels_are_totals(tables):
     variances, exact = gls_variances(tables, GEOGRAPHIES)
     _, expected = dense_gls(tables, noisy_for(tables))
     assert exact

@@ -190,9 +190,16 @@ def gls_variances(tables: list[CountTable], geographies: dict[str, GeographyDoma
     internal least-squares variances are found once (every unit's block has the same structure, and
     permuting an attribute's values permutes cells of equal variance), and the units' totals form a
     tree solved by Gaussian message passing (an up pass of subtree variances, a down pass of
-    outside-subtree variances). Otherwise the same computation ignores the attribute links across
-    levels: the variance of an unbiased estimator that uses less information, an upper bound.
+    outside-subtree variances). Attributes every table carries (a hierarchy crossed with `by`) split the
+    system into identical independent copies, one per their cells, and are set aside first. Otherwise the
+    same computation ignores the attribute links across levels: the variance of an unbiased estimator
+    that uses less information, an upper bound.
     With more than one geography column, the raw noise variance (also an upper bound)."""
+    shared = set.intersection(*[{d.column for d in _attributes(t, geographies)} for t in tables]) if tables else set()
+    if shared:  # every table carries these attributes: the system is one copy per their cells
+        reduced = [CountTable(t.name, tuple(d for d in t.dims if d.column not in shared), t.variance) for t in tables]
+        variances, exact = gls_variances(reduced, geographies)
+        return [_spread(t, r, v) for t, r, v in zip(tables, reduced, variances)], exact
     columns = sorted({d.column for t in tables for d in t.dims if d.column in geographies})
     if len(columns) > 1:
         return [np.full(t.n_cells, float(t.variance)) for t in tables], False
@@ -231,6 +238,16 @@ def gls_variances(tables: list[CountTable], geographies: dict[str, GeographyDoma
         unit_of_cell = _unit_of_cell(t, geographies)
         result.append(np.maximum(unit_variance[unit_of_cell], 0.0))
     return result, exact
+
+
+def _spread(table: CountTable, reduced: CountTable, values: np.ndarray) -> np.ndarray:
+    """Per cell of `table`, the value of its cell in `reduced` (the same dimensions less some)."""
+    kept = {d.column for d in reduced.dims}
+    index = np.zeros(table.n_cells, dtype=np.int64)
+    for d, c in zip(table.dims, unravel_cells(tuple(d.size for d in table.dims))):
+        if d.column in kept:
+            index = index * d.size + c
+    return values[index]
 
 
 def _attributes(table: CountTable, geographies: dict[str, GeographyDomain]) -> list[Dimension]:

@@ -76,100 +76,72 @@ static uint64_t uniform_below(bits_t *b, uint64_t m)
     }
 }
 
-/* Bernoulli(num / den), den <= 2^63. */
-static int bernoulli_frac(bits_t *b, uint64_t num, uint64_t den)
-{
-    if (num == 0)
-        return 0;
-    if (num >= den)
-        return 1;
-    uint64_t r = num;
-    for (;;) {
-        r <<= 1;
-        int pbit = r >= den;
-        if (pbit)
-            r -= den;
-        int ubit = take_bit(b);
-        if (b->exhausted)
-            return 0;
-        if (ubit != pbit)
-            return ubit < pbit;
-        if (r == 0)
-            return 0;
-    }
-}
-
-/* Bernoulli(exp(-num/den)) for 0 <= num <= den (Algorithm 1). */
-static int bernoulli_exp_fraction(bits_t *b, uint64_t num, uint64_t den)
-{
-    uint64_t k = 1;
-    for (;;) {
-        int a = bernoulli_frac(b, num, den);
-        if (a && k > 1)
-            a = bernoulli_frac(b, 1, k);
-        if (b->exhausted)
-            return 0;
-        if (!a)
-            return (int)(k & 1);
-        k++;
-    }
-}
-
-/* Bernoulli(exp(-(whole + num/den))), 0 <= num < den. */
-static int bernoulli_exp(bits_t *b, uint64_t whole, uint64_t num, uint64_t den)
-{
-    for (uint64_t i = 0; i < whole; i++) {
-        if (!bernoulli_exp_fraction(b, 1, 1) || b->exhausted)
-            return 0;
-    }
-    return bernoulli_exp_fraction(b, num, den);
-}
-
 typedef unsigned __int128 u128;
 
-/* Bernoulli(num / den) for den < 2^126: the same bits as bernoulli_frac for the same rational. */
-static int bernoulli_frac_wide(bits_t *b, u128 num, u128 den)
-{
-    if (num == 0)
-        return 0;
-    if (num >= den)
-        return 1;
-    u128 r = num;
-    for (;;) {
-        r <<= 1;
-        int pbit = r >= den;
-        if (pbit)
-            r -= den;
-        int ubit = take_bit(b);
-        if (b->exhausted)
-            return 0;
-        if (ubit != pbit)
-            return ubit < pbit;
-        if (r == 0)
-            return 0;
+/* Bernoulli(num / den) by comparing the binary expansion of num/den with uniform bits, one width per
+   instance (64-bit for den <= 2^63, the hot path; 128-bit for den < 2^126): both consume the same bits
+   and give the same answer for the same rational. */
+#define DEFINE_BERNOULLI_FRAC(NAME, UINT)                                                              \
+    static int NAME(bits_t *b, UINT num, UINT den)                                                     \
+    {                                                                                                  \
+        if (num == 0)                                                                                  \
+            return 0;                                                                                  \
+        if (num >= den)                                                                                \
+            return 1;                                                                                  \
+        UINT r = num;                                                                                  \
+        for (;;) {                                                                                     \
+            r <<= 1;                                                                                   \
+            int pbit = r >= den;                                                                       \
+            if (pbit)                                                                                  \
+                r -= den;                                                                              \
+            int ubit = take_bit(b);                                                                    \
+            if (b->exhausted)                                                                          \
+                return 0;                                                                              \
+            if (ubit != pbit)                                                                          \
+                return ubit < pbit;                                                                    \
+            if (r == 0)                                                                                \
+                return 0;                                                                              \
+        }                                                                                              \
     }
-}
 
-/* Bernoulli(exp(-(whole + num/den))), 0 <= num < den < 2^126 (Algorithm 1 on the fraction). */
+/* Bernoulli(exp(-num/den)) for 0 <= num <= den (Algorithm 1), on the matching Bernoulli(num/den). */
+#define DEFINE_BERNOULLI_EXP_FRACTION(NAME, FRAC, UINT)                                                \
+    static int NAME(bits_t *b, UINT num, UINT den)                                                     \
+    {                                                                                                  \
+        uint64_t k = 1;                                                                                \
+        for (;;) {                                                                                     \
+            int a = FRAC(b, num, den);                                                                 \
+            if (a && k > 1)                                                                            \
+                a = bernoulli_frac(b, 1, k);                                                           \
+            if (b->exhausted)                                                                          \
+                return 0;                                                                              \
+            if (!a)                                                                                    \
+                return (int)(k & 1);                                                                   \
+            k++;                                                                                       \
+        }                                                                                              \
+    }
+
+DEFINE_BERNOULLI_FRAC(bernoulli_frac, uint64_t)
+DEFINE_BERNOULLI_FRAC(bernoulli_frac_wide, u128)
+DEFINE_BERNOULLI_EXP_FRACTION(bernoulli_exp_fraction, bernoulli_frac, uint64_t)
+DEFINE_BERNOULLI_EXP_FRACTION(bernoulli_exp_fraction_wide, bernoulli_frac_wide, u128)
+
+/* Bernoulli(exp(-(whole + num/den))), 0 <= num < den < 2^126. */
 static int bernoulli_exp_wide(bits_t *b, uint64_t whole, u128 num, u128 den)
 {
-    if (!(den >> 63))
-        return bernoulli_exp(b, whole, (uint64_t)num, (uint64_t)den);
     for (uint64_t i = 0; i < whole; i++) {
         if (!bernoulli_exp_fraction(b, 1, 1) || b->exhausted)
             return 0;
     }
-    uint64_t k = 1;
-    for (;;) {
-        int a = bernoulli_frac_wide(b, num, den);
-        if (a && k > 1)
-            a = bernoulli_frac(b, 1, k);
-        if (b->exhausted)
-            return 0;
-        if (!a)
-            return (int)(k & 1);
-        k++;
-    }
+    if (!(den >> 63))
+        return bernoulli_exp_fraction(b, (uint64_t)num, (uint64_t)den);
+    return bernoulli_exp_fraction_wide(b, num, den);
+}
+
+/* Bernoulli(exp(-(whole + num/den))), 0 <= num < den <= 2^63. */
+static int bernoulli_exp(bits_t *b, uint64_t whole, uint64_t num, uint64_t den)
+{
+    return bernoulli_exp_wide(b, whole, num, den);
 }
 
 /* Discrete Laplace with scale t/s (Algorithm 2). */

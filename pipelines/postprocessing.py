@@ -24,7 +24,7 @@ from .spec import CountUnitsQuery, HierarchyQuery, MarginalsQuery, MeanQuery, Qu
 JOINT_LIMIT = 20_000_000
 """Largest joint table (units x attribute cells) fitted for exactly consistent integer marginals."""
 
-JOINT_ITERATIONS = 100
+JOINT_ITERATIONS = 50
 """Mirror-descent iterations of the joint fit from its raked start (fewer when the loss stops improving)."""
 
 MIN_VARIANCE = 1e-9
@@ -237,6 +237,9 @@ def _marginals(plan: Plan, query: MarginalsQuery, estimates, noisy, unit_totals,
     return {t.name: margin(joint, t).astype(np.int64).ravel() for t in tables}
 
 
+START_SWEEPS = 20
+"""Raking sweeps of the fit's warm start (the mirror descent refines it)."""
+
 RAKE_FLOOR = 1e-3
 """Added to every cell before raking a table to its one-way margins, so a margin can reach a row the
 nonnegative fit left empty."""
@@ -253,9 +256,9 @@ def _raked_start(arrays, labels, attributes, axes, shape, totals, units) -> np.n
         target = project_to_simplex(estimate.ravel(), segments, totals).reshape(estimate.shape)
         if len(labels[name]) > 1:
             fixed = [((0, 1 + i), one_way[a]) for i, a in enumerate(labels[name])]
-            target = iterative_proportional_fit(target.shape, totals, fixed, start=target + RAKE_FLOOR)
+            target = iterative_proportional_fit(target.shape, totals, fixed, START_SWEEPS, start=target + RAKE_FLOOR)
         margins.append((axes[name], target))
-    return iterative_proportional_fit(shape, totals.astype(np.float64), margins)
+    return iterative_proportional_fit(shape, totals.astype(np.float64), margins, START_SWEEPS)
 
 
 def _one_way_margins(arrays, labels, attributes, totals, units) -> dict[str, np.ndarray]:

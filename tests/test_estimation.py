@@ -270,3 +270,21 @@ def test_verify_refuses_to_replan_over_the_cell_limit(release, monkeypatch):
     monkeypatch.setenv("DPRELEASE_MAX_CELLS", "5")
     problems = verify_release(release).problems
     assert any("over the limit of 5" in p for p in problems), problems
+
+
+def test_plan_and_report_show_the_gls_standard_deviation(published_release, tmp_path):
+    import subprocess
+    import sys
+
+    spec = write_case(tmp_path / "case", small_spec())
+    plan = subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", "plan", str(spec)],
+                          capture_output=True, text=True, env={**__import__("os").environ, "COLUMNS": "200"})
+    assert plan.returncode == 0 and "GLS std" in plan.stdout
+    tract = estimate_variances(published_release.plan).per_cell["pop.tract"]
+    assert f"{tract.max() ** 0.5:.3f}" in plan.stdout
+    out = tmp_path / "report.html"
+    report = subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", "report",
+                             str(published_release.release_dir), "--out", str(out)], capture_output=True, text=True)
+    assert report.returncode == 0, report.stderr
+    html = out.read_text()
+    assert "GLS std dev" in html and f"{tract.min() ** 0.5:.3f}" in html

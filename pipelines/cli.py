@@ -103,12 +103,13 @@ def schema(manifest: bool) -> None:
     click.echo(json.dumps(json_schema(), indent=2))
 
 
-def _plan_table(plan, with_estimate: bool = True) -> Table:
-    """The plan as a table; `with_estimate` False skips the GLS variances (a plan over the cell limit)."""
+def _plan_table(plan, estimate=None) -> Table:
+    """The plan as a table; `estimate`: its GLS variances (computed when not given)."""
     from .manifest import rank_margin_95
-    from .postprocessing import EstimateVariances, estimate_variances
+    from .postprocessing import estimate_variances
 
-    estimate = estimate_variances(plan) if with_estimate else EstimateVariances({}, True)
+    if estimate is None:
+        estimate = estimate_variances(plan)
 
     unit = "epsilon" if plan.definition == "pure" else "rho"
     table = Table(title=f"Plan of release {plan.spec.release_id} ({plan.definition})",
@@ -158,13 +159,15 @@ def plan(spec: Path, max_cells: int | None) -> None:
     """
     from .limits import check_plan_limits, estimated_memory_bytes, human_bytes, max_cells_setting
     from .plan import build_plan
+    from .postprocessing import EstimateVariances
     from .spec import load_spec
 
     with _handled():
         parsed, base = load_spec(spec)
         result = build_plan(parsed, base)
         limit = max_cells_setting(max_cells)
-        console.print(_plan_table(result, with_estimate=result.n_cells <= limit))
+        over_limit = result.n_cells > limit  # no GLS variances for a plan that may not run
+        console.print(_plan_table(result, EstimateVariances({}, True) if over_limit else None))
         console.print(f"Sensitivity: {result.sensitivity.derivation}")
         for derivation in dict.fromkeys(t.event.sensitivity.derivation for t in result.measured()
                                         if t.statistic != "count" or t.measure):
@@ -287,7 +290,7 @@ def verify(release_dir: Path, public_key) -> None:
     if report.plan is not None:
         privacy = manifest.get("privacy", {})
         console.print(f"Privacy unit: {privacy.get('unit')}; {privacy.get('neighbouring_note')}")
-        console.print(_plan_table(report.plan))
+        console.print(_plan_table(report.plan, report.estimate))
         console.print(_totals_text(report.plan) + f"; declared budget {manifest['privacy']['declared_budget']}")
         console.print(f"Invariants (published without protection): {manifest.get('invariants') or 'none'}")
     console.print(f"Files checked: {report.checked_files}; signature: {report.signature}")

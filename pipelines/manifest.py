@@ -196,11 +196,14 @@ def domain_file_names(plan: Plan) -> dict[str, str]:
     return {name: f"domains/{name}.txt" for name, domain in plan.domains.items() if isinstance(domain, GeographyDomain)}
 
 
-def derived_section(plan: Plan, version: int = MANIFEST_VERSION) -> dict:
+def derived_section(plan: Plan, version: int = MANIFEST_VERSION, estimate: EstimateVariances | None = None) -> dict:
     """Every manifest field that follows from the spec and its plan alone; `verify` recomputes all of it
-    (for a manifest of `version`)."""
+    (for a manifest of `version`). `estimate`: the plan's GLS variances when the caller has them."""
     spec = plan.spec
-    estimate = estimate_variances(plan) if version >= 2 else None
+    if version < 2:
+        estimate = None
+    elif estimate is None:
+        estimate = estimate_variances(plan)
     return {
         "manifest_version": version,
         "release_id": spec.release_id,
@@ -224,10 +227,11 @@ come from every engine and version); every other field is recomputed or checked 
 
 
 def build_manifest(plan: Plan, engine: str, key_id: str, files: list[dict], created_at: str,
-                   command_line: list[str], ledger: dict | None = None, input_validation: dict | None = None) -> dict:
+                   command_line: list[str], ledger: dict | None = None, input_validation: dict | None = None,
+                   estimate: EstimateVariances | None = None) -> dict:
     """The manifest. `command_line` must already be redacted (see accounting.redact)."""
     return {
-        **derived_section(plan),
+        **derived_section(plan, estimate=estimate),
         "software": {"name": "dprelease", "version": software_version()},
         "engine": engine,
         "ledger": ledger,

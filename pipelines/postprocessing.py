@@ -222,7 +222,7 @@ def _marginals(plan: Plan, query: MarginalsQuery, estimates, noisy, unit_totals,
     shape = (units,) + tuple(size[a] for a in attributes)
     measured = [(axes[t.name], noisy[t.name].astype(np.float64).reshape(shapes[t.name]),
                  max(t.noise_variance(), MIN_VARIANCE)) for t in tables if not t.invariant]
-    start = _raked_start(arrays, labels, attributes, axes, shape, totals, units)
+    start = _raked_start(arrays, labels, attributes, axes, shape, totals, segments)
     fitted = fit_joint_least_squares(shape, totals, measured, max_iterations=JOINT_ITERATIONS, start=start)
 
     def margin(joint: np.ndarray, t: TablePlan) -> np.ndarray:
@@ -245,15 +245,14 @@ RAKE_FLOOR = 1e-3
 nonnegative fit left empty."""
 
 
-def _raked_start(arrays, labels, attributes, axes, shape, totals, units) -> np.ndarray:
+def _raked_start(arrays, labels, attributes, axes, shape, totals, segments) -> np.ndarray:
     """A nonnegative joint near the estimate, where the fit begins: each table's estimate projected onto
     {x >= 0, sum = total} and raked to integer one-way margins shared by all tables, then one joint per
     unit fitted to those tables by iterative proportional fitting."""
-    one_way = _one_way_margins(arrays, labels, attributes, totals, units)
+    one_way = _one_way_margins(arrays, labels, attributes, totals, shape[0])
     margins = []
     for name, estimate in arrays.items():
-        segments = np.repeat(np.arange(units), estimate.size // units)
-        target = project_to_simplex(estimate.ravel(), segments, totals).reshape(estimate.shape)
+        target = project_to_simplex(estimate.ravel(), segments[name], totals).reshape(estimate.shape)
         if len(labels[name]) > 1:
             fixed = [((0, 1 + i), one_way[a]) for i, a in enumerate(labels[name])]
             target = iterative_proportional_fit(target.shape, totals, fixed, START_SWEEPS, start=target + RAKE_FLOOR)

@@ -134,10 +134,10 @@ def stage_release(
     staging.mkdir(mode=0o700)
     try:
         files: list[Path] = []
-        variances = estimate_variances(plan).per_cell
+        estimate = estimate_variances(plan)
         for i, table in enumerate(plan.tables):
             files += _write_frame(table_frame(plan, table, published[table.name], table.value_name,
-                                              variances.get(table.name)),
+                                              estimate.per_cell.get(table.name)),
                                   staging / TABLES_DIR / table.name)
             files += _write_frame(table_frame(plan, table, noisy[table.name], f"noisy_{table.value_name}"),
                                   staging / MEASUREMENTS_DIR / table.name)
@@ -151,7 +151,7 @@ def stage_release(
             files.append(path)
         entries = [_file_entry(staging, p) for p in sorted(files)]
         manifest = build_manifest(plan, engine, key_id, entries, created_at, redact_command_line(command_line),
-                                  ledger, input_validation)
+                                  ledger, input_validation, estimate)
         if sign_key is not None:
             manifest["signature"] = {"algorithm": "Ed25519", "file": SIGNATURE_FILE,
                                      "public_key_sha256": fingerprint(sign_key.public_key())}

@@ -102,26 +102,26 @@ def _records(plan: Plan, joints: dict, published: dict) -> tuple[dict, dict, Geo
         top = plan.table(f"{hierarchy.name}.{level}")
         unit, _ = _expand(published[top.name].reshape(top.dims[0].size, 1))
         attribute_codes = []
-    geo_units = {}
+    record_codes = {}
     if geo is not None:
-        geo_units[level] = unit
+        record_codes[level] = unit
         if hierarchy is not None:
             finest = hierarchy.levels[-1]
             if geo.width(finest) > geo.width(level):
-                geo_units[finest] = _split(plan, hierarchy, level, finest, unit, published)
-                unit = geo_units[finest]
+                record_codes[finest] = _split(plan, hierarchy, level, finest, unit, published)
+                unit = record_codes[finest]
                 level = finest
         for name in geo.level_names()[1:]:
             if geo.width(name) <= geo.width(level):
-                geo_units[name] = geo.parent_of(level, name)[unit]
-                columns[name] = pa.array(geo.labels(name), type=pa.string()).take(pa.array(geo_units[name]))
+                record_codes[name] = geo.parent_of(level, name)[unit]
+                columns[name] = pa.array(geo.labels(name), type=pa.string()).take(pa.array(record_codes[name]))
     for label, codes in zip(attributes, attribute_codes):
         domain = plan.domains[label]
         if isinstance(domain, GeographyDomain):
             raise SpecError(f"synthesize: marginals attribute {label!r} is a geography level; not supported")
         columns[label] = pa.array(domain.labels(), type=pa.string()).take(pa.array(codes))
-        geo_units[label] = codes
-    return columns, geo_units, geo
+        record_codes[label] = codes
+    return columns, record_codes, geo
 
 
 def _expand(joint: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:

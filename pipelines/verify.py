@@ -35,7 +35,7 @@ from dprelease.accounting.signing import SIGNATURE_FILE, check, fingerprint, loa
 from .manifest import DESCRIPTIVE_FIELDS, MANIFEST_VERSION, derived_section, domain_file_names, sha256_file
 from .limits import check_cell_limit
 from .plan import Plan, build_plan
-from .postprocessing import estimate_variances
+from .postprocessing import EstimateVariances, estimate_variances
 from .release import GLS_VARIANCE, MEASUREMENTS_DIR, TABLES_DIR
 from .spec import brief, parse_spec
 from .validation import manifest_record
@@ -53,6 +53,7 @@ class VerifyReport:
     checked_files: int = 0
     manifest: dict | None = None
     plan: Plan | None = None
+    estimate: EstimateVariances | None = None
     signature: str = "not checked"
 
     @property
@@ -242,48 +243,50 @@ def _check_running_total(prefix: str, values: dict, charged: Fraction, budget: s
 
 
 def _check_measurements(root: Path, plan: Plan, report: VerifyReport) -> None:
-    """Every table file is readable Parquet with a row per public cell (and q) and its value column's type."""
+    """Every table file is readable Parquet with a row per public cell (and q) and its value column's type;
+    with `report.estimate` (version 2), every count table's `gls_variance` column equal to it."""
+    per_cell = report.estimate.per_cell if report.estimate is not None else {}
     for table in plan.tables:
         for folder, column in ((MEASUREMENTS_DIR, f"noisy_{table.value_name}"), (TABLES_DIR, table.value_name)):
-            _check_table_file(root, folder, table.name, table.n_outputs, column, pa.types.is_integer, report)
+            data = _check_table_file(root, folder, table.name, table.n_outputs, column, pa.types.is_integer, report)
+            if folder == TABLES_DIR and table.name in per_cell and data is not None:
+                _check_estimate_column(table.name, data, per_cell[table.name], report)
     for mean in plan.means:
         _check_table_file(root, TABLES_DIR, mean.name, plan.table(mean.sum_table).n_cells, "mean",
                           pa.types.is_floating, report)
 
 
-def _check_estimate_columns(root: Path, plan: Plan, report: VerifyReport) -> None:
-    """Every count table's `gls_variance` column equals the variance recomputed from the plan."""
-    estimate = estimate_variances(plan)
-    for name, expected in estimate.per_cell.items():
-        path = root / TABLES_DIR / f"{name}.parquet"
-        try:
-            data = pq.read_table(path, columns=[GLS_VARIANCE])
-        except (pa.ArrowException, OSError, KeyError):
-            report.problems.append(f"{TABLES_DIR}/{name}: no readable {GLS_VARIANCE!r} column")
-            continue
-        column = data.column(GLS_VARIANCE)
-        if not pa.types.is_floating(column.type) or column.null_count or len(column) != expected.size:
-            report.problems.append(f"{TABLES_DIR}/{name}: {GLS_VARIANCE!r} must hold a number per cell")
-            continue
-        if not np.allclose(column.to_numpy(), expected, rtol=1e-6, atol=1e-9):
-            report.problems.append(f"{TABLES_DIR}/{name}: {GLS_VARIANCE!r} differs from the variance recomputed "
-                                   f"from the plan")
+def _check_estimate_column(name: str, data: pa.Table, expected: np.ndarray, report: VerifyReport) -> None:
+    """A count table's `gls_variance` column equals the variance recomputed from the plan."""
+    if GLS_VARIANCE not in data.column_names:
+        report.problems.append(f"{TABLES_DIR}/{name}: no readable {GLS_VARIANCE!r} column")
+        return
+    column = data.column(GLS_VARIANCE)
+    if not pa.types.is_floating(column.type) or column.null_count or len(column) != expected.size:
+        report.problems.append(f"{TABLES_DIR}/{name}: {GLS_VARIANCE!r} must hold a number per cell")
+        return
+    if not np.allclose(column.to_numpy(), expected, rtol=1e-6, atol=1e-9):
+        report.problems.append(f"{TABLES_DIR}/{name}: {GLS_VARIANCE!r} differs from the variance recomputed "
+                               f"from the plan")
 
 
-def _check_table_file(root: Path, folder: str, name: str, rows: int, column: str, kind, report: VerifyReport) -> None:
+def _check_table_file(root: Path, folder: str, name: str, rows: int, column: str, kind,
+                      report: VerifyReport) -> pa.Table | None:
+    """Check one table file's rows and value column; the file's data when it could be read."""
     path = root / folder / f"{name}.parquet"
     if not path.is_file():
-        return
+        return None
     try:
         data = pq.read_table(path)
     except (pa.ArrowException, OSError) as error:
         report.problems.append(f"{folder}/{name}.parquet: cannot be read as Parquet ({type(error).__name__})")
-        return
+        return None
     if data.num_rows != rows:
         report.problems.append(f"{folder}/{name}: {data.num_rows} rows, the public domain has {rows}")
     if column not in data.column_names or not kind(data.schema.field(column).type):
         report.problems.append(f"{folder}/{name}: column {column!r} must hold "
                                f"{'integers' if kind is pa.types.is_integer else 'numbers'}")
+    return data
 
 
 def _check_signature(root: Path, manifest: dict, manifest_bytes: bytes, public_key_path: Path | None,
@@ -320,7 +323,8 @@ def _check_derived(root: Path, manifest: dict, plan: Plan, embedded_spec, report
     """Every derived field, the file set of the plan, the budget, the tables' shape and the ledger."""
     version = manifest.get("manifest_version")
     version = version if version in SUPPORTED_VERSIONS else MANIFEST_VERSION
-    expected = derived_section(plan, version)
+    report.estimate = estimate_variances(plan) if version >= 2 else None
+    expected = derived_section(plan, version, report.estimate)
     expected.update(spec=embedded_spec.model_dump(mode="json"), spec_sha256=embedded_spec.spec_hash())
     for key, value in expected.items():
         _compare(key, value, manifest.get(key), report.problems)
@@ -341,8 +345,6 @@ def _check_derived(root: Path, manifest: dict, plan: Plan, embedded_spec, report
     _check_budget(plan, report)
     _check_ledger(plan, manifest, report)
     _check_measurements(root, plan, report)
-    if version >= 2:
-        _check_estimate_columns(root, plan, report)
 
 
 def verify_release(release_dir: Path, public_key: Path | None = None) -> VerifyReport:

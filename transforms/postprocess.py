@@ -114,7 +114,8 @@ def _sum_by_parent(values: np.ndarray, parent: np.ndarray, n_parents: int) -> np
 def hierarchical_least_squares(
     noisy: list[np.ndarray], variances: list[float], parent_maps: list[np.ndarray | None]
 ) -> list[np.ndarray]:
-    """Best linear unbiased estimate of a tree of count measurements, exactly consistent.
+    """Best linear unbiased estimate of a tree of count measurements, exactly consistent: the closed form
+    the release's global estimator (`transforms.estimation`) is tested against on hierarchies.
 
     `noisy[i]` is level i's measurement, shape (units_i, cells) (cells: attribute cells carried
     by every unit); `variances[i]` its per-cell noise variance, 0 for an exact level (an
@@ -153,28 +154,6 @@ def hierarchical_least_squares(
         residual = final[-1] - sibling_sum
         final.append(up[i] + share[:, None] * residual[parents])
     return final
-
-
-def match_margins(table: np.ndarray, targets: list[tuple[tuple[int, ...], np.ndarray]], sweeps: int = 50) -> np.ndarray:
-    """Least-squares (equal weights) adjustment of `table` so that its sums over the axes not in
-    each `kept` tuple equal the target: alternating additive projections onto affine sets.
-
-    Axis 0 (the geography unit) is always kept. One sweep is exact when the targets are nested
-    consistent margins of a 2-way table; otherwise the sweeps converge to their intersection.
-    """
-    x = np.asarray(table, dtype=np.float64).copy()
-    for _ in range(sweeps):
-        worst = 0.0
-        for kept, target in targets:
-            other = tuple(a for a in range(x.ndim) if a not in kept)
-            current = x.sum(axis=other, keepdims=True)
-            n_other = int(np.prod([x.shape[a] for a in other])) if other else 1
-            gap = np.expand_dims(target, other) - current
-            worst = max(worst, float(np.abs(gap).max(initial=0.0)))
-            x += gap / n_other
-        if worst < 1e-9:
-            break
-    return x
 
 
 def iterative_proportional_fit(shape: tuple[int, ...], totals: np.ndarray,
@@ -233,7 +212,6 @@ def fit_joint_least_squares(shape: tuple[int, ...], totals: np.ndarray,
     totals = np.asarray(totals, dtype=np.float64)
     units = shape[0]
     per_unit = int(np.prod(shape[1:]))
-    broadcast_totals = totals.reshape((-1,) + (1,) * (len(shape) - 1))
     log_p = np.zeros(shape)
     if start is not None:
         mean = np.maximum(totals / per_unit, 1e-12).reshape((-1,) + (1,) * (len(shape) - 1))
@@ -273,4 +251,4 @@ def fit_joint_least_squares(shape: tuple[int, ...], totals: np.ndarray,
         step *= 1.5
         if improvement <= tolerance * max(loss, 1.0):
             break
-    return np.where(broadcast_totals > 0, p, 0.0)
+    return p

@@ -141,7 +141,9 @@ class Step(Strict):
     step: str
 
 
-class Ledger(Strict):
+class LedgerV2(Strict):
+    """The ledger block of manifests of versions 1 and 2 (`charged` is 0 for a free re-run)."""
+
     dataset_id: str
     unit: Literal["epsilon", "rho"]
     lifetime_budget: str
@@ -153,6 +155,33 @@ class Ledger(Strict):
     period_budget: str | None
     period_spent_before: str | None
     period_spent_after: str | None
+
+
+class PeriodCharge(Strict):
+    period: str = Field(description="A budget period the release is charged to (canonical text).")
+    spent_before: str
+    spent_after: str
+
+
+class PeriodBudget(Strict):
+    per: Literal["year", "quarter", "month", "day"]
+    budget: str
+    periods: list[PeriodCharge] = Field(description="Every budget period the release's period overlaps.")
+
+
+class Ledger(Strict):
+    """The ledger block (version 3): what the release cost and what this run added to the dataset's spend."""
+
+    dataset_id: str
+    unit: Literal["epsilon", "rho"]
+    lifetime_budget: str
+    spent_before: str
+    spent_after: str
+    charged: str = Field(description="What the release cost in the ledger (also when this run re-published it free).")
+    charged_by_this_run: str = Field(description="What this run added: the charge, or 0 for a free re-run.")
+    rerun_of_committed_release: bool
+    period: str | None
+    period_budget: PeriodBudget | None
 
 
 class InputValidation(Strict):
@@ -190,7 +219,7 @@ class Manifest(Strict):
     """A published release's manifest: no true counts, no row counts, no key. `dprelease verify` recomputes
     every field from the embedded spec or checks it for consistency, except those described as descriptive."""
 
-    manifest_version: Literal[1, 2]
+    manifest_version: Literal[1, 2, 3]
     release_id: str
     dataset_id: str
     software: Software
@@ -207,7 +236,7 @@ class Manifest(Strict):
     post_processing: list[Step]
     means: list[MeanRecord] | None = Field(
         None, description="Mean tables, each derived from a noisy sum and a noisy count table (absent without means).")
-    ledger: Ledger | None
+    ledger: Ledger | LedgerV2 | None
     input_validation: InputValidation | None = Field(
         description="Present when the input was validated: the suite's hash and the policies, never pass/fail.")
     key_id: str = Field(pattern=r"^[0-9a-f]{16}$",

@@ -2,7 +2,16 @@
 from __future__ import annotations
 
 import math
+import re
 from fractions import Fraction
+
+MAX_TEXT_DIGITS = 60
+"""Longest run of digits a number given as text may hold, and MAX_EXPONENT its largest decimal exponent:
+'1e-100000000' is 20 bytes, but its exact value needs a 100-million-digit integer (minutes, hundreds of
+MiB). Parsing refuses such texts before building any number."""
+MAX_EXPONENT = 400
+_NUMBER = re.compile(r"^[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE](?P<exponent>[+-]?[0-9]+))?$")
+_RATIO = re.compile(r"^[+-]?[0-9]+\s*/\s*[+-]?[0-9]+$")
 
 
 def parse_rational(value: object) -> Fraction:
@@ -17,6 +26,8 @@ def parse_rational(value: object) -> Fraction:
     if isinstance(value, Fraction):
         return value
     if isinstance(value, int):
+        if value.bit_length() > MAX_TEXT_DIGITS * 4:
+            raise ValueError(f"must have at most {MAX_TEXT_DIGITS} digits")
         return Fraction(value)
     if isinstance(value, float):
         if not math.isfinite(value):
@@ -24,12 +35,26 @@ def parse_rational(value: object) -> Fraction:
         return Fraction(repr(value))
     if isinstance(value, str):
         text = value.strip()
+        _check_size(text)
         try:
             parsed = Fraction(text)
         except (ValueError, ZeroDivisionError):
             raise ValueError("must be a number such as 0.5 or a fraction such as '1/3'") from None
         return parsed
     raise ValueError("must be a number or a fraction string")
+
+
+def _check_size(text: str) -> None:
+    """Refuse a numeric text whose exact value would be huge to build (see MAX_TEXT_DIGITS)."""
+    if len(text) > 4 * MAX_TEXT_DIGITS:
+        raise ValueError(f"must be at most {4 * MAX_TEXT_DIGITS} characters long")
+    number = _NUMBER.match(text)
+    if number is None and not _RATIO.match(text):
+        raise ValueError("must be a number such as 0.5 or a fraction such as '1/3'")
+    if sum(ch.isdigit() for ch in text.split("e")[0].split("E")[0]) > 2 * MAX_TEXT_DIGITS:
+        raise ValueError(f"must have at most {2 * MAX_TEXT_DIGITS} digits")
+    if number is not None and number["exponent"] is not None and abs(int(number["exponent"])) > MAX_EXPONENT:
+        raise ValueError(f"its exponent must lie within ±{MAX_EXPONENT}")
 
 
 def fraction_text(value: Fraction) -> str:

@@ -64,8 +64,14 @@ def sum_sensitivity(bounds: ContributionBounds, lo: int, hi: int) -> Sensitivity
 
     Privacy: every value summed lies in [lo, hi], so one record moves its cell's sum by at most
     M = max(|lo|, |hi|). Adding or removing a unit changes at most k records: L1 <= kM and, all in one
-    cell, L2 <= kM. Replacing a unit removes up to k records and adds up to k others, possibly in
-    other cells: L1 <= 2kM, L2^2 <= 2(kM)^2.
+    cell, L2 <= kM.
+    Replacing a unit removes up to k records and adds up to k others. Cell c's sum moves by
+    d_c = (added to c) - (removed from c), which lies in [n_c lo - m_c hi, n_c hi - m_c lo] for n_c records
+    added to and m_c removed from c. |d_c| is bounded by the larger of two absolute values of linear
+    functions of (n, m); its square summed over cells is convex in (n, m), so its maximum over the
+    allocations (sum n_c <= k, sum m_c <= k) lies at a vertex: all k removed from one cell and all k
+    added to one cell. Different cells: L2^2 = (kM)^2 + (kM)^2; the same cell (k records of lo replaced by
+    k of hi): L2 = k(hi - lo). So L2 = k max(sqrt(2) M, hi - lo), and L1 <= 2kM (k(hi - lo) <= 2kM).
     """
     k = bounds.max_records_per_unit
     m = max(abs(lo), abs(hi))
@@ -73,9 +79,11 @@ def sum_sensitivity(bounds: ContributionBounds, lo: int, hi: int) -> Sensitivity
         return Sensitivity(l1=k * m, l2_squared=(k * m) ** 2,
                            derivation=f"add/remove one unit, at most k={k} records each within clamp [{lo}, {hi}]: "
                                       f"L1 = L2 = k*max(|lo|,|hi|) = {k * m}")
-    return Sensitivity(l1=2 * k * m, l2_squared=2 * (k * m) ** 2,
+    spread = hi - lo
+    return Sensitivity(l1=2 * k * m, l2_squared=k * k * max(2 * m * m, spread * spread),
                        derivation=f"replace one unit of at most k={k} records within clamp [{lo}, {hi}]: "
-                                  f"L1 = 2k*max(|lo|,|hi|) = {2 * k * m}, L2 = sqrt(2)*k*max(|lo|,|hi|)")
+                                  f"L1 = 2k*max(|lo|,|hi|) = {2 * k * m}, L2 = k*max(sqrt(2)*max(|lo|,|hi|), hi-lo) "
+                                  f"(records moved to another cell, or replaced within one)")
 
 
 def unit_count_sensitivity(bounds: ContributionBounds) -> Sensitivity:
@@ -95,18 +103,25 @@ def unit_count_sensitivity(bounds: ContributionBounds) -> Sensitivity:
 
 def quantile_score_sensitivity(bounds: ContributionBounds, q: Fraction) -> Sensitivity:
     """Sensitivity of the integer quantile scores |(b - a) * below(c) - a * above(c)| for q = a/b, where
-    below(c) / above(c) count a cell's values < c / > c (summed over the cells a unit's records reach).
+    below(c) / above(c) count a cell's values < c / > c.
 
-    Privacy: one added record raises below(c) (by 1: the score moves by at most b - a) or above(c) (at
-    most a) or neither, so adding or removing a unit's k records moves the scores, summed over cells, by
-    at most k * max(a, b - a). Replacing a record can lower below(c) and raise above(c) at once (b):
-    k * b.
+    Each cell runs its own exponential mechanism, so a unit's privacy loss is the sum over the cells its
+    records reach of each cell's largest score change (over candidates); this returns that sum's bound,
+    and every cell's selection is calibrated to it.
+    Privacy: one record added to or removed from a cell raises or lowers below(c) by 1 (the score moves by
+    at most b - a) or above(c) (at most a) or neither, for every candidate c at once: at most max(a, b - a)
+    in that cell. Adding or removing a unit's at most k records: summed over cells, k * max(a, b - a).
+    Replacing a unit removes up to k records and adds up to k others, each moving the scores of its own
+    cell by up to max(a, b - a) (a record replaced within one cell moves them by at most b, which is
+    less than 2 max(a, b - a)): summed over cells, 2k * max(a, b - a).
     """
     k = bounds.max_records_per_unit
     a, b = q.numerator, q.denominator
+    step = max(a, b - a)
     if bounds.neighbouring == "add_remove":
-        return Sensitivity(l1=k * max(a, b - a), l2_squared=0,
+        return Sensitivity(l1=k * step, l2_squared=0,
                            derivation=f"quantile {q} score, add/remove one unit of at most k={k} records: "
-                                      f"k*max(a, b-a) = {k * max(a, b - a)}")
-    return Sensitivity(l1=k * b, l2_squared=0,
-                       derivation=f"quantile {q} score, replace one unit of at most k={k} records: k*b = {k * b}")
+                                      f"k*max(a, b-a) = {k * step}, summed over cells")
+    return Sensitivity(l1=2 * k * step, l2_squared=0,
+                       derivation=f"quantile {q} score, replace one unit of at most k={k} records: "
+                                  f"2k*max(a, b-a) = {2 * k * step}, summed over cells")

@@ -11,11 +11,26 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from dprelease.accounting.errors import DPReleaseError
 
-console = Console(width=None if sys.stdout.isatty() else 120)
-errors = Console(stderr=True)
+console = Console(width=None if sys.stdout.isatty() else 120, markup=False, highlight=False)
+errors = Console(stderr=True, markup=False, highlight=False)
+"""Markup is off on both consoles: text that comes from data, specs, manifests or messages (a release id
+holding '[/]', a version holding '[bold green]OK[/]', '[lo, hi]' in an error) prints as it is; styles are
+given as Text spans."""
+
+
+def printable(value: object) -> str:
+    """`value` as one line of text: control characters (newlines included) shown escaped, so a field read
+    from a release cannot print a line of its own (a fake 'OK')."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in str(value))
+
+
+def styled(label: str, style: str, rest: str = "") -> Text:
+    """A styled label followed by plain text (never parsed as markup)."""
+    return Text.assemble((label, style), rest)
 STAGES = {"read": "Reading and encoding input files", "noise": "Drawing noise (cell ranges)",
           "write": "Writing tables", "beam": "Beam pipeline (read, bound, count, noise)"}
 
@@ -24,16 +39,21 @@ def _fail(error: DPReleaseError) -> None:
     kind = {2: "spec error", 3: "budget refused"}.get(error.exit_code, "error")
     messages = getattr(error, "messages", None) or [str(error)]
     for message in messages:
-        errors.print(f"[bold red]{kind}:[/] {message}", markup=True, highlight=False, soft_wrap=True)
+        errors.print(styled(f"{kind}:", "bold red", " " + printable(message)), soft_wrap=True)
     sys.exit(error.exit_code)
 
 
 @contextmanager
 def _handled():
+    """Our errors as one line each with their exit code; a database error of the ledger as one line (exit 1)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
     try:
         yield
     except DPReleaseError as error:
         _fail(error)
+    except SQLAlchemyError as error:
+        _fail(DPReleaseError(f"ledger: the database failed ({type(error).__name__}); check that it is reachable"))
 
 
 @contextmanager
@@ -48,8 +68,8 @@ def _confidential(internal_dir: Path | None, stage: str):
     except Exception as error:  # noqa: BLE001 - the whole point: nothing unvetted reaches the console
         where = _write_failure(internal_dir, stage) if internal_dir else None
         detail = f"details in {where}" if where else "pass --internal-dir to keep the details (confidential)"
-        errors.print(f"[bold red]error:[/] {stage} failed ({type(error).__name__}); its message may quote "
-                     f"confidential values and is not shown; {detail}", markup=True, highlight=False, soft_wrap=True)
+        errors.print(styled("error:", "bold red", f" {stage} failed ({type(error).__name__}); its message may quote "
+                            f"confidential values and is not shown; {printable(detail)}"), soft_wrap=True)
         sys.exit(1)
 
 
@@ -244,13 +264,14 @@ def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_
                              runner=runner, beam_options=list(pipeline_options), max_cells=max_cells)
     plan_ = result.plan
     # scripts parse these lines (deploy/): never wrap them
-    console.print(f"[bold green]Published[/] release [bold]{plan_.spec.release_id}[/] to {result.release_dir}",
-                  soft_wrap=True)
+    console.print(Text.assemble(("Published", "bold green"), " release ", (plan_.spec.release_id, "bold"),
+                                f" to {printable(result.release_dir)}"), soft_wrap=True)
     console.print(_totals_text(plan_))
     console.print(f"{len(plan_.tables)} tables, {plan_.n_cells:,} cells; "
                   f"tables/ (post-processed), measurements/ (raw noisy), manifest.json")
     state = "reused" if result.key_reused else "new"
-    console.print(f"Key ({state}): {result.key_file}  [dim]keep it secret; never publish it[/]", soft_wrap=True)
+    console.print(Text.assemble(f"Key ({state}): {printable(result.key_file)}  ", ("keep it secret; never publish it",
+                                                                                  "dim")), soft_wrap=True)
     console.print(f"Check it: dprelease verify {result.release_dir}", soft_wrap=True)
 
 
@@ -278,67 +299,97 @@ def validate(spec: Path, internal_dir: Path, input_path, engine, master) -> None
 @click.argument("release_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--public-key", type=click.Path(dir_okay=False, path_type=Path),
               help="Check the manifest's Ed25519 signature against this public key (PEM).")
-def verify(release_dir: Path, public_key) -> None:
-    """Recompute hashes, accounting and budget totals of a release; exit 1 on any mismatch."""
+@click.option("--ledger", "ledger_location",
+              help="Check the manifest against this ledger (SQLite file or SQLAlchemy URL): the release is "
+                   "committed there at the cost it states, and this very manifest is one recorded at publication.")
+@click.option("--recompute", is_flag=True,
+              help="Re-run the post-processing from measurements/ and demand the published tables exactly (floating "
+                   "point: a release made on another CPU or numpy build could differ in a rounding tie).")
+def verify(release_dir: Path, public_key, ledger_location, recompute: bool) -> None:
+    """Recompute hashes, accounting, budget totals and every structural property of a release; exit 1 on
+    any mismatch. Reads only regular files inside the release directory."""
     from .verify import verify_release
 
     with _handled():
-        report = verify_release(release_dir, public_key)
+        report = verify_release(release_dir, public_key, ledger=ledger_location, recompute=recompute)
     manifest = report.manifest or {}
-    console.print(f"Release {manifest.get('release_id', '?')} of dataset {manifest.get('dataset_id', '?')}, "
-                  f"engine {manifest.get('engine', '?')}, dprelease {manifest.get('software', {}).get('version', '?')}")
+    software = manifest.get("software") if isinstance(manifest.get("software"), dict) else {}
+    console.print(f"Release {printable(manifest.get('release_id', '?'))} of dataset "
+                  f"{printable(manifest.get('dataset_id', '?'))}, engine {printable(manifest.get('engine', '?'))}, "
+                  f"dprelease {printable(software.get('version', '?'))}", soft_wrap=True)
     if report.plan is not None:
-        privacy = manifest.get("privacy", {})
-        console.print(f"Privacy unit: {privacy.get('unit')}; {privacy.get('neighbouring_note')}")
+        privacy = manifest.get("privacy") if isinstance(manifest.get("privacy"), dict) else {}
+        console.print(f"Privacy unit: {printable(privacy.get('unit'))}; {printable(privacy.get('neighbouring_note'))}")
         console.print(_plan_table(report.plan, report.estimate))
-        console.print(_totals_text(report.plan) + f"; declared budget {manifest['privacy']['declared_budget']}")
-        console.print(f"Invariants (published without protection): {manifest.get('invariants') or 'none'}")
-    console.print(f"Files checked: {report.checked_files}; signature: {report.signature}")
+        console.print(_totals_text(report.plan) + f"; declared budget {printable(report.plan.spec.budget.model_dump())}")
+        invariants = [t.name for t in report.plan.tables if t.invariant]
+        console.print(f"Invariants (published without protection): {', '.join(invariants) or 'none'}")
+    console.print(f"Files checked: {report.checked_files}; signature: {printable(report.signature)}; ledger: "
+                  f"{printable(report.ledger)}" + ("; post-processing recomputed" if report.recomputed else ""))
     if report.ok:
-        console.print("[bold green]OK[/]: every file hash, allocation, mechanism and total matches.")
+        console.print(styled("OK", "bold green", ": every file hash, allocation, mechanism, total and table "
+                                                 "property matches."))
         return
     for problem in report.problems:
-        errors.print(f"[bold red]MISMATCH[/] {problem}", highlight=False, soft_wrap=True)
-    errors.print(f"[bold red]{len(report.problems)} mismatch(es)[/]: this release does not match its manifest.")
+        errors.print(styled("MISMATCH", "bold red", " " + printable(problem)), soft_wrap=True)
+    errors.print(styled(f"{len(report.problems)} mismatch(es)", "bold red",
+                        ": this release does not match its manifest."))
     sys.exit(1)
 
 
 @main.command()
 @click.argument("release_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
-              help="Parquet file to write (default: <release dir>.synthetic.parquet beside the release).")
-def synthesize(release_dir: Path, out: Path | None) -> None:
+              help="Parquet file to write (default: <release dir>.synthetic.parquet beside the release). Never inside "
+                   "a release; an existing file only with --overwrite.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing --out file.")
+@click.option("--max-records", type=click.IntRange(1), default=100_000_000, show_default=True,
+              help="Refuse to draw more records than this (a release's totals say how many it would draw).")
+def synthesize(release_dir: Path, out: Path | None, overwrite: bool, max_records: int) -> None:
     """Write synthetic microdata consistent with a release's hierarchy and marginal tables.
 
     Post-processing only: records drawn from the integer joint table behind the marginals and split among
     the finest hierarchy level's units by their published counts. The release is verified first."""
+    from .outputs import check_output_file, write_atomically
     from .synthesize import synthesize as draw
     from .synthesize import write_synthetic
 
     with _handled():
-        synthetic = draw(release_dir)
-        path = write_synthetic(synthetic, out or release_dir.parent / f"{release_dir.name}.synthetic.parquet")
+        target = check_output_file(out or _beside(release_dir, ".synthetic.parquet"), overwrite, "--out")
+        synthetic = draw(release_dir, max_records=max_records)
+        path = write_atomically(target, overwrite, lambda handle: write_synthetic(synthetic, handle))
     records = synthetic.records
-    console.print(f"Wrote {records.num_rows:,} synthetic records ({', '.join(records.column_names)}) to {path}")
+    console.print(f"Wrote {records.num_rows:,} synthetic records ({', '.join(records.column_names)}) to "
+                  f"{printable(path)}", soft_wrap=True)
     console.print(f"Tabulating them reproduces exactly: {', '.join(synthetic.reproduced) or 'none'}")
     if synthetic.not_reproduced:
         console.print(f"Not reproduced (tables of other queries): {', '.join(synthetic.not_reproduced)}")
 
 
+def _beside(release_dir: Path, suffix: str) -> Path:
+    """<release dir><suffix> in the release's parent directory (the release dir resolved first, so that
+    `dprelease report .` inside a release writes beside it, not into it)."""
+    resolved = Path(release_dir).resolve()
+    return resolved.parent / f"{resolved.name}{suffix}"
+
+
 @main.command()
 @click.argument("release_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
-              help="HTML file to write (default: <release dir>.report.html beside the release).")
+              help="HTML file to write (default: <release dir>.report.html beside the release; never inside one).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing --out file (the default file is replaced).")
 @click.option("--public-key", type=click.Path(dir_okay=False, path_type=Path), help="Check the signature too.")
 @click.option("--ledger", envvar="DPRELEASE_LEDGER", help="Add the dataset's ledger history.")
-def report(release_dir: Path, out, public_key, ledger) -> None:
+def report(release_dir: Path, out, overwrite: bool, public_key, ledger) -> None:
     """Write a self-contained HTML report of a release for auditors (verifies it first)."""
+    from .outputs import check_output_file
     from .report import write_report
 
     with _handled():
-        path, result = write_report(release_dir, out, public_key, ledger)
-    console.print(f"Report written to {path}" + ("" if result.ok else f" ({len(result.problems)} mismatches shown)"),
-                  soft_wrap=True)
+        target = check_output_file(out or _beside(release_dir, ".report.html"), overwrite or out is None, "--out")
+        path, result = write_report(release_dir, target, public_key, ledger)
+    console.print(f"Report written to {printable(path)}" +
+                  ("" if result.ok else f" ({len(result.problems)} mismatches shown)"), soft_wrap=True)
     if not result.ok:
         sys.exit(1)
 
@@ -364,10 +415,13 @@ def ledger() -> None:
 @click.option("--epsilon", "epsilon", help="Lifetime pure-DP budget (for pure releases).")
 @click.option("--rho", "rho", help="Lifetime zCDP budget (for zcdp and approx releases).")
 @click.option("--per-period", "per_period",
-              help="Budget per period of a release series (releases name their period in the spec: period: "
-                   "2026-11), in the same unit; 'none' removes it. Default: keep the current one.")
+              help="Budget per period of a release series, in the same unit; 'none' removes it. Default: keep the "
+                   "current one. Releases name their period in the spec (YYYY, YYYY-Qn, YYYY-MM or YYYY-MM-DD) and "
+                   "are charged against every budget period it overlaps.")
+@click.option("--period-unit", type=click.Choice(["year", "quarter", "month", "day"]),
+              help="Length of the budget periods of --per-period (default month).")
 @LEDGER_OPTION
-def ledger_set_budget(dataset: str, epsilon, rho, per_period, ledger: str) -> None:
+def ledger_set_budget(dataset: str, epsilon, rho, per_period, period_unit, ledger: str) -> None:
     """Create or change a dataset's lifetime budget (never below what it has spent)."""
     from fractions import Fraction
 
@@ -389,8 +443,9 @@ def ledger_set_budget(dataset: str, epsilon, rho, per_period, ledger: str) -> No
                 period = None if per_period.lower() == "none" else Fraction(parse_rational(per_period))
             except ValueError as error:
                 raise SpecError(f"--per-period = {per_period!r}: {error}; or 'none'") from None
-        set_budget(open_ledger(ledger), dataset, unit, Fraction(amount), period)
-    text = "" if period is KEEP else f"; per-period budget {period if period is not None else 'none'}"
+        set_budget(open_ledger(ledger), dataset, unit, Fraction(amount), period, period_unit)
+    text = "" if period is KEEP else (f"; per-{period_unit or 'month'} budget {period}" if period is not None
+                                      else "; per-period budget none")
     console.print(f"Dataset {dataset}: lifetime budget {amount} {unit}{text}")
 
 
@@ -460,9 +515,10 @@ def _print_ledger(location: str, dataset: str | None, delta: float = 1e-10) -> N
 def ledger_reconcile(ledger: str, dry_run: bool) -> None:
     """Settle reservations left 'reserved' by runs that were killed.
 
-    A reserved row whose run is gone (its process on this host has exited) is committed when its
-    release directory holds that release's manifest (published), and aborted, releasing its budget,
-    when nothing was published. Rows of runs still in progress, or started on another host, are left.
+    A run holds its reservation under a lease it renews (every minute; DPRELEASE_LEASE_SECONDS, default
+    300). A reserved row whose lease expired over 30 s ago is committed when its release directory holds
+    that release's manifest (published), and aborted, releasing its budget, when nothing was published;
+    a run that comes back after that can no longer commit or publish. Rows under a live lease are left.
     """
     from dprelease.accounting.ledger import open_ledger, reconcile
 
@@ -470,7 +526,7 @@ def ledger_reconcile(ledger: str, dry_run: bool) -> None:
     from .verify import published_manifest_sha256
 
     with _handled():
-        settled = reconcile(open_ledger(ledger), owner_alive, published_manifest_sha256, dry_run)
+        settled = reconcile(open_ledger(ledger), published_manifest_sha256, dry_run, owner_alive)
     table = Table(title="Reconciled reservations" + (" (dry run: nothing changed)" if dry_run else ""))
     for header in ("row", "dataset", "release", "action", "why"):
         table.add_column(header)
@@ -487,12 +543,34 @@ def ledger_reconcile(ledger: str, dry_run: bool) -> None:
 @click.option("--seed", type=int, default=1, show_default=True, help="Seed of the synthetic population.")
 @click.option("--dirty-rate", type=click.FloatRange(0, 1), default=0.001, show_default=True,
               help="Share of rows with a null or out-of-domain value.")
-def demo_data(rows: int, out: Path, seed: int, dirty_rate: float) -> None:
+@click.option("--states", type=click.IntRange(1, 99), help="A country-sized geography instead of the demo's: states "
+              "(with --counties and --tracts; a real country: 51, 3577, 44627).")
+@click.option("--counties", type=click.IntRange(1), help="Counties in all (Zipf-like per state; at most 999 per state).")
+@click.option("--tracts", type=click.IntRange(1), help="Tracts in all (Zipf-like per county; codes of 11 characters).")
+@click.option("--blocks", type=click.IntRange(1), help="Blocks in all (codes of 15 characters: a spec adds "
+              "block: 15 to its levels).")
+def demo_data(rows: int, out: Path, seed: int, dirty_rate: float, states, counties, tracts, blocks) -> None:
     """Generate a synthetic census-like person file and its geography domain file."""
-    from dprelease.examples.generator import write_demo_data
+    from dprelease.accounting.errors import SpecError
+    from dprelease.examples.generator import country_geography, write_demo_data
 
-    data, domain = write_demo_data(out, rows, seed=seed, dirty_rate=dirty_rate)
-    console.print(f"Wrote {rows:,} persons to {data} and the geography domain to {domain}")
+    with _handled():
+        geography = None
+        sizes = {"--states": states, "--counties": counties, "--tracts": tracts}
+        if any(v is not None for v in sizes.values()) or blocks is not None:
+            missing = [name for name, value in sizes.items() if value is None]
+            if missing:
+                raise SpecError(f"{', '.join(missing)}: needed with the other geography sizes")
+            if not states <= counties <= tracts <= (blocks or tracts):
+                raise SpecError(f"--states {states} --counties {counties} --tracts {tracts} --blocks {blocks}: each "
+                                "level needs at least as many units as the level above")
+            try:
+                geography = country_geography(states, counties, tracts, blocks or 0)
+            except ValueError as error:
+                raise SpecError(f"geography sizes: {error}") from None
+        data, domain = write_demo_data(out, rows, seed=seed, dirty_rate=dirty_rate, geography=geography)
+    console.print(f"Wrote {rows:,} persons to {printable(data)} and the geography domain to {printable(domain)}",
+                  soft_wrap=True)
 
 
 if __name__ == "__main__":

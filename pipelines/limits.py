@@ -66,9 +66,11 @@ def check_cell_limit(plan: Plan, max_cells: int | None = None) -> None:
     total = plan.n_cells
     if total <= limit:
         return
-    largest = max(plan.tables, key=lambda t: t.n_cells)
+    largest = max(plan.tables, key=lambda t: t.layout.n_measured)
+    entries = (f"{largest.n_cells:,} cells x {largest.layout.buckets} quantile buckets" if largest.layout.buckets > 1
+               else f"{largest.n_cells:,} cells")
     raise SpecError(
-        f"queries: the release has {total:,} public cells (largest table {largest.name!r}: {largest.n_cells:,}), over "
+        f"queries: the release has {total:,} public cells (largest table {largest.name!r}: {entries}), over "
         f"the limit of {limit:,} (--max-cells or ${MAX_CELLS_ENV}); a run needs about "
         f"{human_bytes(estimated_memory_bytes(plan))} of driver memory on every engine (embedded, spark and beam all hold "
         "each table's cells on one machine). Coarsen the table (bins, fewer attributes, a smaller way), or raise "

@@ -23,9 +23,11 @@ from dprelease.accounting.manifest import exact, measurement_record, totals_reco
 from .plan import Plan, TablePlan
 from .postprocessing import EstimateVariances, estimate_variances, steps_applied
 
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 3
 """2: one global least-squares estimate behind the count tables, its per-cell variance in the tables and
-the manifest. verify still checks version-1 manifests against the steps of their time."""
+the manifest. 3: the ledger block states what the release cost (`charged`, also for a free re-run) beside
+what the run added (`charged_by_this_run`) and every budget period charged; invariants state which
+neighbours the guarantee covers. verify still checks versions 1 and 2 against the rules of their time."""
 DEPENDENCIES = ["numpy", "pyarrow", "pydantic", "PyYAML", "cryptography", "click", "rich"]
 NEIGHBOURING_NOTE = {
     "add_remove": "neighbouring inputs differ by adding or removing one privacy unit with all its records",
@@ -189,11 +191,17 @@ def privacy_section(plan: Plan) -> dict:
     }
 
 
+def domain_file_name(column: str) -> str:
+    """Where a geography column's domain is published inside a release (column names are restricted by
+    the spec to file-name-safe characters)."""
+    return f"domains/{column}.txt"
+
+
 def domain_file_names(plan: Plan) -> dict[str, str]:
     """Where each geography domain is published inside the release (public: the spec's domain files)."""
     from dprelease.transforms.domains import GeographyDomain
 
-    return {name: f"domains/{name}.txt" for name, domain in plan.domains.items() if isinstance(domain, GeographyDomain)}
+    return {name: domain_file_name(name) for name, domain in plan.domains.items() if isinstance(domain, GeographyDomain)}
 
 
 def derived_section(plan: Plan, version: int = MANIFEST_VERSION, estimate: EstimateVariances | None = None) -> dict:
@@ -212,13 +220,23 @@ def derived_section(plan: Plan, version: int = MANIFEST_VERSION, estimate: Estim
         "spec_sha256": spec.spec_hash(),
         "privacy": privacy_section(plan),
         **accounting_section(plan, estimate),
-        "invariants": [{"table": t.name, "protected": False,
-                        "note": "true counts published exactly; the guarantee holds conditional on them"}
+        "invariants": [{"table": t.name, "protected": False, "note": invariant_note(version)}
                        for t in plan.tables if t.invariant],
         "post_processing": steps_applied(plan, version),
         **means_section(plan),
         "domain_files": domain_file_names(plan),
     }
+
+
+INVARIANT_NOTE = ("true counts published exactly, without protection; the guarantee covers neighbours that replace "
+                  "one unit by another whose records fall in the same cells of every invariant table (neighbours "
+                  "that change an invariant are not covered)")
+LEGACY_INVARIANT_NOTE = "true counts published exactly; the guarantee holds conditional on them"
+
+
+def invariant_note(version: int) -> str:
+    """What an invariant's manifest entry says (the text of version 1 and 2 manifests, or the current one)."""
+    return LEGACY_INVARIANT_NOTE if version < 3 else INVARIANT_NOTE
 
 
 DESCRIPTIVE_FIELDS = ("software.version", "engine", "provenance")

@@ -10,6 +10,7 @@ import itertools
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import Callable
 
 from dprelease.accounting.composition import MeasurementEvent, Totals, compose
 from dprelease.accounting.conversions import approx_to_zcdp
@@ -23,6 +24,7 @@ from dprelease.transforms.domains import (NATION, CategoricalDomain, Dimension, 
                                           IntegerDomain, MeasureDomain, dimension, measure_key)
 from dprelease.transforms.release_values import TableRelease
 
+from .safe_files import UnsafeFile, read_regular
 from .spec import (CategoricalColumn, CountUnitsQuery, GeographyColumn, HierarchyQuery, HistogramQuery,
                    IntegerColumn, MarginalsQuery, MeanQuery, QuantileQuery, ReleaseSpec, SumQuery)
 from .spec_checks import measure_clamp, quantile_candidates
@@ -150,12 +152,34 @@ class Plan:
         return sorted({getattr(self.domains[c], "source", c) for c in self.encoded_columns()})
 
 
-def read_geography_leaves(path: Path, width: int, where: str) -> tuple[str, ...]:
+MAX_DOMAIN_FILE_BYTES = 1 << 30
+"""Largest geography domain file read (1 GiB: about 60 million 16-character codes)."""
+
+DomainReader = Callable[[str, str], str]
+"""reader(column, domain_file) -> the file's text: how a plan reads a geography domain file."""
+
+
+def spec_file_reader(base_dir: Path) -> DomainReader:
+    """Read domain files relative to the spec's directory: a regular file of at most MAX_DOMAIN_FILE_BYTES
+    (never a FIFO or a device, which would hang or exhaust memory)."""
+    def read(column: str, domain_file: str) -> str:
+        path = base_dir / domain_file
+        where = f"columns.{column}.domain_file = {domain_file!r}"
+        try:
+            data = read_regular(path, MAX_DOMAIN_FILE_BYTES)
+        except UnsafeFile as error:
+            raise SpecError(f"{where}: {error}") from None
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SpecError(f"{where}: not UTF-8 text") from None
+    return read
+
+
+def read_geography_leaves(text: str, width: int, where: str) -> tuple[str, ...]:
     """The public list of finest-level codes: one code per line; '#' comments and blanks skipped."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as error:
-        raise SpecError(f"{where} = {str(path)!r}: cannot be read ({error.strerror})") from None
+    lines = text.splitlines()
+    path = where
     codes: list[str] = []
     problems: list[str] = []
     for number, line in enumerate(lines, start=1):
@@ -163,18 +187,20 @@ def read_geography_leaves(path: Path, width: int, where: str) -> tuple[str, ...]
         if not code or code.startswith("#"):
             continue
         if len(code) != width:
-            problems.append(f"{where} {path}:{number}: code {code!r} has {len(code)} characters; the finest level needs {width}")
+            problems.append(f"{where}, line {number}: code {code[:40]!r} has {len(code)} characters; the finest "
+                            f"level needs {width}")
         codes.append(code)
     if len(set(codes)) != len(codes):
-        problems.append(f"{where} {path}: repeated codes")
+        problems.append(f"{where}: repeated codes")
     if not codes:
-        problems.append(f"{where} {path}: no codes")
+        problems.append(f"{where}: no codes")
     if problems:
         raise SpecError(problems[:20])
     return tuple(sorted(codes))
 
 
-def build_domains(spec: ReleaseSpec, base_dir: Path) -> dict[str, Domain]:
+def build_domains(spec: ReleaseSpec, base_dir: Path, reader: DomainReader | None = None) -> dict[str, Domain]:
+    reader = reader or spec_file_reader(base_dir)
     domains: dict[str, Domain] = {}
     for name, column in spec.columns.items():
         if isinstance(column, CategoricalColumn):
@@ -188,8 +214,8 @@ def build_domains(spec: ReleaseSpec, base_dir: Path) -> dict[str, Domain]:
         else:
             assert isinstance(column, GeographyColumn)
             levels = tuple(column.levels.items())
-            path = (base_dir / column.domain_file)
-            leaves = read_geography_leaves(path, levels[-1][1], f"columns.{name}.domain_file")
+            leaves = read_geography_leaves(reader(name, column.domain_file), levels[-1][1],
+                                           f"columns.{name}.domain_file")
             domains[name] = GeographyDomain(name, levels, leaves, column.on_invalid)
     return domains
 
@@ -297,10 +323,11 @@ def allocation_budget(spec: ReleaseSpec) -> Fraction:
     return rho
 
 
-def build_plan(spec: ReleaseSpec, base_dir: Path) -> Plan:
+def build_plan(spec: ReleaseSpec, base_dir: Path, reader: DomainReader | None = None) -> Plan:
     """Plan a release from its spec. Privacy: sensitivity comes from `count_sensitivity` of the
-    declared bounds; each table's mechanism is calibrated to its exact share of the budget."""
-    domains = build_domains(spec, base_dir)
+    declared bounds; each table's mechanism is calibrated to its exact share of the budget. Domain files
+    are read by `reader` (default: relative to `base_dir`)."""
+    domains = build_domains(spec, base_dir, reader)
     bounds = ContributionBounds(spec.contribution.max_records_per_unit, spec.neighbouring)
     sensitivity = count_sensitivity(bounds)
     total = allocation_budget(spec)

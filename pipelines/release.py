@@ -33,6 +33,7 @@ from .housekeeping import leftover_tag
 from .manifest import build_manifest, domain_file_names, dump_manifest, sha256_file
 from .plan import MeanOutput, Plan, TablePlan
 from .postprocessing import estimate_variances, mean_values
+from .safe_files import inside
 
 LOG = logging.getLogger("dprelease")
 
@@ -73,7 +74,9 @@ def mean_frame(plan: Plan, mean: MeanOutput, noisy: dict[str, np.ndarray]) -> pa
     return _cell_frame(plan, table.dims, (), {"mean": pa.array(mean_values(mean, noisy), type=pa.float64(), from_pandas=True)})
 
 
-def _write_frame(frame: pa.Table, stem: Path) -> list[Path]:
+def _write_frame(frame: pa.Table, root: Path, relative_stem: str) -> list[Path]:
+    """Write a frame as <stem>.parquet and <stem>.csv below `root` (a name that would leave it is refused)."""
+    stem = inside(root, relative_stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     parquet_path = stem.parent / f"{stem.name}.parquet"
     csv_path = stem.parent / f"{stem.name}.csv"
@@ -138,14 +141,14 @@ def stage_release(
         for i, table in enumerate(plan.tables):
             files += _write_frame(table_frame(plan, table, published[table.name], table.value_name,
                                               estimate.per_cell.get(table.name)),
-                                  staging / TABLES_DIR / table.name)
+                                  staging, f"{TABLES_DIR}/{table.name}")
             files += _write_frame(table_frame(plan, table, noisy[table.name], f"noisy_{table.value_name}"),
-                                  staging / MEASUREMENTS_DIR / table.name)
+                                  staging, f"{MEASUREMENTS_DIR}/{table.name}")
             progress("write", i + 1, len(plan.tables))
         for mean in plan.means:
-            files += _write_frame(mean_frame(plan, mean, noisy), staging / TABLES_DIR / mean.name)
+            files += _write_frame(mean_frame(plan, mean, noisy), staging, f"{TABLES_DIR}/{mean.name}")
         for name, relative in domain_file_names(plan).items():
-            path = staging / relative
+            path = inside(staging, relative)
             path.parent.mkdir(exist_ok=True)
             path.write_text("".join(code + "\n" for code in plan.domains[name].leaves))
             files.append(path)

@@ -15,6 +15,7 @@ import json
 from html import escape
 from pathlib import Path
 
+from .outputs import check_output_file, write_atomically
 from .verify import VerifyReport, verify_release
 
 STYLE = """
@@ -186,10 +187,12 @@ def write_report(release_dir: Path, out: Path | None = None, public_key: Path | 
     release_dir = Path(release_dir)
     report = verify_release(release_dir, public_key)
     history_rows = None
-    if ledger and report.manifest:
+    if ledger and report.manifest and isinstance(report.manifest.get("dataset_id"), str):
         from dprelease.accounting.ledger import history, open_ledger
 
         _, history_rows = history(open_ledger(ledger), report.manifest.get("dataset_id"))
-    out = Path(out) if out else release_dir.parent / f"{release_dir.name}.report.html"
-    out.write_text(render(report, history_rows), encoding="utf-8")
-    return out, report
+    if out is None:
+        resolved = release_dir.resolve()
+        out = check_output_file(resolved.parent / f"{resolved.name}.report.html", True, "--out")
+    page = render(report, history_rows).encode("utf-8")
+    return write_atomically(Path(out), True, lambda handle: handle.write(page)), report

@@ -1,6 +1,7 @@
 """`dprelease run`: spec -> plan -> engine -> post-processing -> published release."""
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import os
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dprelease.accounting.errors import PublishError, SpecError
-from dprelease.accounting.ledger import abort, commit, open_ledger, reserve
+from dprelease.accounting.ledger import LeaseKeeper, abort, commit, open_ledger, reserve
 from dprelease.accounting.signing import load_private_key
 from dprelease.transforms.csprng import ReleaseKey
 
@@ -226,34 +227,44 @@ def _run_release(spec_path: Path, *, key_file, out_dir, input_path, engine, work
     book, reservation = _reserve(ledger, plan, key, input_fingerprint, final_dir)
     LOG.info("key %s (%s)", key.key_id(), "reused" if reused else "new")
     committed = False
+    lease = LeaseKeeper(book, reservation, warn=LOG.warning) if reservation else contextlib.nullcontext()
     try:
-        validation_record = check_input_values(plan, engine_, source, validation, created_at) if validation else None
-        if not reused:
-            key.save(key_path)
-        noisy = engine_.noisy_measurements(plan, source, release_key, progress)
-        LOG.info("noisy measurements drawn for %d tables", len(plan.tables))
-        published = post_process(plan, noisy)
-        LOG.info("post-processed %d tables", len(plan.tables))
-        staged = stage_release(plan, noisy, published, final_dir, engine=engine_.name, key_id=key.key_id(),
-                               created_at=created_at, command_line=command_line or sys.argv, progress=progress,
-                               ledger=reservation.record() if reservation else None, sign_key=signer,
-                               input_validation=validation_record)
-        try:
-            if reservation:
-                commit(book, reservation, staged.manifest_sha256)
-            committed = True
-            publish(staged, final_dir, overwrite)
-        except BaseException as error:
-            staged.discard()
-            if committed and reservation and isinstance(error, Exception):
-                raise PublishError(
-                    f"release {spec.release_id}: charged in the ledger but not published ({type(error).__name__}: "
-                    f"{error}); re-run it with --key-file {key_path} and the same spec and input to publish it at "
-                    "no further cost") from error
-            raise
+        with lease:
+            staged = _release_and_stage(plan, engine_, source, validation, created_at, key, key_path, reused,
+                                        release_key, final_dir, progress, command_line, reservation, signer)
+            try:
+                if reservation:
+                    commit(book, reservation, staged.manifest_sha256)
+                committed = True
+                publish(staged, final_dir, overwrite)
+            except BaseException as error:
+                staged.discard()
+                if committed and reservation and isinstance(error, Exception):
+                    raise PublishError(
+                        f"release {spec.release_id}: charged in the ledger but not published ({type(error).__name__}: "
+                        f"{error}); re-run it with --key-file {key_path} and the same spec and input to publish it at "
+                        "no further cost") from error
+                raise
     except BaseException:
         if reservation and not committed:
             _abort_quietly(book, reservation)
         raise
     LOG.info("published %s", final_dir)
     return RunResult(final_dir, key_path, reused, plan)
+
+
+def _release_and_stage(plan: Plan, engine_: Engine, source: InputSource, validation, created_at: str, key,
+                       key_path: Path, reused: bool, release_key: ReleaseKey, final_dir: Path, progress,
+                       command_line, reservation, signer):
+    """Validate values, save a fresh key, draw the noisy measurements, post-process and stage the release."""
+    validation_record = check_input_values(plan, engine_, source, validation, created_at) if validation else None
+    if not reused:
+        key.save(key_path)
+    noisy = engine_.noisy_measurements(plan, source, release_key, progress)
+    LOG.info("noisy measurements drawn for %d tables", len(plan.tables))
+    published = post_process(plan, noisy)
+    LOG.info("post-processed %d tables", len(plan.tables))
+    return stage_release(plan, noisy, published, final_dir, engine=engine_.name, key_id=key.key_id(),
+                         created_at=created_at, command_line=command_line or sys.argv, progress=progress,
+                         ledger=reservation.record() if reservation else None, sign_key=signer,
+                         input_validation=validation_record)

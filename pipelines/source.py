@@ -9,6 +9,7 @@ so no value can make reading or type inference fail.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from dprelease.transforms.encode import is_text
 
 from .plan import Plan
 
+LOG = logging.getLogger("dprelease")
 BATCH_ROWS = 1 << 20
 CSV_BLOCK_BYTES = 32 << 20
 
@@ -97,12 +99,71 @@ class InputSource:
         return sum(Path(f).stat().st_size for f in self.files()) // 40
 
 
-def _format_of(path: Path, declared: str | None) -> str:
+MARKER_FILES = frozenset({"_SUCCESS", "_metadata", "_common_metadata"})
+"""Files that writers (Spark, Hadoop, Parquet tools) leave beside data and that hold no records; with `.crc`
+checksum files, the only names an input directory may hold that are not read (and each one is named)."""
+
+
+def is_marker(name: str) -> bool:
+    return name in MARKER_FILES or name.endswith(".crc")
+
+
+@dataclass(frozen=True)
+class InputFiles:
+    """The files of an input: every data file exactly once (sorted), and the marker files left out."""
+
+    data: list[str]
+    skipped: list[str]
+
+
+def discover_files(path: Path) -> InputFiles:
+    """Every file of an input path, each read exactly once. A directory is walked following links, but a
+    link that leads back into a directory being walked (a loop) or to a directory or file already
+    reached another way (an alias) is refused (SpecError, exit 2, naming the path): reading it would
+    count the same records twice. Names starting with '_' or '.' are data like any other, except the
+    known marker files (MARKER_FILES, *.crc), which are skipped and listed."""
+    if not path.is_dir():
+        return InputFiles([str(path)], [])
+    data: list[str] = []
+    skipped: list[str] = []
+    seen_files: dict[str, str] = {}
+    seen_dirs: dict[str, str] = {os.path.realpath(path): str(path)}
+
+    def walk(directory: Path, ancestors: tuple[str, ...]) -> None:
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            real = os.path.realpath(entry.path)
+            if entry.is_dir(follow_symlinks=True):
+                if real in ancestors:
+                    raise SpecError(f"input.path: {entry.path} leads back to {real}, a directory that contains it "
+                                    "(a symbolic link loop); every input file must be read once")
+                if real in seen_dirs:
+                    raise SpecError(f"input.path: {entry.path} is the directory {seen_dirs[real]} again (a link "
+                                    "alias); every input file must be read once: remove one of them")
+                seen_dirs[real] = entry.path
+                walk(Path(entry.path), ancestors + (real,))
+            elif entry.is_file(follow_symlinks=True):
+                if is_marker(entry.name):
+                    skipped.append(entry.path)
+                    continue
+                if real in seen_files:
+                    raise SpecError(f"input.path: {entry.path} is the file {seen_files[real]} again (a link "
+                                    "alias); every input file must be read once: remove one of them")
+                seen_files[real] = entry.path
+                data.append(entry.path)
+            else:
+                raise SpecError(f"input.path: {entry.path} is neither a regular file nor a directory (a dangling "
+                                "link, a FIFO or a device)")
+
+    walk(path, (os.path.realpath(path),))
+    return InputFiles(data, skipped)
+
+
+def _format_of(files: list[str], declared: str | None) -> str:
+    """The declared format, else CSV when every file ends in .csv or .txt, else Parquet."""
     if declared:
         return declared
-    if path.is_dir():
-        return "csv" if any(path.glob("*.csv")) and not any(path.glob("*.parquet")) else "parquet"
-    return "csv" if path.suffix.lower() in (".csv", ".txt") else "parquet"
+    text = [f for f in files if Path(f).suffix.lower() in (".csv", ".txt")]
+    return "csv" if files and len(text) == len(files) else "parquet"
 
 
 def value_type(kind: pa.DataType) -> pa.DataType:
@@ -180,7 +241,11 @@ def open_input(plan: Plan, base_dir: Path, override: str | None = None) -> Input
     path = Path(override) if override else (base_dir / spec.input.path)
     if not path.exists():
         raise SpecError(f"input.path = {str(path)!r}: no such file or directory")
-    fmt = _format_of(path, spec.input.format)
+    found = discover_files(path)
+    if found.skipped:
+        LOG.warning("input: skipped %d marker file(s) that hold no records: %s", len(found.skipped),
+                    ", ".join(found.skipped[:10]) + (" ..." if len(found.skipped) > 10 else ""))
+    fmt = _format_of(found.data, spec.input.format)
     columns = plan.used_columns() + ([spec.privacy_unit] if spec.privacy_unit else [])
     if fmt == "csv":
         file_format = ds.CsvFileFormat(
@@ -189,11 +254,11 @@ def open_input(plan: Plan, base_dir: Path, override: str | None = None) -> Input
         )
     else:
         file_format = ds.ParquetFileFormat()
+    if not found.data:
+        raise SpecError(f"input.path = {str(path)!r}: contains no {fmt} files")
+    schemas = check_every_file(found.data, fmt, plan, columns)  # each file named in its own problems
     try:
-        dataset = ds.dataset(str(path), format=file_format)
+        dataset = ds.dataset(found.data, format=file_format)
     except (pa.ArrowException, OSError) as error:
         raise InputSchemaError(f"input.path = {str(path)!r}: cannot be opened as {fmt} ({type(error).__name__})") from None
-    if not dataset.files:
-        raise SpecError(f"input.path = {str(path)!r}: contains no {fmt} files")
-    schemas = check_every_file(list(dataset.files), fmt, plan, columns)
     return InputSource(dataset, columns, spec.privacy_unit, fmt, schemas)

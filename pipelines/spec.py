@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -17,10 +18,16 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dprelease.accounting.errors import SpecError
+from dprelease.accounting.periods import parse_period
 from dprelease.accounting.rationals import parse_rational
 
 IDENTIFIER = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 NAME = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
+COLUMN_NAME = r"^[A-Za-z0-9_][A-Za-z0-9_<>=+-]{0,63}$"
+"""Spec column names become parts of file names (domains/<column>.txt, marginal table names): letters,
+digits and _ - < > = + only (no '.', which separates a geography column from its level, no '/')."""
+LEVEL_NAME = NAME
+UNIT_COLUMN = r"^[^\x00-\x1f\x7f]{1,128}$"
 MAX_RECORDS_PER_UNIT = 10_000
 
 
@@ -176,6 +183,10 @@ class GeographyColumn(Frozen):
     @field_validator("levels")
     @classmethod
     def _order_by_width(cls, levels: dict[str, int]) -> dict[str, int]:
+        bad = [name for name in levels if not re.match(LEVEL_NAME, name)]
+        if bad:
+            raise ValueError(f"level names {[brief(n, 40) for n in bad[:5]]} must match {LEVEL_NAME}: they name tables "
+                             "and files")
         widths = list(levels.values())
         if any(w <= 0 for w in widths) or len(set(widths)) != len(widths):
             raise ValueError("widths must be distinct positive integers")
@@ -291,14 +302,16 @@ class ReleaseSpec(Frozen):
     release_id: str = Field(pattern=IDENTIFIER, description="Required. Identifier of this release.")
     dataset_id: str = Field(pattern=IDENTIFIER, description="Required. Identifier of the confidential dataset.")
     period: str | None = Field(
-        None, pattern=IDENTIFIER,
-        description="Optional. The period this release of a series covers (e.g. 2026-11); the ledger charges the "
-                    "release against the dataset's per-period budget for it.",
+        None,
+        description="Optional. The period this release of a series covers: YYYY, YYYY-Qn, YYYY-MM or YYYY-MM-DD "
+                    "(e.g. 2026-11). The ledger charges the release against the per-period budget of every budget "
+                    "period it overlaps (see accounting/periods.py).",
     )
     engine: Literal["embedded", "spark", "beam"] = Field(
         "embedded", description="Defaulted (embedded). The engine that runs it: embedded, spark or beam.")
     input: InputSpec
     privacy_unit: str | None = Field(
+        pattern=UNIT_COLUMN,
         description="Required. Column identifying a privacy unit (person, household); null: each record is a unit."
     )
     neighbouring: Literal["add_remove", "replace"] = Field(
@@ -311,9 +324,27 @@ class ReleaseSpec(Frozen):
     invariants: list[str] = Field(
         default_factory=list,
         description="Defaulted ([]). Hierarchy tables published exactly, without noise and without protection "
-                    "(e.g. population.state); the manifest lists them as unprotected.",
+                    "(e.g. population.state); the manifest lists them as unprotected. Only with neighbouring: replace: "
+                    "the guarantee then covers neighbours that replace one unit by another whose records fall in the "
+                    "same cells of every invariant table (under add_remove every neighbour changes an invariant).",
     )
     output: OutputSpec
+
+    @field_validator("period")
+    @classmethod
+    def _period(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_period(value)
+        return value
+
+    @field_validator("columns")
+    @classmethod
+    def _column_names(cls, columns: dict) -> dict:
+        bad = [name for name in columns if not re.match(COLUMN_NAME, name)]
+        if bad:
+            raise ValueError(f"column names {[brief(n, 40) for n in bad[:5]]} must match {COLUMN_NAME} (letters, digits "
+                             "and _ - < > = +, at most 64): they become parts of file names")
+        return columns
 
     def canonical_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
@@ -374,6 +405,13 @@ MAX_SPEC_BYTES = 1 << 20
 """A spec is a small public file; a larger one is refused before it is parsed."""
 
 
+MAX_YAML_DIGITS = 100
+"""Longest integer a spec may write: Python refuses to build integers of over 4,300 digits with a
+traceback-worthy ValueError, and no field of a spec needs more than a few dozen."""
+MAX_NESTING = 64
+"""Deepest nesting of a spec document (a spec is a few levels deep)."""
+
+
 class SpecLoader(yaml.SafeLoader):
     """YAML's safe loader without aliases, merge keys or duplicate keys: a spec is plain data.
 
@@ -387,6 +425,13 @@ class SpecLoader(yaml.SafeLoader):
             raise yaml.constructor.ConstructorError(
                 None, None, "aliases (*name) are not allowed in a spec; write the value out", event.start_mark)
         return super().compose_node(parent, index)
+
+    def construct_yaml_int(self, node):
+        text = str(node.value)
+        if sum(ch.isdigit() for ch in text) > MAX_YAML_DIGITS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of more than {MAX_YAML_DIGITS} digits", node.start_mark)
+        return super().construct_yaml_int(node)
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -402,6 +447,9 @@ class SpecLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+SpecLoader.add_constructor("tag:yaml.org,2002:int", SpecLoader.construct_yaml_int)
+
+
 def load_spec(path: str | Path) -> tuple[ReleaseSpec, Path]:
     """Read and validate a spec file. Returns the spec and the directory relative paths start from."""
     path = Path(path)
@@ -414,11 +462,30 @@ def load_spec(path: str | Path) -> tuple[ReleaseSpec, Path]:
         raise SpecError(f"spec file {path}: cannot be read ({error.strerror})") from None
     except UnicodeDecodeError:
         raise SpecError(f"spec file {path}: not UTF-8 text") from None
+    if nesting_depth(text) > MAX_NESTING:
+        raise SpecError(f"spec file {path}: nested more than {MAX_NESTING} levels deep; a spec is plain data a few "
+                        "levels deep")
     try:
         document = yaml.load(text, Loader=SpecLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as error:
         raise SpecError(f"spec file {path}: not valid YAML ({str(error)[:500]})") from None
+    except RecursionError:
+        raise SpecError(f"spec file {path}: nested too deeply to be a spec") from None
     return parse_spec(document), path.resolve().parent
+
+
+def nesting_depth(text: str) -> int:
+    """An upper bound on the nesting of flow collections ([ and {) in a YAML or JSON text, and of its
+    indentation levels: cheap, before any parser recurses."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+    indents = {len(line) - len(line.lstrip(" -")) for line in text.splitlines() if line.strip()}
+    return max(deepest, len(indents))
 
 
 def json_schema() -> dict:

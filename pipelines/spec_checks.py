@@ -184,6 +184,11 @@ def _check_invariants(spec: ReleaseSpec, problems: list[str]) -> None:
     for query in {id(q): q for q in hierarchy_tables.values()}.values():
         if all(f"{query.name}.{lvl}" in spec.invariants for lvl in query.levels):
             problems.append(f"invariants: every level of query {query.name!r} is an invariant; nothing would be protected")
+    if spec.invariants and spec.neighbouring != "replace":
+        problems.append(f"invariants = {spec.invariants}: need neighbouring: replace. Under add_remove every neighbour "
+                        "adds or removes a unit and so changes an invariant total: a guarantee conditional on the "
+                        "invariants would cover no neighbour at all. Under replace it covers replacing one unit by "
+                        "another whose records fall in the same cells of every invariant table")
 
 
 __all__ = ["cross_reference_problems", "CategoricalColumn"]

@@ -28,6 +28,7 @@ from dprelease.transforms.domains import NATION, GeographyDomain
 from .plan import Plan, TablePlan
 from .postprocessing import count_tables, post_process
 from .release import MEASUREMENTS_DIR, TABLES_DIR
+from .safe_files import open_file
 from .spec import HierarchyQuery, MarginalsQuery
 from .verify import verify_release
 
@@ -41,8 +42,9 @@ class Synthetic:
     not_reproduced: list[str] = field(default_factory=list)
 
 
-def synthesize(release_dir: Path) -> Synthetic:
-    """Records consistent with the release's published hierarchy and marginal tables."""
+def synthesize(release_dir: Path, max_records: int = 100_000_000) -> Synthetic:
+    """Records consistent with the release's published hierarchy and marginal tables; SpecError (exit 2)
+    when they would number more than `max_records` (checked before any record is built)."""
     report = verify_release(release_dir)
     if not report.ok:
         raise DPReleaseError(f"synthesize: {release_dir} does not verify ({len(report.problems)} problem(s)); "
@@ -51,16 +53,16 @@ def synthesize(release_dir: Path) -> Synthetic:
         raise SpecError(f"synthesize: {release_dir} has a version-1 manifest (made before the global estimate); "
                         f"its tables were not fitted by this version's post-processing")
     plan = report.plan
-    noisy = {t.name: pq.read_table(Path(release_dir) / MEASUREMENTS_DIR / f"{t.name}.parquet")
-             .column(f"noisy_{t.value_name}").to_numpy() for t in plan.tables}
+    noisy = {t.name: _column(release_dir, f"{MEASUREMENTS_DIR}/{t.name}.parquet", f"noisy_{t.value_name}")
+             for t in plan.tables}
     joints: dict = {}
     published = post_process(plan, noisy, joints)
     for t in count_tables(plan):
-        on_disk = pq.read_table(Path(release_dir) / TABLES_DIR / f"{t.name}.parquet").column(t.value_name).to_numpy()
+        on_disk = _column(release_dir, f"{TABLES_DIR}/{t.name}.parquet", t.value_name)
         if not np.array_equal(on_disk, published[t.name]):
             raise DPReleaseError(f"synthesize: recomputing {t.name} from the release's measurements does not give "
                                  f"its published values (made by another version of dprelease?)")
-    columns, codes, geo = _records(plan, joints, published)
+    columns, codes, geo = _records(plan, joints, published, max_records)
     synthetic = Synthetic(pa.table(columns))
     for t in count_tables(plan):
         tabulated = _tabulate(t, codes, geo)
@@ -76,7 +78,19 @@ def _one(queries: list, kind: str):
     return queries[0] if queries else None
 
 
-def _records(plan: Plan, joints: dict, published: dict) -> tuple[dict, dict, GeographyDomain | None]:
+def _column(release_dir: Path, relative: str, name: str) -> np.ndarray:
+    """One column of a release's Parquet file, read as a regular file inside the release (verified above)."""
+    with open_file(Path(release_dir), relative) as handle:
+        return pq.read_table(handle, columns=[name]).column(name).to_numpy()
+
+
+def _check_size(records: int, max_records: int) -> None:
+    if records > max_records:
+        raise SpecError(f"synthesize: the release's totals call for {records:,} records, over --max-records "
+                        f"{max_records:,}; raise it on a machine with the memory (about 40 bytes per record)")
+
+
+def _records(plan: Plan, joints: dict, published: dict, max_records: int) -> tuple[dict, dict, GeographyDomain | None]:
     """Record columns (label arrays); each record's code per column and unit per geography level (keyed
     by level name); the geography."""
     marginals = _one([q for q in plan.spec.queries if isinstance(q, MarginalsQuery)], "marginals")
@@ -96,10 +110,12 @@ def _records(plan: Plan, joints: dict, published: dict) -> tuple[dict, dict, Geo
     if marginals is not None:
         attributes, joint = joints[marginals.name]
         level = marginals.within.partition(".")[2] if marginals.within else NATION
+        _check_size(int(np.asarray(joint, dtype=np.int64).sum()), max_records)
         unit, attribute_codes = _expand(joint)
     else:
         attributes, level = [], hierarchy.levels[0]
         top = plan.table(f"{hierarchy.name}.{level}")
+        _check_size(int(published[top.name].sum()), max_records)
         unit, _ = _expand(published[top.name].reshape(top.dims[0].size, 1))
         attribute_codes = []
     record_codes = {}
@@ -168,8 +184,7 @@ def _tabulate(table: TablePlan, codes: dict, geo) -> np.ndarray | None:
     return np.bincount(index, minlength=table.n_cells)[:table.n_cells]
 
 
-def write_synthetic(synthetic: Synthetic, out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(synthetic.records, out, compression="zstd")
-    return out
+def write_synthetic(synthetic: Synthetic, handle) -> None:
+    """Write the records as Parquet to an open binary file (see `outputs.write_atomically`)."""
+    pq.write_table(synthetic.records, handle, compression="zstd")
 

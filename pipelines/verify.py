@@ -5,13 +5,20 @@ Every field of a manifest is one of three kinds, and verify checks each:
   files, and compared (ids, spec and its hash, privacy block, tables, sensitivities, allocations,
   mechanisms, expected errors, totals, implied losses, invariants, post-processing, domain files,
   the input-validation record, the set of files a release of this plan holds);
-- checked: internally consistent and well formed (ledger arithmetic: spent_after = spent_before +
-  charged, charged = the plan's spend unless a free re-run, within the budgets; key_id and file
-  hashes well formed; every listed file present with its size and SHA-256, nothing else in the tree;
-  a signature block has its signature file; every table readable with one integer row per cell);
+- checked: internally consistent and well formed (ledger arithmetic: spent_after = spent_before + what
+  the run charged, the release's cost = the plan's spend, within the budgets and over the budget periods
+  the spec's period overlaps; key_id and file hashes well formed; every listed file present with its
+  size and SHA-256, nothing else in the tree; a signature block has its signature file) and every
+  structural property the tables claim (`verify_tables`: exact columns, labels, CSV = Parquet, values,
+  tables that add up as the post-processing steps state);
 - descriptive (`DESCRIPTIVE_FIELDS`: software version, engine, provenance): recorded, not verified.
-A malformed manifest (`{}`, `[]`, `null`, missing or mistyped fields) gives a list of problems, not
-a traceback.
+With `ledger`, the manifest is checked against the ledger's rows (a committed release, its cost, and
+this very manifest among those recorded at publication); with `recompute`, the published tables are
+recomputed from measurements/.
+
+A release directory is untrusted: only regular files inside it are read (`safe_files`), sizes, digits
+and nesting are bounded before anything is parsed or built, and a malformed manifest gives a list of
+problems, never a traceback, a hang or a read outside the release.
 """
 from __future__ import annotations
 
@@ -23,27 +30,31 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path, PurePosixPath
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 from pydantic import ValidationError
 
 from dprelease.accounting.errors import DPReleaseError
 from dprelease.accounting.manifest_model import Manifest
+from dprelease.accounting.periods import budget_periods, parse_period
 from dprelease.accounting.signing import SIGNATURE_FILE, check, fingerprint, load_public_key, well_formed
 
-from .manifest import DESCRIPTIVE_FIELDS, MANIFEST_VERSION, derived_section, domain_file_names, sha256_file
 from .limits import check_cell_limit
-from .plan import Plan, build_plan
+from .manifest import DESCRIPTIVE_FIELDS, MANIFEST_VERSION, derived_section, domain_file_name, domain_file_names
+from .plan import MAX_DOMAIN_FILE_BYTES, Plan, build_plan
 from .postprocessing import EstimateVariances, estimate_variances
-from .release import GLS_VARIANCE, MEASUREMENTS_DIR, TABLES_DIR
-from .spec import brief, parse_spec
+from .release import MEASUREMENTS_DIR, TABLES_DIR
+from .safe_files import UnsafeFile, open_file, read_inside, read_regular, regular_directory, safe_relative, tree_entries
+from .spec import MAX_NESTING, brief, parse_spec
 from .validation import manifest_record
+from .verify_tables import check_consistency, check_recomputed, check_table_files
 
 MANIFEST = "manifest.json"
-SUPPORTED_VERSIONS = (1, 2)
+SUPPORTED_VERSIONS = (1, 2, 3)
 HEX16 = re.compile(r"^[0-9a-f]{16}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_SPEC_JSON_BYTES = 4 << 20
+MAX_JSON_DIGITS = 100
+MAX_SIGNATURE_BYTES = 4096
 
 
 @dataclass
@@ -55,20 +66,12 @@ class VerifyReport:
     plan: Plan | None = None
     estimate: EstimateVariances | None = None
     signature: str = "not checked"
+    ledger: str = "not checked (pass --ledger)"
+    recomputed: bool = False
 
     @property
     def ok(self) -> bool:
         return not self.problems
-
-
-def _safe_relative(path: object) -> str | None:
-    """The path if it is a plain relative POSIX path inside the release (no '..', '.', '/' prefix)."""
-    if not isinstance(path, str) or not path or "\\" in path or "\0" in path:
-        return None
-    parts = PurePosixPath(path).parts
-    if path.startswith("/") or any(p in ("..", ".", "") for p in parts) or PurePosixPath(*parts).as_posix() != path:
-        return None
-    return path
 
 
 def expected_files(plan: Plan) -> set[str]:
@@ -79,56 +82,129 @@ def expected_files(plan: Plan) -> set[str]:
     return names | means | set(domain_file_names(plan).values())
 
 
+# ---- reading the manifest, bounded -----------------------------------------------------------------------------
+
+def parse_json_bounded(data: bytes) -> object:
+    """Strict JSON with integers of at most MAX_JSON_DIGITS digits and nesting of at most MAX_NESTING levels
+    (ValueError otherwise): nothing a hostile file holds can build a huge number or exhaust the stack."""
+    try:
+        value = json.loads(data.decode("utf-8"), parse_constant=_refuse_constant, parse_int=_bounded_int)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_NESTING} levels") from None
+    if _depth(value) > MAX_NESTING:
+        raise ValueError(f"nested deeper than {MAX_NESTING} levels")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_JSON_DIGITS:
+        raise ValueError(f"an integer of more than {MAX_JSON_DIGITS} digits")
+    return int(text)
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _depth(value: object) -> int:
+    """Nesting depth of a parsed JSON value, without recursion."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        deepest = max(deepest, depth)
+        if deepest > MAX_NESTING:
+            return deepest
+        if isinstance(item, dict):
+            pending.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            pending.extend((v, depth + 1) for v in item)
+    return deepest
+
+
+def _read_manifest(root: Path, report: VerifyReport) -> tuple[dict, bytes] | None:
+    if not regular_directory(root):
+        report.problems.append(f"{root}: not a directory (or a symbolic link)")
+        return None
+    try:
+        manifest_bytes = read_inside(root, MANIFEST, MAX_MANIFEST_BYTES)
+        manifest = parse_json_bounded(manifest_bytes)
+    except UnsafeFile as error:
+        report.problems.append(f"manifest.json: {error}")
+        return None
+    except (ValueError, UnicodeDecodeError) as error:
+        report.problems.append(f"manifest.json: cannot be read as strict JSON ({type(error).__name__}: "
+                               f"{brief(str(error), 200)})")
+        return None
+    if not isinstance(manifest, dict):
+        report.problems.append(f"manifest.json: must be a JSON object, found {type(manifest).__name__}")
+        return None
+    return manifest, manifest_bytes
+
+
+# ---- files ---------------------------------------------------------------------------------------------------------
+
 def _check_files(root: Path, manifest: dict, report: VerifyReport) -> None:
-    """Every listed file is a safe relative path, present, with its size and SHA-256; nothing else
-    (no unlisted file, directory, link or special file) is in the release tree."""
+    """Every listed file is a safe relative path, present as a regular file, with its size and SHA-256;
+    nothing else (no unlisted file, directory, link or special file) is in the release tree."""
     entries = manifest.get("files")
     if not isinstance(entries, list):
         report.problems.append("files: must be a list of {path, sha256, bytes}")
         entries = []
     listed: set[str] = set()
     for i, entry in enumerate(entries):
-        path = _safe_relative(entry.get("path") if isinstance(entry, dict) else None)
+        path = safe_relative(entry.get("path") if isinstance(entry, dict) else None)
         if path is None:
-            report.problems.append(f"files[{i}]: path {entry.get('path') if isinstance(entry, dict) else entry!r} "
-                                   "is not a plain relative path inside the release")
+            shown = entry.get("path") if isinstance(entry, dict) else entry
+            report.problems.append(f"files[{i}]: path {brief(shown, 120)} is not a plain relative path inside the "
+                                   "release")
             continue
         if path in listed or path in (MANIFEST, SIGNATURE_FILE):
             report.problems.append(f"files[{i}]: {path} listed twice or names the manifest/signature")
             continue
         listed.add(path)
-        target = root / path
-        if target.is_symlink() or not target.is_file():
+        try:
+            digest, size = _hash_inside(root, path)
+        except UnsafeFile:
             report.problems.append(f"file {path}: missing (or not a regular file)")
             continue
-        if target.stat().st_size != entry.get("bytes"):
-            report.problems.append(f"file {path}: size {target.stat().st_size} != manifest {entry.get('bytes')!r}")
-        if not HEX64.match(str(entry.get("sha256"))) or sha256_file(target) != entry.get("sha256"):
+        if size != entry.get("bytes"):
+            report.problems.append(f"file {path}: size {size} != manifest {brief(entry.get('bytes'), 40)}")
+        if not HEX64.match(str(entry.get("sha256"))) or digest != entry.get("sha256"):
             report.problems.append(f"file {path}: SHA-256 differs from the manifest")
         report.checked_files += 1
     allowed_dirs = {parent.as_posix() for p in listed for parent in PurePosixPath(p).parents} - {"."}
     allowed_files = listed | {MANIFEST} | ({SIGNATURE_FILE} if manifest.get("signature") else set())
-    for item in sorted(root.rglob("*")):
-        relative = item.relative_to(root).as_posix()
-        if item.is_symlink():
+    for relative, kind in tree_entries(root):
+        if kind == "link":
             report.problems.append(f"{relative}: a symbolic link inside the release")
-        elif item.is_dir():
+        elif kind == "dir":
             if relative not in allowed_dirs:
                 report.problems.append(f"directory {relative}: present but holds no listed file")
-        elif not item.is_file():
+        elif kind != "file":
             report.problems.append(f"{relative}: not a regular file")
         elif relative not in allowed_files:
             report.problems.append(f"file {relative}: present but not listed in the manifest")
 
 
+def _hash_inside(root: Path, relative: str) -> tuple[str, int]:
+    digest, size = hashlib.sha256(), 0
+    with open_file(root, relative) as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+            size += len(block)
+    return digest.hexdigest(), size
+
+
+# ---- derived fields --------------------------------------------------------------------------------------------------
+
 def _compare(path: str, expected, actual, problems: list[str]) -> None:
     """Deep comparison; floats within 1e-9 relative (they are re-derived by the same formulas)."""
     if isinstance(expected, dict) and isinstance(actual, dict):
-        for key in sorted(set(expected) | set(actual)):
+        for key in sorted(set(expected) | set(actual), key=str):
             if key not in actual:
                 problems.append(f"{path}.{key}: missing from the manifest")
             elif key not in expected:
-                problems.append(f"{path}.{key}: not expected (value {brief(actual[key], 200)})")
+                problems.append(f"{path}.{brief(key, 60)}: not expected (value {brief(actual[key], 200)})")
             else:
                 _compare(f"{path}.{key}", expected[key], actual[key], problems)
     elif isinstance(expected, list) and isinstance(actual, list):
@@ -143,6 +219,19 @@ def _compare(path: str, expected, actual, problems: list[str]) -> None:
         problems.append(f"{path}: manifest says {brief(actual, 200)}, recomputed {brief(expected, 200)}")
 
 
+def _release_reader(root: Path):
+    """Domain files come from the release's own domains/ folder, never from a path the manifest names."""
+    def read(column: str, domain_file: str) -> str:
+        relative = domain_file_name(column)
+        try:
+            return read_inside(root, relative, MAX_DOMAIN_FILE_BYTES).decode("utf-8")
+        except UnsafeFile as error:
+            raise DPReleaseError(f"{relative}: {error}") from None
+        except UnicodeDecodeError:
+            raise DPReleaseError(f"{relative}: not UTF-8 text") from None
+    return read
+
+
 def _replan(root: Path, manifest: dict, report: VerifyReport):
     """(plan, embedded spec), the plan made over the release's own domain files; None when the embedded
     spec is missing, invalid or cannot be planned. The spec must be in the canonical form dprelease writes."""
@@ -150,22 +239,20 @@ def _replan(root: Path, manifest: dict, report: VerifyReport):
     if not isinstance(document, dict):
         report.problems.append("spec: missing or not a mapping")
         return None
+    if len(json.dumps(document)) > MAX_SPEC_JSON_BYTES:
+        report.problems.append(f"spec: larger than {MAX_SPEC_JSON_BYTES:,} bytes of JSON; no spec is")
+        return None
     try:
         original = parse_spec(document)
     except DPReleaseError as error:
-        report.problems.append(f"spec: invalid: {error}")
+        report.problems.append(f"spec: invalid: {brief(str(error), 2000)}")
         return None
     if original.model_dump(mode="json") != document:
         report.problems.append("spec: not in the canonical form dprelease writes (edited after publication?)")
-    located = json.loads(json.dumps(document))
-    domain_files = manifest.get("domain_files")
-    for column, relative in (domain_files.items() if isinstance(domain_files, dict) else []):
-        if column in located.get("columns", {}) and _safe_relative(relative):
-            located["columns"][column]["domain_file"] = relative
     try:
-        return build_plan(parse_spec(located), root), original
+        return build_plan(original, root, _release_reader(root)), original
     except DPReleaseError as error:
-        report.problems.append(f"spec: cannot be re-planned over the release's domain files: {error}")
+        report.problems.append(f"spec: cannot be re-planned over the release's domain files: {brief(str(error), 2000)}")
         return None
 
 
@@ -180,21 +267,23 @@ def _check_budget(plan: Plan, report: VerifyReport) -> None:
         report.problems.append(f"totals: epsilon {totals.epsilon_at_delta} at delta exceeds the declared {budget.epsilon}")
 
 
-def _fraction(block: dict, name: str, problems: list[str]) -> Fraction | None:
+# ---- the ledger block -----------------------------------------------------------------------------------------------
+
+def _fraction(block: dict, name: str, problems: list[str], where: str = "ledger") -> Fraction | None:
     """A non-negative exact fraction in canonical text form (as the ledger writes it)."""
     text = block.get(name)
     try:
-        value = Fraction(text) if isinstance(text, str) else None
+        value = Fraction(text) if isinstance(text, str) and len(text) <= 200 else None
     except (ValueError, ZeroDivisionError):
         value = None
     if value is None or value < 0 or str(value) != text:
-        problems.append(f"ledger.{name}: {brief(text, 200)} is not a non-negative exact fraction in canonical form")
+        problems.append(f"{where}.{name}: {brief(text, 200)} is not a non-negative exact fraction in canonical form")
         return None
     return value
 
 
-def _check_ledger(plan: Plan, manifest: dict, report: VerifyReport) -> None:
-    """The ledger block's internal arithmetic against the plan's spend (the ledger itself is private)."""
+def _check_ledger(plan: Plan, manifest: dict, version: int, report: VerifyReport) -> None:
+    """The ledger block's internal arithmetic against the plan's spend and the spec's period."""
     block = manifest.get("ledger")
     if block is None:
         return
@@ -210,98 +299,153 @@ def _check_ledger(plan: Plan, manifest: dict, report: VerifyReport) -> None:
     if not isinstance(rerun, bool):
         problems.append("ledger.rerun_of_committed_release: must be true or false")
         return
-    values = {name: _fraction(block, name, problems)
-              for name in ("lifetime_budget", "spent_before", "spent_after", "charged")}
+    if version < 3:
+        _check_legacy_ledger(block, spend, unit, rerun, problems)
+        return
+    if "period_spent_before" in block or "charged_by_this_run" not in block:
+        problems.append(f"ledger: the block of a version-{version} manifest has the fields of another version")
+        return
+    names = ("lifetime_budget", "spent_before", "spent_after", "charged", "charged_by_this_run")
+    values = {name: _fraction(block, name, problems) for name in names}
+    if None in values.values():
+        return
+    if values["charged"] != spend:
+        problems.append(f"ledger.charged: {values['charged']}, but this release spends {spend} {unit}")
+    added = Fraction(0) if rerun else values["charged"]
+    if values["charged_by_this_run"] != added:
+        problems.append(f"ledger.charged_by_this_run: {values['charged_by_this_run']}, but "
+                        f"{'a free re-run adds 0' if rerun else f'a first run adds the charge {added}'}")
+    _check_running_total("ledger", values["spent_before"], values["spent_after"], added, values["lifetime_budget"],
+                         problems)
+    if rerun and values["spent_before"] < values["charged"]:
+        problems.append("ledger.spent_before: below the release's own charge, which a re-run's total includes")
+    _check_period_budget(plan, block.get("period_budget"), added, values, rerun, problems)
+
+
+def _check_period_budget(plan: Plan, budget, added: Fraction, values: dict, rerun: bool, problems: list[str]) -> None:
+    if budget is None:
+        return
+    if not isinstance(budget, dict) or not isinstance(budget.get("periods"), list):
+        problems.append("ledger.period_budget: must be null or {per, budget, periods}")
+        return
+    if plan.spec.period is None:
+        problems.append("ledger.period_budget: present, but the spec names no period")
+        return
+    amount = _fraction(budget, "budget", problems, "ledger.period_budget")
+    try:
+        names = budget_periods(parse_period(plan.spec.period), budget.get("per"))
+    except (ValueError, TypeError):
+        problems.append(f"ledger.period_budget.per: {brief(budget.get('per'), 40)} is not a period unit")
+        return
+    charged = [entry.get("period") if isinstance(entry, dict) else None for entry in budget["periods"]]
+    if charged != names:
+        problems.append(f"ledger.period_budget.periods: {brief(charged, 200)}, but period {plan.spec.period} is "
+                        f"charged to {names}")
+        return
+    if amount is None:
+        return
+    if amount > values["lifetime_budget"]:
+        problems.append("ledger.period_budget.budget: exceeds the lifetime budget")
+    for i, entry in enumerate(budget["periods"]):
+        where = f"ledger.period_budget.periods[{i}]"
+        before, after = _fraction(entry, "spent_before", problems, where), _fraction(entry, "spent_after", problems, where)
+        if before is not None and after is not None:
+            _check_running_total(where, before, after, added, amount, problems)
+            if rerun and before < values["charged"]:
+                problems.append(f"{where}.spent_before: below the release's own charge")
+
+
+def _check_running_total(where: str, before: Fraction, after: Fraction, added: Fraction, budget: Fraction,
+                         problems: list[str]) -> None:
+    """spent_after = spent_before + what this run added, and within `budget`."""
+    if after != before + added:
+        problems.append(f"{where}.spent_after: {after} != spent_before {before} + {added}")
+    if after > budget:
+        problems.append(f"{where}.spent_after: {after} exceeds the budget {budget}")
+
+
+def _check_legacy_ledger(block: dict, spend: Fraction, unit: str, rerun: bool, problems: list[str]) -> None:
+    """The ledger block of version 1 and 2 manifests: `charged` is 0 for a free re-run."""
+    values = {name: _fraction(block, name, problems) for name in ("lifetime_budget", "spent_before", "spent_after",
+                                                                  "charged")}
     if None in values.values():
         return
     expected_charge = Fraction(0) if rerun else spend
     if values["charged"] != expected_charge:
         problems.append(f"ledger.charged: {values['charged']}, but this release "
                         f"{'is a free re-run (0)' if rerun else f'spends {spend} {unit}'}")
-    _check_running_total("", values, values["charged"], "lifetime_budget", problems)
-    period_fields = ("period_budget", "period_spent_before", "period_spent_after")
+    _check_running_total("ledger", values["spent_before"], values["spent_after"], values["charged"],
+                         values["lifetime_budget"], problems)
     if block.get("period_budget") is None:
-        for name in period_fields[1:]:
+        for name in ("period_spent_before", "period_spent_after"):
             if block.get(name) is not None:
                 problems.append(f"ledger.{name}: must be null when there is no period budget")
         return
-    period = {name: _fraction(block, name, problems) for name in period_fields}
+    period = {name: _fraction(block, name, problems) for name in ("period_budget", "period_spent_before",
+                                                                  "period_spent_after")}
     if None in period.values():
         return
-    _check_running_total("period_", period, values["charged"], "period_budget", problems)
+    _check_running_total("ledger.period", period["period_spent_before"], period["period_spent_after"],
+                         values["charged"], period["period_budget"], problems)
     if period["period_budget"] > values["lifetime_budget"]:
         problems.append("ledger.period_budget: exceeds the lifetime budget")
 
 
-def _check_running_total(prefix: str, values: dict, charged: Fraction, budget: str, problems: list[str]) -> None:
-    """<prefix>spent_after = <prefix>spent_before + charged, and within `budget`."""
-    before, after = values[f"{prefix}spent_before"], values[f"{prefix}spent_after"]
-    if after != before + charged:
-        problems.append(f"ledger.{prefix}spent_after: {after} != {prefix}spent_before {before} + charged {charged}")
-    if after > values[budget]:
-        problems.append(f"ledger.{prefix}spent_after: {after} exceeds the {budget.replace('_', ' ')} {values[budget]}")
+def check_against_ledger(manifest: dict, manifest_bytes: bytes, location: str, report: VerifyReport) -> None:
+    """The manifest against the ledger's own rows: a release charged in this ledger, at the cost it states,
+    published with exactly this manifest."""
+    from dprelease.accounting.ledger import (COMMITTED, RESERVED, dataset_row, open_ledger, publications_of,
+                                             release_rows)
 
-
-def _check_measurements(root: Path, plan: Plan, report: VerifyReport) -> None:
-    """Every table file is readable Parquet with a row per public cell (and q) and its value column's type;
-    with `report.estimate` (version 2), every count table's `gls_variance` column equal to it."""
-    per_cell = report.estimate.per_cell if report.estimate is not None else {}
-    for table in plan.tables:
-        for folder, column in ((MEASUREMENTS_DIR, f"noisy_{table.value_name}"), (TABLES_DIR, table.value_name)):
-            data = _check_table_file(root, folder, table.name, table.n_outputs, column, pa.types.is_integer, report)
-            if folder == TABLES_DIR and table.name in per_cell and data is not None:
-                _check_estimate_column(table.name, data, per_cell[table.name], report)
-    for mean in plan.means:
-        _check_table_file(root, TABLES_DIR, mean.name, plan.table(mean.sum_table).n_cells, "mean",
-                          pa.types.is_floating, report)
-
-
-def _check_estimate_column(name: str, data: pa.Table, expected: np.ndarray, report: VerifyReport) -> None:
-    """A count table's `gls_variance` column equals the variance recomputed from the plan."""
-    if GLS_VARIANCE not in data.column_names:
-        report.problems.append(f"{TABLES_DIR}/{name}: no readable {GLS_VARIANCE!r} column")
+    problems = report.problems
+    book = open_ledger(location)
+    dataset, release = str(manifest.get("dataset_id")), str(manifest.get("release_id"))
+    rows = [r for r in release_rows(book, dataset, release) if r.status in (COMMITTED, RESERVED)]
+    block = manifest.get("ledger")
+    if block is None:
+        problems.append(f"ledger: the manifest says the release was not run against a ledger, but this ledger "
+                        f"{'holds it' if rows else 'has no record of it either: it is not accounted there'}")
+        report.ledger = "mismatch"
         return
-    column = data.column(GLS_VARIANCE)
-    if not pa.types.is_floating(column.type) or column.null_count or len(column) != expected.size:
-        report.problems.append(f"{TABLES_DIR}/{name}: {GLS_VARIANCE!r} must hold a number per cell")
+    mine = [r for r in rows if r.key_id == manifest.get("key_id") and r.spec_sha256 == manifest.get("spec_sha256")]
+    committed = [r for r in mine if r.status == COMMITTED]
+    if not committed:
+        problems.append(f"ledger: no committed release {release!r} of dataset {dataset!r} with this key and spec "
+                        f"({'reserved only' if mine else 'none at all'})")
+        report.ledger = "mismatch"
         return
-    if not np.allclose(column.to_numpy(), expected, rtol=1e-6, atol=1e-9):
-        report.problems.append(f"{TABLES_DIR}/{name}: {GLS_VARIANCE!r} differs from the variance recomputed "
-                               f"from the plan")
+    row = committed[0]
+    if isinstance(block, dict) and str(block.get("charged")) != row.spend and manifest.get("manifest_version", 0) >= 3:
+        problems.append(f"ledger.charged: {brief(block.get('charged'), 40)}, but the ledger charged {row.spend}")
+    if (row.period or None) != manifest.get("spec", {}).get("period"):
+        problems.append(f"ledger: the ledger recorded period {row.period!r}, the spec names another")
+    data_row = dataset_row(book, dataset)
+    if data_row is None or (isinstance(block, dict) and block.get("unit") != data_row.unit):
+        problems.append("ledger.unit: differs from the dataset's unit in the ledger")
+    published = {row.manifest_sha256, *publications_of(book, row.id)}
+    if hashlib.sha256(manifest_bytes).hexdigest() not in published:
+        problems.append("manifest.json: not a manifest this ledger recorded publishing for the release (edited "
+                        "after publication?)")
+    report.ledger = "mismatch" if problems else f"committed in the ledger (row {row.id}, charged {row.spend})"
 
 
-def _check_table_file(root: Path, folder: str, name: str, rows: int, column: str, kind,
-                      report: VerifyReport) -> pa.Table | None:
-    """Check one table file's rows and value column; the file's data when it could be read."""
-    path = root / folder / f"{name}.parquet"
-    if not path.is_file():
-        return None
-    try:
-        data = pq.read_table(path)
-    except (pa.ArrowException, OSError) as error:
-        report.problems.append(f"{folder}/{name}.parquet: cannot be read as Parquet ({type(error).__name__})")
-        return None
-    if data.num_rows != rows:
-        report.problems.append(f"{folder}/{name}: {data.num_rows} rows, the public domain has {rows}")
-    if column not in data.column_names or not kind(data.schema.field(column).type):
-        report.problems.append(f"{folder}/{name}: column {column!r} must hold "
-                               f"{'integers' if kind is pa.types.is_integer else 'numbers'}")
-    return data
-
+# ---- signature -------------------------------------------------------------------------------------------------------
 
 def _check_signature(root: Path, manifest: dict, manifest_bytes: bytes, public_key_path: Path | None,
                      report: VerifyReport) -> None:
     """A manifest that says it is signed must have its signature file (always checked); with
     --public-key the manifest must name that key and the Ed25519 signature must be valid."""
     declared = manifest.get("signature")
-    signature_path = root / SIGNATURE_FILE
+    try:
+        signature = read_inside(root, SIGNATURE_FILE, MAX_SIGNATURE_BYTES)
+    except UnsafeFile:
+        signature = None
     if declared is not None:
         if not isinstance(declared, dict) or declared.get("file") != SIGNATURE_FILE \
                 or declared.get("algorithm") != "Ed25519" or not HEX64.match(str(declared.get("public_key_sha256"))):
             report.problems.append(f"signature: the block must name algorithm Ed25519, file {SIGNATURE_FILE} and a "
                                    "SHA-256 key fingerprint")
-        if signature_path.is_symlink() or not signature_path.is_file() \
-                or not well_formed(signature_path.read_bytes()):
+        if signature is None or not well_formed(signature):
             report.problems.append(f"signature: the manifest says it is signed, but {SIGNATURE_FILE} is missing or "
                                    "not a base64 Ed25519 signature")
     if public_key_path is None:
@@ -313,16 +457,17 @@ def _check_signature(root: Path, manifest: dict, manifest_bytes: bytes, public_k
         return
     if not isinstance(declared, dict) or declared.get("public_key_sha256") != fingerprint(public_key):
         report.problems.append("signature: the manifest names a different signing key")
-    if not signature_path.is_file() or not check(public_key, manifest_bytes, signature_path.read_bytes()):
+    if signature is None or not check(public_key, manifest_bytes, signature):
         report.problems.append(f"signature: {SIGNATURE_FILE} is missing or does not match manifest.json")
     else:
         report.signature = f"valid Ed25519 signature by key {fingerprint(public_key)[:16]}"
 
 
-def _check_derived(root: Path, manifest: dict, plan: Plan, embedded_spec, report: VerifyReport) -> None:
-    """Every derived field, the file set of the plan, the budget, the tables' shape and the ledger."""
-    version = manifest.get("manifest_version")
-    version = version if version in SUPPORTED_VERSIONS else MANIFEST_VERSION
+# ---- the whole check --------------------------------------------------------------------------------------------------
+
+def _check_derived(root: Path, manifest: dict, version: int, plan: Plan, embedded_spec,
+                   report: VerifyReport) -> None:
+    """Every derived field, the file set of the plan, the budget and the ledger block."""
     report.estimate = estimate_variances(plan) if version >= 2 else None
     expected = derived_section(plan, version, report.estimate)
     expected.update(spec=embedded_spec.model_dump(mode="json"), spec_sha256=embedded_spec.spec_hash())
@@ -336,37 +481,36 @@ def _check_derived(root: Path, manifest: dict, plan: Plan, embedded_spec, report
     for missing in sorted(expected_paths - listed):
         report.problems.append(f"files: {missing} is part of this release but not listed")
     for extra in sorted(p for p in listed - expected_paths if isinstance(p, str)):
-        report.problems.append(f"files: {extra} is listed but not part of a release of this spec")
+        report.problems.append(f"files: {brief(extra, 120)} is listed but not part of a release of this spec")
     if not HEX16.match(str(manifest.get("key_id"))):
         report.problems.append(f"key_id: {brief(manifest.get('key_id'), 200)} is not a 16-digit lowercase hex key id")
     software = manifest.get("software")
     if not isinstance(software, dict) or software.get("name") != "dprelease":
         report.problems.append("software.name: must be 'dprelease'")
     _check_budget(plan, report)
-    _check_ledger(plan, manifest, report)
-    _check_measurements(root, plan, report)
+    _check_ledger(plan, manifest, version, report)
 
 
-def verify_release(release_dir: Path, public_key: Path | None = None) -> VerifyReport:
+def verify_release(release_dir: Path, public_key: Path | None = None, *, ledger: str | None = None,
+                   recompute: bool = False) -> VerifyReport:
+    """Check a release directory against its manifest (and, when given, against a ledger, and by
+    recomputing the post-processing). Problems are collected, never raised."""
     root = Path(release_dir)
     report = VerifyReport(root)
-    try:
-        manifest_bytes = (root / MANIFEST).read_bytes()
-        manifest = json.loads(manifest_bytes.decode("utf-8"), parse_constant=_refuse_constant)
-    except (OSError, ValueError) as error:
-        report.problems.append(f"manifest.json: cannot be read as strict JSON ({type(error).__name__}: {error})")
+    read = _read_manifest(root, report)
+    if read is None:
         return report
-    if not isinstance(manifest, dict):
-        report.problems.append(f"manifest.json: must be a JSON object, found {type(manifest).__name__}")
-        return report
+    manifest, manifest_bytes = read
     report.manifest = manifest
     try:
         Manifest.model_validate(manifest)
     except ValidationError as error:
         for item in error.errors()[:20]:
-            report.problems.append(f"manifest schema: {'.'.join(map(str, item['loc']))}: {item['msg']}")
+            report.problems.append(f"manifest schema: {'.'.join(map(str, item['loc']))[:200]}: {item['msg']}")
     _check_signature(root, manifest, manifest_bytes, public_key, report)
     _check_files(root, manifest, report)
+    if ledger is not None:
+        check_against_ledger(manifest, manifest_bytes, ledger, report)
     planned = _replan(root, manifest, report)
     if planned is None:
         return report
@@ -377,25 +521,28 @@ def verify_release(release_dir: Path, public_key: Path | None = None) -> VerifyR
         report.problems.append(f"spec: {error}")
         return report
     report.plan = plan
+    version = manifest.get("manifest_version")
+    version = version if version in SUPPORTED_VERSIONS else MANIFEST_VERSION
     try:
-        _check_derived(root, manifest, plan, embedded_spec, report)
+        _check_derived(root, manifest, version, plan, embedded_spec, report)
     except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as error:
         report.problems.append(f"manifest: malformed ({type(error).__name__}); see the schema problems above")
+    published, noisy = check_table_files(root, plan, report.estimate, report.problems)
+    check_consistency(plan, published, report.problems)
+    if recompute:
+        check_recomputed(root, plan, published, noisy, report.problems)
+        report.recomputed = True
     return report
-
-
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
 
 
 def published_manifest_sha256(row) -> str | None:
     """For `ledger reconcile`: the SHA-256 of the manifest published at a ledger row's release directory
-    when it is that row's release (same dataset, release, key and spec), else None."""
-    path = Path(row.release_dir) / MANIFEST
+    when it is that row's release (same dataset, release, key and spec), else None. Reads only a regular
+    file (never a link, FIFO or device), at most MAX_MANIFEST_BYTES."""
     try:
-        data = path.read_bytes()
-        manifest = json.loads(data)
-    except (OSError, ValueError):
+        data = read_regular(Path(row.release_dir) / MANIFEST, MAX_MANIFEST_BYTES)
+        manifest = parse_json_bounded(data)
+    except (UnsafeFile, ValueError, UnicodeDecodeError, OSError):
         return None
     if not isinstance(manifest, dict):
         return None
@@ -406,4 +553,4 @@ def published_manifest_sha256(row) -> str | None:
     return hashlib.sha256(data).hexdigest()
 
 
-__all__ = ["verify_release", "published_manifest_sha256", "DESCRIPTIVE_FIELDS", "VerifyReport"]
+__all__ = ["verify_release", "published_manifest_sha256", "DESCRIPTIVE_FIELDS", "VerifyReport", "parse_json_bounded"]

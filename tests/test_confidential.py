@@ -191,7 +191,7 @@ def test_a_killed_run_leaves_nothing_behind_after_the_next_run(tmp_path, signum)
     spec = _demo_case(tmp_path, 1_000_000)  # about a second of reading with the spill directory present
     temp = tmp_path / "tmp"
     temp.mkdir()
-    env = dict(os.environ, TMPDIR=str(temp))
+    env = dict(os.environ, TMPDIR=str(temp), DPRELEASE_LEASE_SECONDS="1", DPRELEASE_LEASE_GRACE_SECONDS="0")
     book = tmp_path / "ledger.sqlite"
     set_budget(open_ledger(book), "demo-census", "rho", Fraction(10))
     command = [sys.executable, "-m", "dprelease.pipelines.cli", "run", str(spec), "--ledger", str(book),
@@ -207,7 +207,8 @@ def test_a_killed_run_leaves_nothing_behind_after_the_next_run(tmp_path, signum)
         assert not spilling() and [r.status for r in rows] == [ABORTED]
     else:
         assert spilling()
-        settled = cli("ledger", "reconcile", "--ledger", book)
+        time.sleep(1.5)  # the killed run's lease expires
+        settled = cli("ledger", "reconcile", "--ledger", book, env=env)
         assert settled.returncode == 0 and [r.status for r in history(open_ledger(book), "demo-census")[1]] == [ABORTED]
     assert not (tmp_path / "out" / "demo-2026").exists()
     host = socket.gethostname()

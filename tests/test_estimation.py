@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dprelease.pipelines.manifest import sha256_file
+from dprelease.pipelines.manifest import MANIFEST_VERSION, sha256_file
 from dprelease.pipelines.postprocessing import LEGACY_STEPS, STEPS, estimate_variances
 from dprelease.pipelines.run import run_release
 from dprelease.pipelines.verify import verify_release
@@ -170,7 +170,7 @@ def test_release_publishes_gls_variances_and_verifies(published_release):
     plan, root = published_release.plan, published_release.release_dir
     predicted = estimate_variances(plan)
     manifest = json.loads((root / "manifest.json").read_text())
-    assert manifest["manifest_version"] == 2
+    assert manifest["manifest_version"] == MANIFEST_VERSION
     records = {t["name"]: t for t in manifest["tables"]}
     assert set(predicted.per_cell) == {"pop.nation", "pop.state", "pop.county", "pop.tract", "agesex.age-sex",
                                        "by_sex"}
@@ -214,9 +214,29 @@ def test_verify_rejects_an_edited_variance_record(release):
     assert any("estimate.variance_max" in p for p in problems), problems
 
 
+def without_variance_columns(release) -> None:
+    """The release's table files as version 1 wrote them (no gls_variance column), the manifest rehashed."""
+    import pyarrow.csv as pacsv
+
+    for path in sorted((release / "tables").glob("*.parquet")):
+        table = pq.read_table(path)
+        if "gls_variance" in table.column_names:
+            table = table.drop_columns(["gls_variance"])
+            pq.write_table(table, path, compression="zstd")
+            pacsv.write_csv(table, path.with_suffix(".csv"))
+
+    def rehash(manifest):
+        for entry in manifest["files"]:
+            path = release / entry["path"]
+            entry.update(sha256=sha256_file(path), bytes=path.stat().st_size)
+    _rewrite_manifest(release, rehash)
+
+
 def as_version_one(manifest: dict) -> None:
     """What the same release's manifest said before the global estimate (version 1)."""
     manifest["manifest_version"] = 1
+    for invariant in manifest["invariants"]:
+        invariant["note"] = "true counts published exactly; the guarantee holds conditional on them"
     for table in manifest["tables"]:
         table.pop("estimate", None)
     legacy = {STEPS[k]: LEGACY_STEPS[k] for k in LEGACY_STEPS}
@@ -225,11 +245,21 @@ def as_version_one(manifest: dict) -> None:
 
 
 def test_version_one_manifests_still_verify(release):
+    without_variance_columns(release)
     _rewrite_manifest(release, as_version_one)
     assert verify_release(release).ok, verify_release(release).problems
 
 
+def test_a_newer_release_relabelled_version_one_fails(release):
+    """Relabelling skips no check: the tables still carry the gls_variance column version 1 never wrote."""
+    _rewrite_manifest(release, as_version_one)
+    problems = verify_release(release).problems
+    assert any("columns" in p and "gls_variance" in p for p in problems), problems
+
+
 def test_version_one_manifest_must_state_the_steps_of_its_time(release):
+    without_variance_columns(release)
+
     def stale(manifest):
         as_version_one(manifest)
         manifest["post_processing"][0]["step"] = STEPS["hierarchy"]

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dprelease.accounting.errors import KeyReuseError, PublishError, SpecError
-from dprelease.accounting.ledger import (ABORTED, COMMITTED, RESERVED, history, open_ledger, reserve,
+from dprelease.accounting.ledger import (ABORTED, COMMITTED, RESERVED, LedgerError, history, open_ledger, reserve,
                                          set_budget)
 from dprelease.pipelines import release as release_module
 from dprelease.pipelines.housekeeping import owner_alive, process_token
@@ -101,7 +102,7 @@ def test_the_ledger_refuses_a_key_committed_for_another_spec_input_or_release(ca
     assert statuses(book) == [COMMITTED]
     assert verify_release(first.release_dir).ok
     again = run_release(case(rows=rows(), budget=zcdp), ledger=book, key_file=key, out_dir=tmp_path / "out4")
-    assert json.loads((again.release_dir / "manifest.json").read_text())["ledger"]["charged"] == "0"
+    assert json.loads((again.release_dir / "manifest.json").read_text())["ledger"]["charged_by_this_run"] == "0"
     for table in first.plan.tables:
         assert np.array_equal(noisy(first.release_dir, table.name), noisy(again.release_dir, table.name))
     assert statuses(book) == [COMMITTED]
@@ -175,8 +176,17 @@ def test_a_failed_rename_after_commit_stays_charged_and_a_rerun_publishes_free(c
     monkeypatch.undo()
     assert statuses(book) == [COMMITTED]  # never aborted: the charge stands
     again = run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=tmp_path / "out")
-    assert json.loads((again.release_dir / "manifest.json").read_text())["ledger"]["charged"] == "0"
+    block = json.loads((again.release_dir / "manifest.json").read_text())["ledger"]
+    # item 11: the only published manifest states what the release cost (main said charged 0)
+    assert (block["charged"], block["charged_by_this_run"], block["rerun_of_committed_release"]) == ("1", "0", True)
     assert statuses(book) == [COMMITTED]
+    assert verify_release(again.release_dir, ledger=str(book)).ok
+    forged = json.loads((again.release_dir / "manifest.json").read_text())
+    forged["ledger"]["charged"] = "0"
+    (again.release_dir / "manifest.json").write_text(json.dumps(forged, indent=2, sort_keys=True) + "\n")
+    problems = verify_release(again.release_dir, ledger=str(book)).problems
+    assert any("ledger.charged" in p for p in problems) and any("not a manifest this ledger recorded" in p
+                                                                for p in problems)
 
 
 def test_publish_never_replaces_a_directory_that_appeared_meanwhile(case, tmp_path, monkeypatch):
@@ -205,28 +215,85 @@ def _dead_owner() -> str:
     return f"{socket.gethostname()}:{token}"
 
 
-def test_reconcile_settles_rows_of_dead_runs(case, tmp_path):
+def _short_leases(monkeypatch, lease: int = 1) -> None:
+    monkeypatch.setenv("DPRELEASE_LEASE_SECONDS", str(lease))
+    monkeypatch.setenv("DPRELEASE_LEASE_GRACE_SECONDS", "0")
+
+
+def test_reconcile_settles_rows_whose_lease_expired(case, tmp_path, monkeypatch):
     book_path = tmp_path / "ledger.sqlite"
     book = open_ledger(book_path)
     set_budget(book, "test-data", "epsilon", Fraction(10))
     published = run_release(case(), key_file=tmp_path / "p.key", out_dir=tmp_path / "out")
     manifest = json.loads((published.release_dir / "manifest.json").read_text())
     dead = _dead_owner()
+    _short_leases(monkeypatch)
     reserve(book, "test-data", "test-release", manifest["key_id"], manifest["spec_sha256"], "epsilon", Fraction(1),
             input_fingerprint="f", release_dir=str(published.release_dir), owner=dead)
     reserve(book, "test-data", "gone", "k2", "s", "epsilon", Fraction(1), input_fingerprint="f",
             release_dir=str(tmp_path / "out" / "gone"), owner=dead)
+    monkeypatch.setenv("DPRELEASE_LEASE_SECONDS", "3600")
+    # a live run whose owner LOOKS dead from here (another PID namespace under the same host name): its lease holds
     reserve(book, "test-data", "live", "k3", "s", "epsilon", Fraction(1), input_fingerprint="f",
-            release_dir=str(tmp_path / "out" / "live"), owner=f"{os.uname().nodename}:{process_token()}")
+            release_dir=str(tmp_path / "out" / "live"), owner=dead)
+    time.sleep(1.2)
     shown = cli("ledger", "reconcile", "--dry-run", "--ledger", book_path)
     assert shown.returncode == 0 and "dry run" in shown.stdout
     assert statuses(book_path) == [RESERVED] * 3
     done = cli("ledger", "reconcile", "--ledger", book_path)
     assert done.returncode == 0, done.stderr
     assert statuses(book_path) == [COMMITTED, ABORTED, RESERVED]
+    assert "holds a lease" in done.stdout
     committed = history(book, "test-data")[1][0]
     assert committed.manifest_sha256 == published_manifest_sha256(committed)
     assert owner_alive(dead) is False and owner_alive("elsewhere:1.1") is None
+
+
+def test_a_live_run_that_looks_dead_is_left_and_publishes_charged(case, tmp_path, monkeypatch):
+    """Item 8: on main, a run in another PID namespace with the same host name was judged dead by reconcile,
+    which aborted its reservation; the run then published with 'charged 1' while the ledger spent 0."""
+    import dprelease.pipelines.run as run_module
+
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "test-data", "epsilon", Fraction(10))
+    _short_leases(monkeypatch, lease=2)
+    monkeypatch.setattr(run_module, "owner", _dead_owner)  # as seen from the host that reconciles
+    real = run_module.post_process
+
+    def slow(plan, noisy):
+        time.sleep(2.5)  # longer than the lease: only renewals keep it
+        assert cli("ledger", "reconcile", "--ledger", book).returncode == 0
+        return real(plan, noisy)
+
+    monkeypatch.setattr(run_module, "post_process", slow)
+    result = run_release(case(), ledger=book, key_file=tmp_path / "k.key", out_dir=tmp_path / "out")
+    assert statuses(book) == [COMMITTED] and verify_release(result.release_dir, ledger=str(book)).ok
+
+
+def test_a_run_whose_reservation_was_reconciled_publishes_nothing(case, tmp_path, monkeypatch):
+    """A run that stopped renewing (stalled past its lease) and was settled by reconcile cannot commit: commit
+    checks its owner token on a still reserved row (main's commit silently updated 0 rows and published)."""
+    import contextlib
+
+    import dprelease.pipelines.run as run_module
+
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "test-data", "epsilon", Fraction(10))
+    _short_leases(monkeypatch)
+    monkeypatch.setattr(run_module, "LeaseKeeper", lambda *args, **kwargs: contextlib.nullcontext())
+    real = run_module.post_process
+
+    def stalled(plan, noisy):
+        time.sleep(1.5)
+        assert cli("ledger", "reconcile", "--ledger", book).returncode == 0
+        return real(plan, noisy)
+
+    monkeypatch.setattr(run_module, "post_process", stalled)
+    with pytest.raises(LedgerError, match="no longer held"):
+        run_release(case(), ledger=book, key_file=tmp_path / "k.key", out_dir=tmp_path / "out")
+    assert statuses(book) == [ABORTED]
+    assert not (tmp_path / "out" / "test-release").exists()
+    assert not [p for p in (tmp_path / "out").iterdir()]
 
 
 # 4. Key files ------------------------------------------------------------------------------------------------------

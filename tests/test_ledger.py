@@ -22,16 +22,17 @@ def cli(*args) -> subprocess.CompletedProcess:
 
 
 def test_monthly_series_stops_when_the_budget_is_spent(case, tmp_path):
-    spec = case(budget={"definition": "zcdp", "rho": "1/2"})
     book = tmp_path / "ledger.sqlite"
     assert cli("ledger", "set-budget", "test-data", "--rho", 1, "--ledger", book).returncode == 0
     for month in (1, 2):
-        ran = cli("run", spec, "--ledger", book, "--out", tmp_path / f"m{month}", "--key-file", tmp_path / f"{month}.key")
+        spec = case(budget={"definition": "zcdp", "rho": "1/2"}, release_id=f"m{month}")
+        ran = cli("run", spec, "--ledger", book, "--out", tmp_path / "out", "--key-file", tmp_path / f"{month}.key")
         assert ran.returncode == 0, ran.stderr
-        manifest = json.loads((tmp_path / f"m{month}" / "test-release" / "manifest.json").read_text())
+        manifest = json.loads((tmp_path / "out" / f"m{month}" / "manifest.json").read_text())
         assert manifest["ledger"]["spent_before"] == str(Fraction(month - 1, 2))
         assert manifest["ledger"]["spent_after"] == str(Fraction(month, 2))
-        assert verify_release(tmp_path / f"m{month}" / "test-release").ok
+        assert verify_release(tmp_path / "out" / f"m{month}", ledger=str(book)).ok
+    spec = case(budget={"definition": "zcdp", "rho": "1/2"}, release_id="m3")
     refused = cli("run", spec, "--ledger", book, "--out", tmp_path / "m3", "--key-file", tmp_path / "3.key")
     assert refused.returncode == 3
     assert "needs 1/2 rho" in refused.stderr and "only 0" in refused.stderr and "set-budget" in refused.stderr
@@ -44,17 +45,40 @@ def test_monthly_series_stops_when_the_budget_is_spent(case, tmp_path):
     assert f"ε = {zcdp_to_epsilon(1.0, 1e-9):.6g} at δ = 1e-09" in shown.stdout  # rho adds, then converts
 
 
-def test_rerun_with_the_same_key_is_free_and_a_new_key_is_charged(case, tmp_path):
+def test_rerun_with_the_same_key_is_free_and_states_the_cost(case, tmp_path):
     spec = case(budget={"definition": "pure", "epsilon": 1})
     book = tmp_path / "ledger.sqlite"
     set_budget(open_ledger(book), "test-data", "epsilon", Fraction(3, 2))
     first = run_release(spec, ledger=book, key_file=tmp_path / "a.key", out_dir=tmp_path / "1")
     again = run_release(spec, ledger=book, key_file=tmp_path / "a.key", out_dir=tmp_path / "2")
-    assert json.loads((again.release_dir / "manifest.json").read_text())["ledger"]["charged"] == "0"
+    block = json.loads((again.release_dir / "manifest.json").read_text())["ledger"]
+    assert (block["charged"], block["charged_by_this_run"], block["rerun_of_committed_release"]) == ("1", "0", True)
+    assert (block["spent_before"], block["spent_after"]) == ("1", "1")
     assert (first.release_dir / "tables" / "pop.tract.csv").read_bytes() == \
         (again.release_dir / "tables" / "pop.tract.csv").read_bytes()
+    for published in (first, again):  # both manifests are recorded in the ledger
+        assert verify_release(published.release_dir, ledger=str(book)).ok
     with pytest.raises(BudgetError):
-        run_release(spec, ledger=book, key_file=tmp_path / "b.key", out_dir=tmp_path / "3")
+        run_release(case(budget={"definition": "pure", "epsilon": 1}, release_id="second"), ledger=book,
+                    key_file=tmp_path / "b.key", out_dir=tmp_path / "3")
+
+
+def test_a_release_id_already_live_is_refused_before_anything_is_reserved(case, tmp_path):
+    """Item 10: of concurrent runs of one release id only one may hold it; a published id is never taken by
+    another key (main charged a second run and then could not publish it, advising --overwrite)."""
+    spec = case(budget={"definition": "pure", "epsilon": 1})
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "test-data", "epsilon", Fraction(10))
+    reserve(open_ledger(book), "test-data", "test-release", "another-key", "h", "epsilon", Fraction(1))
+    refused = cli("run", spec, "--ledger", book, "--out", tmp_path / "out", "--key-file", tmp_path / "a.key")
+    assert refused.returncode == 2 and "already reserved" in refused.stderr and "new release_id" in refused.stderr
+    assert [r.status for r in history(open_ledger(book), "test-data")[1]] == ["reserved"]
+    assert not (tmp_path / "a.key").exists() and not (tmp_path / "out" / "test-release").exists()
+    run_release(case(release_id="other"), ledger=book, key_file=tmp_path / "b.key", out_dir=tmp_path / "out")
+    again = cli("run", case(release_id="other"), "--ledger", book, "--out", tmp_path / "out", "--key-file",
+                tmp_path / "c.key", "--overwrite")
+    assert again.returncode == 2 and "already committed" in again.stderr
+    assert [r.status for r in history(open_ledger(book), "test-data")[1]] == ["reserved", "committed"]
 
 
 def test_unknown_dataset_is_refused(case, tmp_path):
@@ -119,23 +143,58 @@ def test_two_processes_never_both_spend_the_last_budget(tmp_path):
 def test_per_period_budget_caps_each_month_of_a_series(case, tmp_path):
     book = tmp_path / "ledger.sqlite"
     assert cli("ledger", "set-budget", "test-data", "--epsilon", 3, "--per-period", 1, "--ledger", book).returncode == 0
-    november = case(period="2026-11")
+    november = case(period="2026-11", release_id="nov")
     ran = cli("run", november, "--ledger", book, "--out", tmp_path / "a", "--key-file", tmp_path / "a.key")
     assert ran.returncode == 0, ran.stderr
-    ledger_block = json.loads((tmp_path / "a" / "test-release" / "manifest.json").read_text())["ledger"]
-    assert ledger_block["period"] == "2026-11" and ledger_block["period_budget"] == "1"
-    assert (ledger_block["period_spent_before"], ledger_block["period_spent_after"]) == ("0", "1")
-    again = cli("run", november, "--ledger", book, "--out", tmp_path / "b", "--key-file", tmp_path / "b.key")
-    assert again.returncode == 3 and "period '2026-11'" in again.stderr and "per-period budget 1" in again.stderr
+    ledger_block = json.loads((tmp_path / "a" / "nov" / "manifest.json").read_text())["ledger"]
+    assert ledger_block["period"] == "2026-11"
+    assert ledger_block["period_budget"] == {"per": "month", "budget": "1", "periods": [
+        {"period": "2026-11", "spent_before": "0", "spent_after": "1"}]}
+    again = cli("run", case(period="2026-11", release_id="nov-2"), "--ledger", book, "--out", tmp_path / "b",
+                "--key-file", tmp_path / "b.key")
+    assert again.returncode == 3 and "month 2026-11" in again.stderr and "per-month budget 1" in again.stderr
     assert not (tmp_path / "b").exists() and not (tmp_path / "b.key").exists()
-    unnamed = cli("run", case(), "--ledger", book, "--out", tmp_path / "c", "--key-file", tmp_path / "c.key")
+    unnamed = cli("run", case(release_id="c"), "--ledger", book, "--out", tmp_path / "c", "--key-file", tmp_path / "c.key")
     assert unnamed.returncode == 3 and "must name the period" in unnamed.stderr
-    december = cli("run", case(period="2026-12"), "--ledger", book, "--out", tmp_path / "d",
+    december = cli("run", case(period="2026-12", release_id="dec"), "--ledger", book, "--out", tmp_path / "d",
                    "--key-file", tmp_path / "d.key")
     assert december.returncode == 0, december.stderr
-    assert json.loads((tmp_path / "d" / "test-release" / "manifest.json").read_text())["ledger"]["spent_after"] == "2"
+    assert json.loads((tmp_path / "d" / "dec" / "manifest.json").read_text())["ledger"]["spent_after"] == "2"
     with pytest.raises(SpecError, match="per-period"):
         set_budget(open_ledger(book), "test-data", "epsilon", Fraction(3), Fraction(4))
+
+
+@pytest.mark.parametrize("spelling", ["2026-11-01", "2026-Q4", "2026"])
+def test_a_period_spelled_otherwise_is_charged_to_the_same_month(case, tmp_path, spelling):
+    """Item 9: main keyed period budgets by the literal text: 2026-11 was refused, 2026-11-01 published."""
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "test-data", "epsilon", Fraction(30), Fraction(1), "month")
+    assert run_release(case(period="2026-11", release_id="nov"), ledger=book, key_file=tmp_path / "a.key",
+                       out_dir=tmp_path / "a").release_dir.exists()
+    with pytest.raises(BudgetError, match="month 2026-11"):
+        run_release(case(period=spelling, release_id="other"), ledger=book, key_file=tmp_path / "b.key",
+                    out_dir=tmp_path / "b")
+
+
+@pytest.mark.parametrize("bad", ["nov-2026", "2026-13", "2026-11-31", "2026-Q5", "26-11", "2026/11"])
+def test_periods_outside_the_formats_are_refused_naming_the_field(case, tmp_path, bad):
+    ran = cli("plan", case(period=bad))
+    assert ran.returncode == 2 and f"period = '{bad}'" in ran.stderr and "YYYY-MM" in ran.stderr
+
+
+def test_a_quarterly_budget_counts_every_release_that_overlaps_the_quarter(case, tmp_path):
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "test-data", "epsilon", Fraction(30), Fraction(2), "quarter")
+    run_release(case(period="2026-10", release_id="oct"), ledger=book, key_file=tmp_path / "a.key", out_dir=tmp_path / "o")
+    year = run_release(case(period="2026", release_id="year"), ledger=book, key_file=tmp_path / "b.key",
+                       out_dir=tmp_path / "o")
+    block = json.loads((year.release_dir / "manifest.json").read_text())["ledger"]["period_budget"]
+    assert [(p["period"], p["spent_before"]) for p in block["periods"]] == [
+        ("2026-Q1", "0"), ("2026-Q2", "0"), ("2026-Q3", "0"), ("2026-Q4", "1")]
+    assert verify_release(year.release_dir, ledger=str(book)).ok
+    with pytest.raises(BudgetError, match="quarter 2026-Q4"):
+        run_release(case(period="2026-12-24", release_id="xmas"), ledger=book, key_file=tmp_path / "c.key",
+                    out_dir=tmp_path / "o")
 
 
 def test_a_version_1_ledger_is_migrated_in_place(tmp_path):

@@ -32,7 +32,7 @@ def test_every_kind_of_manifest_validates(case, tmp_path):
     book = tmp_path / "ledger.sqlite"
     set_budget(open_ledger(book), "test-data", "rho", Fraction(10))
     plain = run_release(case(), key_file=tmp_path / "a.key", out_dir=tmp_path / "a")
-    full = run_release(case(budget={"definition": "zcdp", "rho": 1}, invariants=["pop.state"]),
+    full = run_release(case(budget={"definition": "zcdp", "rho": 1}, invariants=["pop.state"], neighbouring="replace"),
                        key_file=tmp_path / "b.key", out_dir=tmp_path / "b", ledger=book, sign_key=signer)
     for result in (plain, full):
         jsonschema.validate(json.loads((result.release_dir / "manifest.json").read_text()), schema)

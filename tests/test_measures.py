@@ -132,12 +132,15 @@ def test_sum_sensitivity_under_both_relations(k):
     add = sum_sensitivity(ContributionBounds(k, "add_remove"), -30, 20)
     assert (add.l1, add.l2_squared) == (30 * k, (30 * k) ** 2)
     replace = sum_sensitivity(ContributionBounds(k, "replace"), -30, 20)
-    assert (replace.l1, replace.l2_squared) == (60 * k, 2 * (30 * k) ** 2)
+    assert (replace.l1, replace.l2_squared) == (60 * k, (50 * k) ** 2)  # a sign flip in one cell: k(hi - lo)
+    spread_out = sum_sensitivity(ContributionBounds(k, "replace"), 0, 20)
+    assert spread_out.l2_squared == 2 * (20 * k) ** 2  # records moved to another cell: sqrt(2) k M
     units = unit_count_sensitivity(ContributionBounds(k, "add_remove"))
     assert (units.l1, units.l2_squared) == (k, k)
     assert unit_count_sensitivity(ContributionBounds(k, "replace")).l1 == 2 * k
     assert quantile_score_sensitivity(ContributionBounds(k, "add_remove"), Fraction(1, 4)).l1 == 3 * k
-    assert quantile_score_sensitivity(ContributionBounds(k, "replace"), Fraction(1, 4)).l1 == 4 * k
+    assert quantile_score_sensitivity(ContributionBounds(k, "replace"), Fraction(1, 4)).l1 == 6 * k
+    assert quantile_score_sensitivity(ContributionBounds(k, "replace"), Fraction(1, 2)).l1 == 2 * k
 
 
 def _vectors(plan, rows: dict, key_bytes: bytes = b"k" * 32) -> dict[str, np.ndarray]:
@@ -155,50 +158,81 @@ def _vectors(plan, rows: dict, key_bytes: bytes = b"k" * 32) -> dict[str, np.nda
     return {t.name: v for t, v in zip(plan.tables, vectors)}
 
 
-def _neighbours(rows: dict, relation: str, rng) -> list[dict]:
+def _neighbours(rows: dict, relation: str, rng, lo: int, hi: int) -> list[dict]:
     """Neighbours of `rows`: a unit removed or a new unit added (add_remove), or a unit's records replaced
-    (replace); the new records are a worst case: more than k, at the top of the clamp, in few cells."""
+    (replace). The new records are the worst cases: more than k records at the top of the clamp in few
+    cells; under replace also the unit's records moved to another cell unchanged (at lo and at hi), and
+    its records all lo in one cell beside a neighbour where they are all hi there (a sign flip inside one
+    cell when lo < 0)."""
     def extreme(unit: int) -> dict:
         return {"hid": [unit] * 3, "geo": [GEO_LEAVES[0], GEO_LEAVES[0], GEO_LEAVES[5]], "age": [1, 2, 3],
                 "sex": ["F", "F", "M"], "income": [10**8] * 3}
+
+    def uniform(unit: int, geo: str, value: int, count: int = 2) -> dict:
+        return {"hid": [unit] * count, "geo": [geo] * count, "age": [1] * count, "sex": ["F"] * count,
+                "income": [value] * count}
 
     out = []
     for i, unit in enumerate(rng.choice(sorted(set(rows["hid"])), 6, replace=False).tolist()):
         kept = [j for j, u in enumerate(rows["hid"]) if u != unit]
         removed = {c: [v[j] for j in kept] for c, v in rows.items()}
         if relation == "add_remove":
-            out.append(removed)
-            out.append({c: rows[c] + extreme(10_000 + i)[c] for c in rows})
-        else:
-            out.append({c: removed[c] + extreme(unit)[c] for c in rows})
+            out.append((removed, None))
+            out.append(({c: rows[c] + extreme(10_000 + i)[c] for c in rows}, None))
+            continue
+        out.append(({c: removed[c] + extreme(unit)[c] for c in rows}, None))
+        # moved: the unit's two records below every candidate > lo, from state 01 to state 02
+        before = {c: removed[c] + uniform(unit, GEO_LEAVES[0], lo)[c] for c in rows}
+        after = {c: removed[c] + uniform(unit, GEO_LEAVES[3], lo)[c] for c in rows}
+        out.append((after, before))
+        # flipped: the unit's two records of lo become two of hi in the same cell
+        flipped = {c: removed[c] + uniform(unit, GEO_LEAVES[0], hi)[c] for c in rows}
+        out.append((flipped, before))
+        # moved at the top: two records of hi from state 01 to state 02
+        after_high = {c: removed[c] + uniform(unit, GEO_LEAVES[3], hi)[c] for c in rows}
+        out.append((after_high, flipped))
     return out
 
 
-@pytest.mark.parametrize("relation", ["add_remove", "replace"])
-def test_measured_vectors_move_at_most_the_derived_sensitivity_on_neighbours(tmp_path, relation):
-    spec = parse_spec(measure_spec(neighbouring=relation))
-    plan = build_plan(spec, write_case(tmp_path, measure_spec()).parent)
+def _score_movement(first: np.ndarray, second: np.ndarray, buckets: int, q: Fraction) -> int:
+    """A unit's quantile privacy cost in score units: per cell the largest score change over candidates
+    (each cell is its own exponential mechanism), summed over cells."""
+    change = np.abs(quantile_scores(first.reshape(-1, buckets), q) - quantile_scores(second.reshape(-1, buckets), q))
+    return int(change.max(axis=1).sum())
+
+
+@pytest.mark.parametrize("relation,clamp", [("add_remove", [0, 1000]), ("replace", [0, 1000]),
+                                            ("replace", [-1000, 1000])])
+def test_measured_vectors_move_at_most_the_derived_sensitivity_on_neighbours(tmp_path, relation, clamp):
+    columns = {**small_spec()["columns"], "income": {**INCOME, "clamp": clamp}}
+    spec_doc = measure_spec(neighbouring=relation, columns=columns)
+    spec = parse_spec(spec_doc)
+    plan = build_plan(spec, write_case(tmp_path, spec_doc).parent)
     rng = np.random.default_rng(5)
     base_rows = {c: list(v.to_pylist() if isinstance(v, pa.Array) else v) for c, v in measure_rows(90).items()}
-    base = _vectors(plan, base_rows)
     seen = {t.name: 0 for t in plan.tables}
-    for other_rows in _neighbours(base_rows, relation, rng):
+    seen_l2 = {t.name: 0 for t in plan.tables}
+    for other_rows, reference_rows in _neighbours(base_rows, relation, rng, *clamp):
+        base = _vectors(plan, reference_rows or base_rows)
         other = _vectors(plan, other_rows)
         for t in plan.tables:
             if t.statistic == "quantile":
                 for q, bound in zip(t.quantiles, t.score_sensitivities):
-                    buckets = t.layout.buckets
-                    moved = np.abs(quantile_scores(base[t.name].reshape(-1, buckets), q)
-                                   - quantile_scores(other[t.name].reshape(-1, buckets), q)).sum(axis=0).max()
-                    assert moved <= bound, (t.name, q)
-                    seen[t.name] = max(seen[t.name], int(moved))
+                    moved = _score_movement(base[t.name], other[t.name], t.layout.buckets, q)
+                    assert moved <= bound, (t.name, q, moved, bound)
+                    seen[t.name] = max(seen[t.name], moved)
                 continue
             diff = base[t.name] - other[t.name]
             assert np.abs(diff).sum() <= t.event.sensitivity.l1, t.name
             assert int((diff * diff).sum()) <= t.event.sensitivity.l2_squared, t.name
             seen[t.name] = max(seen[t.name], int(np.abs(diff).sum()))
+            seen_l2[t.name] = max(seen_l2[t.name], int((diff * diff).sum()))
     if relation == "add_remove":  # the added worst case reaches the bound: it is tight
         assert seen["total"] == plan.table("total").event.sensitivity.l1
+    else:  # the moved records reach the quantile bound, the worse of moved and flipped the sum's L2 bound
+        median = plan.table("median")
+        assert seen["median"] == max(median.score_sensitivities)
+        assert seen_l2["total"] == plan.table("total").event.sensitivity.l2_squared
 
 
 # ---- clamping and invalid values ---------------------------------------------------------------------------

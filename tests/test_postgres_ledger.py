@@ -64,14 +64,14 @@ def test_two_runs_race_for_the_last_budget_and_the_password_is_never_published(p
     database = postgres.create_database()
     url = postgres.url(database, password="S3CRET-PASSWORD")  # trust authentication ignores it
     set_budget(open_ledger(url), "test-data", "epsilon", Fraction(3, 2))
-    spec = case()
-    runs = [subprocess.Popen([sys.executable, "-m", "dprelease.pipelines.cli", "run", str(spec), "--ledger", url,
+    specs = [case(release_id=f"r{i}") for i in range(2)]  # one release id each: a shared id is refused (exit 2)
+    runs = [subprocess.Popen([sys.executable, "-m", "dprelease.pipelines.cli", "run", str(specs[i]), "--ledger", url,
                               "--key-file", str(tmp_path / f"{i}.key"), "--out", str(tmp_path / f"out{i}")],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     outcomes = [(run.wait(120), run.stderr.read()) for run in runs]
     assert sorted(code for code, _ in outcomes) == [0, 3], outcomes
     winner = next(i for i, (code, _) in enumerate(outcomes) if code == 0)
-    manifest_text = (tmp_path / f"out{winner}" / "test-release" / "manifest.json").read_text()
+    manifest_text = (tmp_path / f"out{winner}" / f"r{winner}" / "manifest.json").read_text()
     assert "S3CRET-PASSWORD" not in manifest_text
     command_line = json.loads(manifest_text)["provenance"]["command_line"]
     assert f"postgresql+psycopg://***@127.0.0.1:{postgres.port}/{database}" in command_line

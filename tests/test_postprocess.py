@@ -110,7 +110,7 @@ def _table(result, name, folder="tables"):
 
 
 def test_invariants_are_exact_and_listed(case, tmp_path):
-    result, rows = _release(case, tmp_path, invariants=["pop.state"])
+    result, rows = _release(case, tmp_path, invariants=["pop.state"], neighbouring="replace")
     states = _table(result, "pop.state")
     truth = {s: sum(1 for g in rows["geo"] if g.startswith(s)) for s in ("01", "02")}
     assert dict(zip(states["state"], states["count"])) == {**truth, "(other)": 0}

@@ -18,7 +18,7 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 
 @pytest.fixture
 def released(case, tmp_path):
-    return run_release(case(invariants=["pop.state"]), key_file=tmp_path / "k.key").release_dir
+    return run_release(case(invariants=["pop.state"], neighbouring="replace"), key_file=tmp_path / "k.key").release_dir
 
 
 def test_report_holds_what_an_auditor_needs(released):

@@ -31,10 +31,17 @@ def test_three_monthly_releases_with_budget_for_two(tmp_path):
             assert "OK" in run.stdout
         else:
             assert "budget refused" in run.stderr and "only 0" in run.stderr
-        if month == "2026-01":  # a second January release (new key) exceeds January's budget
+        if month == "2026-01":
+            # the same release id with a new key is refused outright (a release id names one release) ...
             extra = subprocess.run(["bash", str(script), str(series / "monthly.yaml"), month, str(ledger),
                                     str(tmp_path / "other-keys"), "--overwrite"], capture_output=True, text=True)
-            assert extra.returncode == 3 and "period '2026-01'" in extra.stderr, extra.stderr
+            assert extra.returncode == 2 and "already committed" in extra.stderr, extra.stderr
+            # ... and a corrected January under a new id exceeds January's budget
+            corrected = series / "corrected.yaml"
+            corrected.write_text((series / "monthly.yaml").read_text().replace("demo-{{MONTH}}", "demo-{{MONTH}}-r2"))
+            extra = subprocess.run(["bash", str(script), str(corrected), month, str(ledger),
+                                    str(tmp_path / "other-keys")], capture_output=True, text=True)
+            assert extra.returncode == 3 and "month 2026-01" in extra.stderr, extra.stderr
             assert not (tmp_path / "other-keys" / "2026-01.key").exists()
     assert statuses == [0, 0, 3]
     published = sorted(p.name for p in (series / "releases").iterdir() if not p.name.startswith("."))

@@ -34,7 +34,7 @@ def published(tmp_path_factory):
     ]
     rows = {"pid": [1, 2, 3], "geo": [GEO_LEAVES[0], GEO_LEAVES[3], GEO_LEAVES[5]], "age": [10, 40, 70],
             "sex": ["F", "M", "F"], "income": [0, 500, 5000]}
-    spec = write_case(directory / "case", small_spec(period="2026-11", invariants=["pop.state"], columns=columns,
+    spec = write_case(directory / "case", small_spec(period="2026-11", invariants=["pop.state"], neighbouring="replace", columns=columns,
                                                      queries=queries), rows)
     book = directory / "ledger.sqlite"
     set_budget(open_ledger(book), "test-data", "epsilon", Fraction(5), Fraction(2))
@@ -93,7 +93,7 @@ def test_every_non_descriptive_leaf_edit_is_rejected(release):
     manifest_path = release / "manifest.json"
     original = manifest_path.read_text()
     manifest = json.loads(original)
-    assert manifest["ledger"]["period_budget"] == "2" and manifest["input_validation"] is not None
+    assert manifest["ledger"]["period_budget"]["budget"] == "2" and manifest["input_validation"] is not None
     assert verify_release(release).ok
     accepted, checked = [], 0
     for path, value in leaves(manifest):

@@ -11,6 +11,12 @@
  * Exactness: only integer arithmetic. Bernoulli(num/den) compares the bits of a uniform U
  * with the binary expansion of num/den (long division) until they differ: P(U < p) = p.
  * Uniform{0..m-1} draws bit_length(m-1) bits and rejects values >= m.
+ * One deviation, stated wherever the samplers claim exactness: a Bernoulli(exp(-gamma)) step whose
+ * gamma exceeds GAMMA_CAP = 2^62 (or, in the discrete Gaussian, whose |z b t - a| needs more than 63 bits,
+ * which implies gamma > 2^40) draws Bernoulli(exp(-2^62)) instead. Both probabilities are below
+ * exp(-2^40), so the output distribution differs from the exact one in total variation by at most
+ * exp(-2^40) times the sampler's expected number of proposals (a few for the noise samplers, at most m
+ * for a selection among m candidates) per draw: unobservable, and far below any delta a release states.
  *
  * dprelease.transforms.samplers_reference implements the same bit-for-bit in numpy.
  */
@@ -200,24 +206,44 @@ static int64_t discrete_gaussian(bits_t *b, uint64_t a, uint64_t bb, uint64_t t,
 
 /* The exponential mechanism over m candidates with integer scores (lower is better; min subtracted):
  * P(j) proportional to exp(-score_j * num / den). Rejection: propose j uniformly, accept with probability
- * exp(-(score_j - min) * num / den) (exact Bernoulli), so the accepted j has exactly that distribution. */
-static int64_t exponential_select(bits_t *b, const int64_t *scores, uint64_t m, uint64_t num, uint64_t den)
+ * exp(-(score_j - min) * num / den) (exact Bernoulli), so the first accepted j has exactly that distribution.
+ * Running time: the proposals continue, their outcomes ignored, until at least `proposals` were made, so a
+ * selection whose first acceptance comes before that does the same number of proposals whatever the scores
+ * (the caller sets proposals = PROPOSALS_PER_CANDIDATE * m: each proposal is accepted with probability at least
+ * 1/m, so a later first acceptance has probability below exp(-PROPOSALS_PER_CANDIDATE)). The chosen index is
+ * the one the unpadded rejection sampler returns on the same bits. */
+static int64_t exponential_select(bits_t *b, const uint64_t *whole, const uint64_t *frac, uint64_t m, uint64_t den,
+                                  uint64_t proposals)
+{
+    int64_t chosen = -1;
+    for (uint64_t made = 0;; made++) {
+        if (chosen >= 0 && made >= proposals)
+            return chosen;
+        uint64_t j = uniform_below(b, m);
+        if (b->exhausted)
+            return 0;
+        int accepted = bernoulli_exp(b, whole[j], frac[j], den);
+        if (b->exhausted)
+            return 0;
+        if (accepted && chosen < 0)
+            chosen = (int64_t)j;
+    }
+}
+
+/* Each candidate's exponent (score_j - min) * num / den as whole + frac / den (whole capped at GAMMA_CAP):
+ * computed once per lane, m divisions whatever the scores, so the proposals' loop divides nothing. */
+static void selection_exponents(const int64_t *scores, uint64_t m, uint64_t num, uint64_t den, uint64_t *whole,
+                                uint64_t *frac)
 {
     int64_t best = scores[0];
     for (uint64_t j = 1; j < m; j++)
         if (scores[j] < best)
             best = scores[j];
-    for (;;) {
-        uint64_t j = uniform_below(b, m);
-        if (b->exhausted)
-            return 0;
+    for (uint64_t j = 0; j < m; j++) {
         u128 gamma = (u128)(uint64_t)(scores[j] - best) * num;
         u128 q = gamma / den;
-        uint64_t whole = q > GAMMA_CAP ? GAMMA_CAP : (uint64_t)q;
-        if (bernoulli_exp(b, whole, (uint64_t)(gamma % den), den))
-            return (int64_t)j;
-        if (b->exhausted)
-            return 0;
+        whole[j] = q > GAMMA_CAP ? GAMMA_CAP : (uint64_t)q;
+        frac[j] = (uint64_t)(gamma % den);
     }
 }
 
@@ -282,13 +308,14 @@ done:
     return result;
 }
 
-/* select(words, words_per_lane, scores, m, num, den, out, status) -> lanes that ran out of bits */
+/* select(words, words_per_lane, scores, m, num, den, out, status, proposals) -> lanes that ran out of bits */
 static PyObject *py_select(PyObject *self, PyObject *args)
 {
     Py_buffer words, scores, out, status;
     Py_ssize_t per_lane, m;
-    unsigned long long num, den;
-    if (!PyArg_ParseTuple(args, "y*ny*nKKw*w*", &words, &per_lane, &scores, &m, &num, &den, &out, &status))
+    unsigned long long num, den, proposals;
+    if (!PyArg_ParseTuple(args, "y*ny*nKKw*w*K", &words, &per_lane, &scores, &m, &num, &den, &out, &status,
+                          &proposals))
         return NULL;
     Py_ssize_t lanes = out.len / (Py_ssize_t)sizeof(int64_t);
     PyObject *result = NULL;
@@ -303,14 +330,21 @@ static PyObject *py_select(PyObject *self, PyObject *args)
     int64_t *o = (int64_t *)out.buf;
     uint8_t *st = (uint8_t *)status.buf;
     Py_ssize_t missing = 0;
+    uint64_t *exponents = PyMem_RawMalloc(2 * (size_t)m * sizeof(uint64_t));
+    if (exponents == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < lanes; i++) {
         bits_t b = {w + i * per_lane, (uint64_t)per_lane, 0, 0, 0, 0};
-        o[i] = exponential_select(&b, sc + i * m, (uint64_t)m, num, den);
+        selection_exponents(sc + i * m, (uint64_t)m, num, den, exponents, exponents + m);
+        o[i] = exponential_select(&b, exponents, exponents + m, (uint64_t)m, den, proposals);
         st[i] = (uint8_t)b.exhausted;
         missing += b.exhausted;
     }
     Py_END_ALLOW_THREADS
+    PyMem_RawFree(exponents);
     result = PyLong_FromSsize_t(missing);
 done:
     PyBuffer_Release(&words);
@@ -325,8 +359,9 @@ static PyMethodDef methods[] = {
      "sample(kind, words, words_per_lane, p1, p2, out, status) -> number of lanes out of bits.\n"
      "kind 0: discrete Laplace, scale p1/p2; kind 1: discrete Gaussian, sigma2 p1/p2."},
     {"select", py_select, METH_VARARGS,
-     "select(words, words_per_lane, scores, m, num, den, out, status) -> number of lanes out of bits.\n"
-     "Per lane: index j of m with probability proportional to e^-((score_j - min) * num / den)."},
+     "select(words, words_per_lane, scores, m, num, den, out, status, proposals) -> number of lanes out of bits.\n"
+     "Per lane: index j of m with probability proportional to e^-((score_j - min) * num / den); at least\n"
+     "`proposals` proposals are made whatever the scores (the first accepted one is returned)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -101,6 +101,20 @@ class CellStream:
         assert written == size
         return out[:size].view("<u8").reshape(count, WORDS_PER_CELL)
 
+    def lane_rounds(self, start: int, stop: int, rounds: int) -> np.ndarray:
+        """Rounds 0..rounds-1 of cells [start, stop), concatenated per cell: shape (stop - start,
+        rounds * WORDS_PER_CELL), the same words `block` gives. One AES call over the CTR counter blocks
+        (round in the high 64 bits, cell block in the low 64 bits, as `block`'s nonce and counter), so a
+        lane that needs many rounds costs one cipher call, not one per round."""
+        cells = np.arange(start, stop, dtype=np.uint64)
+        counters = np.empty((stop - start, rounds, _BLOCKS_PER_CELL, 2), dtype=">u8")
+        counters[..., 0] = np.arange(rounds, dtype=np.uint64)[None, :, None]
+        counters[..., 1] = (cells[:, None, None] * np.uint64(_BLOCKS_PER_CELL)
+                            + np.arange(_BLOCKS_PER_CELL, dtype=np.uint64)[None, None, :])
+        encryptor = Cipher(self._algorithm, modes.ECB()).encryptor()
+        stream = encryptor.update(counters.tobytes()) + encryptor.finalize()
+        return np.frombuffer(stream, dtype="<u8").reshape(stop - start, rounds * WORDS_PER_CELL)
+
 
 _ZEROS = memoryview(bytes(1 << 22))
 

@@ -9,6 +9,11 @@ keystream per round; its bit stream is round 0, then round 1, ... A cell that ne
 than the rounds it was given is re-run from scratch with twice as many rounds: it reads the
 same prefix, so its value is exactly the one an unbounded stream gives. Hence the noise of
 (key, table, cell) does not depend on batch sizes, chunking, workers or engine.
+
+Exactness, with one stated deviation: a Bernoulli(exp(-gamma)) step whose gamma exceeds 2^62 (or, in the
+discrete Gaussian, > 2^40 with a 64-bit overflow) draws Bernoulli(exp(-2^62)) instead; both are below
+exp(-2^40), so each draw's distribution is within exp(-2^40) times the expected number of proposals of the
+exact one in total variation (see `_exact.c`).
 `dprelease.transforms.samplers_reference` is a bit-identical numpy implementation.
 """
 from __future__ import annotations
@@ -94,24 +99,71 @@ def sample_cells(stream: CellStream, start: int, stop: int, kind: str, parameter
     return out
 
 
+PROPOSALS_PER_CANDIDATE = 16
+"""A selection among m candidates makes at least 16m proposals (see `select_cells`)."""
+SELECTION_BITS_PER_PROPOSAL = 12
+"""Bits a proposal's acceptance step reads, generously (its mean is a few bits); with twice the uniform
+draw's bits this sizes a lane's stream so that running out (and a re-run) is rare."""
+SELECTION_CHUNK_BYTES = 64 << 20
+
+
+def selection_rounds(m: int) -> int:
+    """Keystream rounds given to each lane of a selection among m candidates: enough for its padded
+    proposals with a wide margin (a public function of m only)."""
+    bits = PROPOSALS_PER_CANDIDATE * m * (2 * max(1, (m - 1).bit_length()) + SELECTION_BITS_PER_PROPOSAL)
+    return -(-(bits + 256) // (64 * WORDS_PER_CELL))
+
+
 def select_cells(stream: CellStream, start: int, stop: int, scores: np.ndarray, epsilon: Fraction,
                  sensitivity: int) -> np.ndarray:
     """Exponential mechanism for lanes [start, stop): lane i picks j in 0..m-1 with probability proportional
-    to exp(-epsilon * (scores[i, j] - min_j scores[i]) / (2 * sensitivity)), exactly, from its own stream."""
+    to exp(-epsilon * (scores[i, j] - min_j scores[i]) / (2 * sensitivity)), exactly, from its own stream.
+
+    Running time independent of the scores: each lane makes at least PROPOSALS_PER_CANDIDATE * m
+    proposals (uniform candidate, exact Bernoulli acceptance), keeping the first accepted one, so the
+    number of proposals differs between inputs only when no proposal among the first 16m is accepted
+    (probability below exp(-16) = 1.1e-7, as each is accepted with probability >= 1/m), and every lane's
+    stream is sized from m alone. What still varies with the scores is the few bits an acceptance step
+    reads (`benchmarks/selection_timing.py` measures it). The value is the one the unpadded rejection
+    sampler returns on the same bits (`samplers_reference.select_cells_reference`)."""
     scores = np.ascontiguousarray(scores, dtype=np.int64)
     num, den = epsilon.numerator, 2 * sensitivity * epsilon.denominator
     if num > 2**62 or den > 2**62:
         raise ValueError(f"epsilon {epsilon} and sensitivity {sensitivity} exceed the selection kernel's 62 bits")
     m = scores.shape[1]
+    proposals = PROPOSALS_PER_CANDIDATE * m
+    rounds = selection_rounds(m)
+    chunk = max(1, min(CHUNK_CELLS, SELECTION_CHUNK_BYTES // (rounds * WORDS_PER_CELL * 8)))
     out = np.empty(stop - start, dtype=np.int64)
-    for chunk_start in range(start, stop, CHUNK_CELLS):
-        chunk_stop = min(chunk_start + CHUNK_CELLS, stop)
+    for chunk_start in range(start, stop, chunk):
+        chunk_stop = min(chunk_start + chunk, stop)
         block = scores[chunk_start - start: chunk_stop - start]
 
         def kernel(words, per_lane, lanes, values, status, block=block):
-            _exact.select(words, per_lane, np.ascontiguousarray(block[lanes]), m, num, den, values, status)
+            _exact.select(words, per_lane, np.ascontiguousarray(block[lanes]), m, num, den, values, status, proposals)
 
-        out[chunk_start - start: chunk_stop - start] = _run_lanes(stream, chunk_start, chunk_stop, kernel)
+        out[chunk_start - start: chunk_stop - start] = _run_sized_lanes(stream, chunk_start, chunk_stop, rounds,
+                                                                        kernel)
+    return out
+
+
+def _run_sized_lanes(stream: CellStream, start: int, stop: int, rounds: int, kernel) -> np.ndarray:
+    """`_run_lanes` starting from `rounds` rounds per lane (one cipher call), doubling for the rare lane
+    that runs out: the same values, since a lane's bit stream has the same prefix at any length."""
+    out = np.empty(stop - start, dtype=np.int64)
+    lanes = np.arange(stop - start)
+    while lanes.size:
+        if lanes.size == stop - start:
+            words = stream.lane_rounds(start, stop, rounds)
+        else:
+            words = np.concatenate([stream.lane_rounds(start + lane, start + lane + 1, rounds) for lane in lanes.tolist()])
+        values = np.empty(lanes.size, dtype=np.int64)
+        status = np.zeros(lanes.size, dtype=np.uint8)
+        kernel(words, rounds * WORDS_PER_CELL, lanes, values, status)
+        done = status == 0
+        out[lanes[done]] = values[done]
+        lanes = lanes[~done]
+        rounds *= 2
     return out
 
 

@@ -45,10 +45,12 @@ def _plain_schema(schema: pa.Schema, columns: list[str]) -> pa.Schema:
 
 def _import_pyspark():
     try:
+        import pandas  # noqa: F401 - pyspark's Arrow paths need it
         import pyspark  # noqa: F401
         from pyspark.sql import SparkSession
-    except ImportError:
-        raise SpecError("--engine spark needs pyspark: pip install \"dprelease[spark]\"") from None
+    except ImportError as error:
+        raise SpecError(f"--engine spark needs pyspark and pandas ({error.name} is missing): "
+                        "pip install \"dprelease[spark]\"") from None
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         raise SpecError("--engine spark needs a Java runtime (17 or newer) on PATH or in JAVA_HOME")
     return SparkSession
@@ -121,6 +123,7 @@ class SparkEngine(Engine):
     name = "spark"
 
     def __init__(self, master: str | None = None, app_name: str = "dprelease"):
+        _import_pyspark()  # a missing extra is a public spec error, before any key is drawn or budget reserved
         self.master = master
         self.app_name = app_name
 

@@ -66,6 +66,35 @@ def test_selection_kernel_is_bit_identical_to_the_reference():
         assert np.array_equal(fast[1000:1500], select_cells(stream, 1100, 1600, scores[1000:1500], epsilon, sensitivity))
 
 
+def test_lane_rounds_are_the_ctr_rounds_of_each_cell():
+    stream = CellStream.for_table(ReleaseKey(b"w" * 32), "lanes")
+    rounds = stream.lane_rounds(5, 9, 6)
+    expected = np.stack([np.concatenate([stream.block(r, c, c + 1)[0] for r in range(6)]) for c in range(5, 9)])
+    assert np.array_equal(rounds, expected)
+
+
+def test_every_selection_makes_its_padded_number_of_proposals():
+    """Item 6: the first proposal of an all-equal cell is accepted, yet the kernel goes on proposing until
+    16m proposals were made (so it runs out of a short stream), and returns the first accepted candidate."""
+    from dprelease.transforms import _exact
+    from dprelease.transforms.samplers import PROPOSALS_PER_CANDIDATE, selection_rounds
+
+    m, lanes = 8, 64
+    scores = np.zeros((lanes, m), dtype=np.int64)
+    stream = CellStream.for_table(ReleaseKey(b"p" * 32), "pad")
+    short = np.ascontiguousarray(stream.lane_rounds(0, lanes, 2))  # 256 bits: a few proposals only
+    out, status = np.empty(lanes, dtype=np.int64), np.zeros(lanes, dtype=np.uint8)
+    _exact.select(short, 4, scores, m, 1, 2, out, status, 0)
+    assert not status.any()  # unpadded: the first proposal is accepted well within 256 bits
+    first = out.copy()
+    _exact.select(short, 4, scores, m, 1, 2, out, status, PROPOSALS_PER_CANDIDATE * m)
+    assert status.all()  # padded: 128 proposals of 3 bits each need more than 256 bits
+    sized = stream.lane_rounds(0, lanes, selection_rounds(m))
+    status[:] = 0
+    _exact.select(sized, 2 * selection_rounds(m), scores, m, 1, 2, out, status, PROPOSALS_PER_CANDIDATE * m)
+    assert not status.any() and np.array_equal(out, first)
+
+
 @pytest.mark.parametrize("sigma2", [Fraction(10**12 + 7, 3), Fraction(4 * 10**12)])
 def test_wide_gaussian_is_bit_identical_to_the_reference_and_has_its_law(sigma2):
     stream = CellStream.for_table(ReleaseKey(b"g" * 32), "wide")

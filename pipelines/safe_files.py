@@ -1,0 +1,145 @@
+"""Reading files of a release directory that anyone may have written: only regular files inside it.
+
+A published release is untrusted input for `verify`, `report`, `synthesize` and `ledger reconcile`: a
+manifest may name any path, a file may be a symbolic link (to the password database), a FIFO (a read
+that never returns) or a device (/dev/zero: endless bytes). Every path here is opened component by
+component relative to the release directory with O_NOFOLLOW (a link anywhere below the release
+directory is refused, so a later swap cannot redirect the read), the last one with O_NONBLOCK (opening
+a FIFO returns at once) and then checked to be a regular file; reads are bounded.
+"""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO
+
+
+class UnsafeFile(Exception):
+    """A path that is not a regular file inside the directory, or one too large to read."""
+
+
+def safe_relative(path: object) -> str | None:
+    """The path if it is a plain relative POSIX path inside a directory (no '..', '.', '/' prefix,
+    backslash or NUL), else None."""
+    if not isinstance(path, str) or not path or "\\" in path or "\0" in path:
+        return None
+    parts = PurePosixPath(path).parts
+    if path.startswith("/") or any(p in ("..", ".", "") for p in parts) or PurePosixPath(*parts).as_posix() != path:
+        return None
+    return path
+
+
+def open_inside(root: Path, relative: str) -> int:
+    """A read-only file descriptor of the regular file `relative` below `root`, no link followed below root."""
+    checked = safe_relative(relative)
+    if checked is None:
+        raise UnsafeFile(f"{relative!r} is not a plain relative path")
+    parts = checked.split("/")
+    try:
+        directory = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as error:
+        raise UnsafeFile(f"{root}: cannot be opened as a directory ({error.strerror})") from None
+    try:
+        for part in parts[:-1]:
+            try:
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=directory)
+            except OSError as error:
+                raise UnsafeFile(f"{relative}: {part} is not a directory inside the release "
+                                 f"({error.strerror})") from None
+            os.close(directory)
+            directory = inner
+        return _open_regular(parts[-1], directory, relative)
+    finally:
+        os.close(directory)
+
+
+def _open_regular(name: str, directory: int | None, shown: str) -> int:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=directory)
+    except OSError as error:
+        raise UnsafeFile(f"{shown}: cannot be opened as a regular file ({error.strerror})") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise UnsafeFile(f"{shown}: not a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def open_file(root: Path, relative: str) -> BinaryIO:
+    """`open_inside` as a binary file object (for pyarrow readers)."""
+    return os.fdopen(open_inside(root, relative), "rb")
+
+
+def read_inside(root: Path, relative: str, limit: int) -> bytes:
+    """The bytes of a regular file below `root`, refusing one larger than `limit` bytes."""
+    with open_file(root, relative) as handle:
+        return _bounded(handle, limit, relative)
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """The bytes of `path` when it is a regular file (its last component not a link) of at most `limit`
+    bytes; the directories above it are taken as they are (a release directory named in the ledger)."""
+    path = Path(path)
+    try:
+        directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as error:
+        raise UnsafeFile(f"{path.parent}: cannot be opened as a directory ({error.strerror})") from None
+    try:
+        fd = _open_regular(path.name, directory, str(path))
+    finally:
+        os.close(directory)
+    with os.fdopen(fd, "rb") as handle:
+        return _bounded(handle, limit, str(path))
+
+
+def _bounded(handle: BinaryIO, limit: int, shown: str) -> bytes:
+    data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise UnsafeFile(f"{shown}: larger than {limit:,} bytes")
+    return data
+
+
+def regular_directory(path: Path) -> bool:
+    """Whether `path` is a directory that is not a symbolic link."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def tree_entries(root: Path) -> list[tuple[str, str]]:
+    """(relative POSIX path, kind) of everything below `root`, never following a link: kind is 'file',
+    'dir', 'link' or 'other' (FIFO, device, socket)."""
+    found: list[tuple[str, str]] = []
+    pending = [""]
+    while pending:
+        prefix = pending.pop()
+        try:
+            with os.scandir(root / prefix if prefix else root) as entries:
+                for entry in entries:
+                    relative = f"{prefix}/{entry.name}" if prefix else entry.name
+                    if entry.is_symlink():
+                        found.append((relative, "link"))
+                    elif entry.is_dir(follow_symlinks=False):
+                        found.append((relative, "dir"))
+                        pending.append(relative)
+                    elif entry.is_file(follow_symlinks=False):
+                        found.append((relative, "file"))
+                    else:
+                        found.append((relative, "other"))
+        except OSError:
+            found.append((prefix or ".", "other"))
+    return sorted(found)
+
+
+def inside(root: Path, relative: str) -> Path:
+    """root / relative, refusing (ValueError) a relative path that is not plain or leaves root: where a
+    writer joins a name taken from a spec."""
+    if safe_relative(relative) is None:
+        raise ValueError(f"{relative!r}: not a plain relative path")
+    joined = Path(root) / relative
+    if not joined.resolve().is_relative_to(Path(root).resolve()):
+        raise ValueError(f"{relative!r}: leaves {root}")
+    return joined

@@ -1,0 +1,268 @@
+"""Hostile or careless inputs, specs and command lines (issue 18): every input file read exactly once,
+names that cannot leave the release, bounded numbers and nesting, no credential published, private
+internal reports, and one-line errors instead of tracebacks."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from sqlalchemy.engine import make_url
+
+from dprelease.accounting.ledger import open_ledger, set_budget
+from dprelease.accounting.redact import redact_command_line, redact_url
+from dprelease.pipelines.run import run_release
+
+from .conftest import GEO_LEAVES, small_spec, write_case
+
+
+def cli(*args, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", *map(str, args)],
+                          capture_output=True, text=True, **kwargs)
+
+
+def _rows(n: int, first: int = 0) -> dict:
+    return {"pid": list(range(first, first + n)), "geo": [GEO_LEAVES[i % 6] for i in range(n)],
+            "age": [i % 90 for i in range(n)], "sex": ["F", "M"] * (n // 2)}
+
+
+def _directory_case(tmp_path: Path) -> Path:
+    """A spec whose input is a directory holding one Parquet file of 10 persons."""
+    spec = write_case(tmp_path / "case", small_spec(input={"path": "data"}))
+    (spec.parent / "data").mkdir()
+    pq.write_table(pa.table(_rows(10)), spec.parent / "data" / "a.parquet")
+    return spec
+
+
+def _nation_total(release: Path) -> int:
+    return int(pq.read_table(release / "measurements" / "pop.nation.parquet").column("noisy_count")[0].as_py())
+
+
+# ---- 3. every input file read exactly once ------------------------------------------------------------------------
+
+def test_a_symlink_loop_in_the_input_directory_is_refused(tmp_path):
+    """Main read a directory holding a.parquet and `loop -> .` 41 times (counts x41, exit 0)."""
+    spec = _directory_case(tmp_path)
+    (spec.parent / "data" / "loop").symlink_to(".")
+    ran = cli("run", spec, "--no-ledger", "--key-file", tmp_path / "k.key")
+    assert ran.returncode == 2, ran.stderr
+    assert "loop" in ran.stderr and "read once" in ran.stderr
+    assert not (tmp_path / "k.key").exists()
+
+
+def test_two_aliases_of_one_directory_are_refused(tmp_path):
+    spec = _directory_case(tmp_path)
+    (spec.parent / "data" / "part").mkdir()
+    pq.write_table(pa.table(_rows(10, 100)), spec.parent / "data" / "part" / "b.parquet")
+    (spec.parent / "data" / "alias").symlink_to("part")
+    ran = cli("run", spec, "--no-ledger", "--key-file", tmp_path / "k.key")
+    assert ran.returncode == 2 and "alias" in ran.stderr and "part" in ran.stderr, ran.stderr
+
+
+def test_a_file_linked_twice_is_refused(tmp_path):
+    spec = _directory_case(tmp_path)
+    (spec.parent / "data" / "again.parquet").symlink_to("a.parquet")
+    ran = cli("run", spec, "--no-ledger", "--key-file", tmp_path / "k.key")
+    assert ran.returncode == 2 and "again.parquet" in ran.stderr, ran.stderr
+
+
+# ---- 14. names starting with _ or . are data; only known markers are skipped, and named -----------------------------
+
+def test_underscore_and_dot_files_are_read_and_markers_skipped_by_name(tmp_path):
+    """Main skipped `_part.parquet` and `.part.parquet` silently (half the rows counted, exit 0)."""
+    spec = _directory_case(tmp_path)
+    data = spec.parent / "data"
+    pq.write_table(pa.table(_rows(10, 100)), data / "_part.parquet")
+    pq.write_table(pa.table(_rows(10, 200)), data / ".part.parquet")
+    (data / "_SUCCESS").write_text("")
+    (data / ".a.parquet.crc").write_bytes(b"crc")
+    ran = cli("run", spec, "--no-ledger", "--key-file", tmp_path / "k.key", "--out", tmp_path / "out")
+    assert ran.returncode == 0, ran.stderr
+    assert "skipped 2 marker file(s)" in ran.stderr and "_SUCCESS" in ran.stderr and ".a.parquet.crc" in ran.stderr
+    from dprelease.pipelines.plan import build_plan
+    from dprelease.pipelines.source import open_input
+    from dprelease.pipelines.spec import load_spec
+
+    parsed, base = load_spec(spec)
+    source = open_input(build_plan(parsed, base), base)
+    assert sorted(Path(f).name for f in source.files()) == [".part.parquet", "_part.parquet", "a.parquet"]
+
+
+def test_a_hidden_file_that_is_not_data_is_refused_naming_it(tmp_path):
+    spec = _directory_case(tmp_path)
+    (spec.parent / "data" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    ran = cli("run", spec, "--no-ledger", "--key-file", tmp_path / "k.key")
+    assert ran.returncode == 2 and ".DS_Store" in ran.stderr, ran.stderr
+
+
+# ---- 5. unit ids that are not ids -----------------------------------------------------------------------------------
+
+def test_a_float_unit_column_is_refused_at_the_schema_check(case, tmp_path):
+    """NaN unit ids would group several people into one unit: float unit columns never reach bounding."""
+    spec = case(rows={"pid": [1.0, float("nan"), float("nan")], "geo": GEO_LEAVES[:3], "age": [1, 2, 3],
+                      "sex": ["F", "M", "F"]})
+    ran = cli("run", spec, "--no-ledger", "--key-file", tmp_path / "k.key")
+    assert ran.returncode == 2 and "privacy_unit 'pid'" in ran.stderr and "double" in ran.stderr, ran.stderr
+    assert not (tmp_path / "k.key").exists()
+
+
+# ---- 13. names become file names: restricted, and joined paths checked -----------------------------------------------
+
+def test_a_column_name_that_leaves_the_release_is_refused(tmp_path):
+    """Main wrote domains/../../../x.txt outside the release for a geography column named ../../../x."""
+    spec = small_spec()
+    spec["columns"]["../../../x"] = json.loads(json.dumps(spec["columns"]["geo"]))
+    path = write_case(tmp_path / "case", spec)
+    ran = cli("run", path, "--no-ledger", "--key-file", tmp_path / "k.key", "--out", tmp_path / "out")
+    assert ran.returncode == 2 and "columns" in ran.stderr and "file names" in ran.stderr, ran.stderr
+    assert not (tmp_path / "x.txt").exists() and not list(tmp_path.rglob("x.txt"))
+
+
+@pytest.mark.parametrize("field,value", [("levels", {"../up": 2, "county": 5, "tract": 11})])
+def test_a_level_name_that_is_not_a_name_is_refused(tmp_path, field, value):
+    spec = small_spec()
+    spec["columns"]["geo"] = {**spec["columns"]["geo"], field: value}
+    ran = cli("plan", write_case(tmp_path / "case", spec))
+    assert ran.returncode == 2 and "level names" in ran.stderr, ran.stderr
+
+
+def test_writers_refuse_a_path_that_leaves_the_directory(tmp_path):
+    from dprelease.pipelines.safe_files import inside
+
+    with pytest.raises(ValueError):
+        inside(tmp_path, "../escape")
+    with pytest.raises(ValueError):
+        inside(tmp_path, "/etc/passwd")
+    (tmp_path / "link").symlink_to("/")
+    with pytest.raises(ValueError):
+        inside(tmp_path, "link/etc")
+    assert inside(tmp_path, "tables/pop.state") == tmp_path / "tables" / "pop.state"
+
+
+# ---- 4. invariants need the replace relation ------------------------------------------------------------------------
+
+def test_invariants_under_add_remove_are_refused(case):
+    ran = cli("plan", case(invariants=["pop.state"]))
+    assert ran.returncode == 2 and "need neighbouring: replace" in ran.stderr, ran.stderr
+    assert cli("plan", case(invariants=["pop.state"], neighbouring="replace")).returncode == 0
+
+
+def test_an_invariant_states_which_neighbours_the_guarantee_covers(case, tmp_path):
+    result = run_release(case(invariants=["pop.state"], neighbouring="replace"), key_file=tmp_path / "k.key")
+    note = json.loads((result.release_dir / "manifest.json").read_text())["invariants"][0]["note"]
+    assert "replace one unit by another whose records fall in the same cells" in note
+
+
+# ---- 17, 22. bounded numbers and nesting: an error in seconds, never a traceback -------------------------------------
+
+@pytest.mark.parametrize("weight", ["1e-100000000", "1e999999999", "1" * 300, "1/" + "7" * 300])
+def test_a_budget_weight_with_a_huge_exact_value_is_a_spec_error(case, weight):
+    spec = yaml.safe_load(case().read_text())
+    spec["queries"][0]["weight"] = weight
+    path = case()
+    path.write_text(yaml.safe_dump(spec))
+    ran = cli("plan", path, timeout=60)
+    assert ran.returncode == 2 and "queries[0].weight" in ran.stderr and "Traceback" not in ran.stderr, ran.stderr
+
+
+def test_a_5000_digit_integer_in_yaml_is_a_spec_error(case):
+    path = case()
+    path.write_text(path.read_text().replace("max_records_per_unit: 1", "max_records_per_unit: " + "9" * 5000))
+    ran = cli("plan", path, timeout=60)
+    assert ran.returncode == 2 and "more than 100 digits" in ran.stderr and "set_int_max_str_digits" not in ran.stderr
+
+
+@pytest.mark.parametrize("command", ["plan", "run"])
+def test_deeply_nested_yaml_is_a_spec_error(case, tmp_path, command):
+    """Main printed a 2,996-line RecursionError traceback for plan and exited 1 for run."""
+    path = case()
+    path.write_text(path.read_text() + "extra: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    args = [command, path] + (["--no-ledger", "--key-file", tmp_path / "k.key"] if command == "run" else [])
+    ran = cli(*args, timeout=60)
+    assert ran.returncode == 2 and "nested" in ran.stderr and len(ran.stderr.splitlines()) < 5, ran.stderr[-500:]
+
+
+# ---- 12. credentials: never published ---------------------------------------------------------------------------------
+
+PASSWORDS = ["Zq9p/ss", "Zq9a?b#c d", "Zq9x@y9Q", "Zq9%2Fq", "Zq9semi;colon&amp", "Zq9tab\there"]
+"""Passwords SQLAlchemy accepts unencoded in a URL (main published the first two verbatim)."""
+
+
+@pytest.mark.parametrize("password", PASSWORDS)
+def test_a_ledger_password_with_url_characters_is_redacted(password):
+    url = f"postgresql+psycopg://agency:{password}@db.example:5432/ledger"
+    parsed = make_url(url).password  # what SQLAlchemy would connect with
+    for shown in (redact_url(url), " ".join(redact_command_line(["dprelease", "run", "s.yaml", "--ledger", url]))):
+        assert "Zq9" not in shown and parsed not in shown, shown
+        assert shown.endswith("db.example:5432/ledger")
+
+
+def test_beam_options_publish_only_allow_listed_values():
+    line = redact_command_line(["dprelease", "run", "spec.yaml", "--engine", "beam", "--runner", "FlinkRunner", "--",
+                                "--s3_secret_access_key=SECRET1", "--azure_connection_string",
+                                "DefaultEndpointsProtocol=https;AccountKey=SECRET2", "--flink_master=host:8081",
+                                "--hdfs_user", "SECRET3", "--parallelism=8"])
+    text = " ".join(line)
+    assert "SECRET" not in text
+    assert "--flink_master=host:8081" in line and "--parallelism=8" in line and "FlinkRunner" in line
+    assert "--s3_secret_access_key=***" in line and "--azure_connection_string" in line
+
+
+def test_the_manifest_never_holds_a_ledger_password(case, tmp_path):
+    """End to end: a SQLite URL with a query-string password and user info is redacted in provenance."""
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "test-data", "epsilon", Fraction(5))
+    result = run_release(case(), ledger=book, key_file=tmp_path / "k.key",
+                         command_line=["dprelease", "run", "spec.yaml", "--ledger",
+                                       "postgresql://agency:p/ss w?rd#1@db/ledger", "--", "--aws_secret=SECRET"])
+    text = (result.release_dir / "manifest.json").read_text()
+    assert "p/ss" not in text and "w?rd" not in text and "SECRET" not in text
+
+
+# ---- 15. the internal validation report is private -------------------------------------------------------------------
+
+def test_the_validation_report_and_suite_are_owner_only(case, tmp_path):
+    internal = tmp_path / "internal"
+    run_release(case(), key_file=tmp_path / "k.key", internal_dir=internal)
+    files = sorted(internal.iterdir())
+    assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files), \
+        [(p.name, oct(p.stat().st_mode)) for p in files]
+
+
+# ---- 22. one line, not a traceback; the extra named before any key is written ----------------------------------------
+
+@pytest.mark.parametrize("command", [["ledger", "show", "d"], ["ledger", "reconcile"], ["ledger", "list"],
+                                     ["ledger", "set-budget", "d", "--rho", "1"]])
+def test_an_unreachable_ledger_database_is_one_line(command):
+    ran = cli(*command, "--ledger", "postgresql+psycopg://u:secret@127.0.0.1:9/nothing", timeout=120)
+    assert ran.returncode == 1 and "Traceback" not in ran.stderr and len(ran.stderr.strip().splitlines()) == 1, ran.stderr
+    assert "secret" not in ran.stderr and "cannot be used" in ran.stderr
+
+
+def test_a_missing_engine_extra_is_named_before_any_key_is_written(case, tmp_path):
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "pyspark.py").write_text("raise ImportError('no pyspark here', name='pyspark')\n")
+    env = dict(os.environ, PYTHONPATH=str(shadow))
+    ran = cli("run", case(), "--engine", "spark", "--no-ledger", "--key-file", tmp_path / "k.key", env=env)
+    assert ran.returncode == 2 and 'pip install "dprelease[spark]"' in ran.stderr, ran.stderr
+    assert not (tmp_path / "k.key").exists()
+
+
+def test_the_cell_limit_names_the_largest_table_by_its_entries(tmp_path):
+    spec = small_spec(columns={**small_spec()["columns"],
+                               "income": {"type": "integer", "min": 0, "max": 10**6, "clamp": [0, 10**6],
+                                          "bins": [0, 10, 10**6 + 1]}},
+                      queries=[{"name": "pop", "kind": "histogram", "by": ["geo.tract", "age"]},
+                               {"name": "q", "kind": "quantile", "column": "income", "by": ["geo.tract"],
+                                "q": [0.5], "candidates": list(range(0, 20_000, 2))}])
+    ran = cli("plan", write_case(tmp_path / "case", spec), "--max-cells", 1000)
+    assert ran.returncode == 2 and "largest table 'q'" in ran.stderr and "quantile buckets" in ran.stderr, ran.stderr

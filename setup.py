@@ -49,6 +49,7 @@ setup(
         "validate": ["great_expectations>=1.5", "pandas>=2.2,<3"],
         "bench": ["psutil>=5.9"],
     },
-    ext_modules=[Extension("dprelease.transforms._exact", ["transforms/_exact.c"], extra_compile_args=["-O3"])],
+    ext_modules=[Extension("dprelease.transforms._exact", ["transforms/_exact.c"], extra_compile_args=["-O3"]),
+                 Extension("dprelease.transforms._segments", ["transforms/_segments.c"], extra_compile_args=["-O3"])],
     entry_points={"console_scripts": ["dprelease=dprelease.pipelines.cli:main"]},
 )

@@ -60,15 +60,12 @@ MIGRATIONS = {
         "ALTER TABLE releases ADD COLUMN release_dir VARCHAR(4096)",
         "ALTER TABLE releases ADD COLUMN owner VARCHAR(256)"],
     4: ["ALTER TABLE datasets ADD COLUMN period_unit VARCHAR(16)",
-        "ALTER TABLE releases ADD COLUMN lease_expires_at TIMESTAMP",
+        "ALTER TABLE releases ADD COLUMN lease_expires_at TIMESTAMP WITH TIME ZONE",
         "ALTER TABLE releases ADD COLUMN owner_token VARCHAR(64)",
-        "ALTER TABLE releases ADD COLUMN noise_version INTEGER"],
+        "ALTER TABLE releases ADD COLUMN plan_sha256 VARCHAR(64)"],
 }
-NOISE_VERSION = 1
-"""The version of the noise a key draws (samplers, keystream layout, bounding choices). A committed
-release re-runs for free only under the same version: another version would draw other noise with the
-same key, and publishing both would compose two releases' worth of loss. Rows written before this
-column existed are version 1."""
+"""(`TIMESTAMP WITH TIME ZONE`: PostgreSQL's TIMESTAMP alone would store an aware UTC time as the session's
+local time.)"""
 DEFAULT_LEASE_SECONDS = 300
 LEASE_ENV = "DPRELEASE_LEASE_SECONDS"
 RECONCILE_GRACE_SECONDS = 30
@@ -105,7 +102,7 @@ releases = Table(
     Column("finished_at", DateTime(timezone=True)),
     Column("lease_expires_at", DateTime(timezone=True)),
     Column("owner_token", String(64)),
-    Column("noise_version", Integer),
+    Column("plan_sha256", String(64)),
 )
 publications = Table(
     "publications", metadata,
@@ -178,10 +175,15 @@ def ledger_url(location: str | Path) -> str:
 SCHEMA_LOCK = 0x64707265  # "dpre": the PostgreSQL advisory lock that serialises schema creation and migration
 
 
-def open_ledger(location: str | Path) -> Engine:
+def open_ledger(location: str | Path, create: bool = True) -> Engine:
     """Open (creating and migrating if needed) a ledger database. Schema creation is idempotent under
     concurrency: SQLite's BEGIN IMMEDIATE and PostgreSQL's advisory lock let one opener create it.
-    A database that cannot be reached is a LedgerError (one line, exit 1), never a traceback."""
+    A database that cannot be reached is a LedgerError (one line, exit 1), never a traceback.
+    `create=False` (read-only uses: verify, show): a SQLite file that does not exist is an error, not a new
+    ledger."""
+    url = ledger_url(location)
+    if not create and url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).is_file():
+        raise LedgerError(f"ledger {redact_url(str(location))}: no such ledger file")
     try:
         return _open_ledger(location)
     except SQLAlchemyError as error:
@@ -325,12 +327,16 @@ class ReleaseIdentity:
     key_id: str
     spec_sha256: str
     input_fingerprint: str | None = None
+    plan_sha256: str | None = None
 
     def differences(self, row) -> list[str]:
-        """The parts of a ledger row's identity (other than the key) that differ from this one."""
+        """The parts of a ledger row's identity (other than the key) that differ from this one. A row
+        written before plan fingerprints were recorded differs in its plan (a free re-run must be proven to
+        draw the same noise onto the same cells)."""
         pairs = (("dataset", row.dataset_id, self.dataset_id), ("release", row.release_id, self.release_id),
                  ("spec", row.spec_sha256, self.spec_sha256),
-                 ("input", row.input_fingerprint, self.input_fingerprint))
+                 ("input", row.input_fingerprint, self.input_fingerprint),
+                 ("plan (domain files, calibration or noise version)", row.plan_sha256, self.plan_sha256))
         return [name for name, theirs, ours in pairs if theirs != ours or ours is None]
 
 
@@ -357,12 +363,6 @@ def _check_key(identity: ReleaseIdentity, rows: list) -> object | None:
                           "another run (in progress, or killed: `dprelease ledger reconcile` settles it once its "
                           "lease has expired)")
     committed = [row for row in rows if row.status == COMMITTED]
-    if committed and (committed[0].noise_version or 1) != NOISE_VERSION:
-        raise KeyReuseError(
-            f"--key-file: release {identity.release_id!r} was committed with noise version "
-            f"{committed[0].noise_version or 1}; this dprelease draws version {NOISE_VERSION}, so a re-run would "
-            "publish other noise over the same data (two releases' worth of loss, one charged). Publish it with the "
-            "dprelease version that made it, or release anew under a new release id")
     return committed[0] if committed else None
 
 
@@ -380,12 +380,12 @@ def _check_release_id(identity: ReleaseIdentity, rows: list) -> None:
 
 def reserve(engine: Engine, dataset_id: str, release_id: str, key_id: str, spec_sha256: str,
             unit: str, spend: Fraction, period: str | None = None, *, input_fingerprint: str | None = None,
-            release_dir: str | None = None, owner: str | None = None) -> Reservation:
+            release_dir: str | None = None, owner: str | None = None, plan_sha256: str | None = None) -> Reservation:
     """Hold `spend` for a run, or raise BudgetError (exit 3) / KeyReuseError or SpecError (exit 2) leaving the
     ledger unchanged. The row is held under a fresh owner token and a lease (`lease_seconds`) that the run
     renews with a `LeaseKeeper`; `owner` (host:pid.start) and `release_dir` are recorded for people and for
     `reconcile`."""
-    identity = ReleaseIdentity(dataset_id, release_id, key_id, spec_sha256, input_fingerprint)
+    identity = ReleaseIdentity(dataset_id, release_id, key_id, spec_sha256, input_fingerprint, plan_sha256)
     with engine.begin() as connection:
         row = connection.execute(
             select(datasets).where(datasets.c.dataset_id == dataset_id).with_for_update()).first()
@@ -433,7 +433,7 @@ def reserve(engine: Engine, dataset_id: str, release_id: str, key_id: str, spec_
         result = connection.execute(releases.insert().values(
             dataset_id=dataset_id, release_id=release_id, period=period, key_id=key_id, spec_sha256=spec_sha256,
             input_fingerprint=input_fingerprint, release_dir=release_dir, owner=owner,
-            spend=str(spend), status=RESERVED, reserved_at=now, owner_token=token, noise_version=NOISE_VERSION,
+            spend=str(spend), status=RESERVED, reserved_at=now, owner_token=token, plan_sha256=plan_sha256,
             lease_expires_at=_lease_end(lease_seconds())))
         return Reservation(result.inserted_primary_key[0], dataset_id, unit, spend, spent, lifetime, rerun=False,
                            owner_token=token, **fields)
@@ -553,9 +553,13 @@ def reconcile(engine: Engine, published_manifest, dry_run: bool = False, owner_a
             manifest_sha256 = published_manifest(row) if row.release_dir else None
             action = COMMITTED if manifest_sha256 is not None else ABORTED
             if not dry_run:
-                connection.execute(releases.update().where((releases.c.id == row.id) & (releases.c.status == RESERVED))
-                                   .values(status=action, manifest_sha256=manifest_sha256, finished_at=_now(),
-                                           lease_expires_at=None))
+                done_now = connection.execute(
+                    releases.update().where((releases.c.id == row.id) & (releases.c.status == RESERVED))
+                    .values(status=action, manifest_sha256=manifest_sha256, finished_at=_now(), lease_expires_at=None))
+                if done_now.rowcount != 1:  # settled meanwhile by its own run
+                    done.append(Settlement(row.id, row.dataset_id, row.release_id, "left",
+                                           "settled by its own run meanwhile"))
+                    continue
                 if manifest_sha256 is not None:
                     _published(connection, row.id, manifest_sha256)
             reason = f"published at {row.release_dir}" if manifest_sha256 else "its run is gone and published nothing"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 FORMATS = "YYYY, YYYY-Qn, YYYY-MM or YYYY-MM-DD (e.g. 2026, 2026-Q4, 2026-11, 2026-11-05)"
 UNITS = ("year", "quarter", "month", "day")
-_PATTERN = re.compile(r"^(?P<year>[0-9]{4})(?:-Q(?P<quarter>[1-4])|-(?P<month>[0-9]{2})(?:-(?P<day>[0-9]{2}))?)?$")
+_PATTERN = re.compile(r"(?P<year>[0-9]{4})(?:-Q(?P<quarter>[1-4])|-(?P<month>[0-9]{2})(?:-(?P<day>[0-9]{2}))?)?")
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Period:
 
 def parse_period(text: object) -> Period:
     """The period a text names; ValueError saying the allowed formats otherwise."""
-    match = _PATTERN.match(text) if isinstance(text, str) else None
+    match = _PATTERN.fullmatch(text) if isinstance(text, str) else None
     if match is None:
         raise ValueError(f"must be a period in one of the formats {FORMATS}")
     year = int(match["year"])

@@ -6,6 +6,7 @@ selection kernel), for one of three data shapes of the same size:
   concentrated  every cell's RECORDS values at one candidate (a single candidate scores low: the
                 unpadded rejection sampler needs about CANDIDATES proposals per cell)
   spread        every cell's values spread evenly over the candidates (many candidates score low)
+  single        one record per cell (scores differ by a few units: exponents near 1, the costliest acceptance)
   empty         no records (every candidate scores 0: the first proposal is accepted)
 Run it as a whole process per shape and compare the times (a ratio near 1 is the goal):
 
@@ -36,6 +37,8 @@ def buckets(shape: str) -> np.ndarray:
         counts[:, 2 * (CANDIDATES // 2) + 1] = RECORDS
     elif shape == "spread":
         counts[:, 1:width:2] = RECORDS // CANDIDATES
+    elif shape == "single":
+        counts[:, 2 * (CANDIDATES // 2) + 1] = 1
     elif shape != "empty":
         raise SystemExit(f"shape must be concentrated, spread or empty, not {shape!r}")
     return counts.ravel()

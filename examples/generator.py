@@ -1,7 +1,10 @@
 """A synthetic census-like person file: nested geography, households, age, sex, race, ethnicity, income.
 
-The geography is fixed (seeded) and public: state (2 chars) > county (5) > tract (11),
-with uneven numbers of counties and tracts and uneven populations. Persons are generated
+The geography is fixed (seeded) and public: state (2 chars) > county (5) > tract (11) (> block (15)).
+The demo's is small (8 states, 137 counties, 2,975 tracts); `country_geography` builds one the size
+and shape of a real country's (51 states, 3,577 counties, 44,627 tracts, optionally blocks), with
+Zipf-like numbers of counties per state and tracts per county, so that costs that grow with the number
+of geographic units show. Persons are generated
 in household groups and written to Parquet (or CSV) in chunks, so memory stays flat for
 any row count. A small share of dirty values (nulls, out-of-domain codes) exercises the
 spec's invalid-value policies.
@@ -34,6 +37,50 @@ def demo_geography() -> list[str]:
             for tract in range(1, int(rng.integers(2, 41)) + 1):
                 tracts.append(f"{state * 3:02d}{county * 2 - 1:03d}{tract * 100:06d}")
     return tracts
+
+
+def _skewed_counts(rng: np.random.Generator, parents: int, children: int, exponent: float, cap: int) -> np.ndarray:
+    """Children per parent: at least one each, the rest Zipf-like (weight 1/rank^exponent over a random
+    order of the parents), none above `cap`."""
+    if children < parents:
+        raise ValueError(f"{children} children cannot give each of {parents} parents one")
+    weights = 1.0 / np.arange(1, parents + 1) ** exponent
+    weights = rng.permutation(weights / weights.sum())
+    counts = np.ones(parents, dtype=np.int64)
+    extra = children - parents
+    while extra:
+        room = counts < cap
+        if not room.any():
+            raise ValueError(f"{children} children do not fit {parents} parents of at most {cap} each")
+        add = rng.multinomial(extra, np.where(room, weights, 0) / np.where(room, weights, 0).sum())
+        add = np.minimum(add, cap - counts)
+        counts += add
+        extra -= int(add.sum())
+    return counts
+
+
+def country_geography(states: int, counties: int, tracts: int, blocks: int = 0,
+                      seed: int = GEOGRAPHY_SEED) -> list[str]:
+    """Leaf codes of a country-sized geography: SS CCC TTTTTT (BBBB), sorted, identical for the same
+    arguments. Counties per state and tracts per county follow Zipf-like sizes (a few states with hundreds
+    of counties, most counties with a handful of tracts), blocks per tract too."""
+    if not 1 <= states <= 99 or counties > 999 * states or (blocks and blocks > 9999 * tracts):
+        raise ValueError("states must be 1..99, counties at most 999 per state, blocks at most 9,999 per tract")
+    rng = np.random.default_rng([seed, states, counties, tracts, blocks])
+    per_state = _skewed_counts(rng, states, counties, 0.6, 999)
+    per_county = _skewed_counts(rng, counties, tracts, 0.8, 9_999)
+    per_tract = _skewed_counts(rng, tracts, blocks, 0.8, 9_999) if blocks else None
+    state_codes = np.repeat(np.arange(1, states + 1), per_state)
+    county_rank = np.arange(counties) - np.repeat(np.cumsum(per_state) - per_state, per_state)
+    county_codes = np.char.add(np.char.zfill(state_codes.astype(str), 2),
+                               np.char.zfill((county_rank + 1).astype(str), 3))
+    tract_rank = np.arange(tracts) - np.repeat(np.cumsum(per_county) - per_county, per_county)
+    codes = np.char.add(np.repeat(county_codes, per_county), np.char.zfill((100 * (tract_rank + 1)).astype(str), 6))
+    # tracts: 100 * rank stays within 6 digits for up to 9,999 tracts per county
+    if per_tract is not None:
+        block_rank = np.arange(blocks) - np.repeat(np.cumsum(per_tract) - per_tract, per_tract)
+        codes = np.char.add(np.repeat(codes, per_tract), np.char.zfill((block_rank + 1000).astype(str), 4))
+    return sorted(codes.tolist())
 
 
 def _age_weights() -> np.ndarray:
@@ -93,14 +140,16 @@ def _chunk(rng, start_person, start_household, n_rows, tracts, tract_weights, di
     })
 
 
-def write_demo_data(out: Path, rows: int, seed: int = 1, dirty_rate: float = 0.001) -> tuple[Path, Path]:
+def write_demo_data(out: Path, rows: int, seed: int = 1, dirty_rate: float = 0.001,
+                    geography: list[str] | None = None) -> tuple[Path, Path]:
     """Write `rows` persons to `out` (a .parquet/.csv file, or a directory for persons.parquet)
-    and the geography domain file `geography.txt` beside it. Returns both paths."""
+    and the geography domain file `geography.txt` beside it (`geography`: leaf codes, default the demo's).
+    Returns both paths."""
     out = Path(out)
     if out.suffix not in (".parquet", ".csv"):
         out = out / "persons.parquet"
     out.parent.mkdir(parents=True, exist_ok=True)
-    tracts = demo_geography()
+    tracts = geography or demo_geography()
     geo_rng = np.random.default_rng(GEOGRAPHY_SEED + 1)
     weights = geo_rng.lognormal(0.0, 0.6, len(tracts))
     weights /= weights.sum()

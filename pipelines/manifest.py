@@ -177,6 +177,27 @@ def accounting_section(plan: Plan, estimate: EstimateVariances | None = None) ->
     }
 
 
+NOISE_VERSION = 2
+"""How a key draws noise: samplers, keystream layout, bounding choices, key binding (2: the key bound to
+the plan fingerprint). Part of the plan fingerprint, so a dprelease that would draw differently never
+re-runs an older release for free."""
+
+
+def plan_fingerprint(plan: Plan) -> str:
+    """SHA-256 of everything that decides which noise lands on which cell and how much: the spec's hash,
+    the contents of every geography domain file (the cells' order), the calibrated accounting (tables,
+    dimensions, sensitivities, mechanisms) and the noise version. The release key is bound to it and the
+    ledger records it: a free re-run must reproduce all of it, or the same noise would land on other cells
+    or with another scale (publishing differences of true counts)."""
+    from dprelease.transforms.domains import GeographyDomain
+
+    domains = {name: hashlib.sha256("\n".join(d.leaves).encode()).hexdigest()
+               for name, d in sorted(plan.domains.items()) if isinstance(d, GeographyDomain)}
+    document = {"spec": plan.spec.spec_hash(), "domains": domains, "accounting": accounting_section(plan),
+                "noise_version": NOISE_VERSION}
+    return hashlib.sha256(json.dumps(document, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def privacy_section(plan: Plan) -> dict:
     """The manifest's privacy block: unit, neighbouring relation, declared budget, bounds, policies."""
     spec = plan.spec

@@ -152,8 +152,8 @@ class Plan:
         return sorted({getattr(self.domains[c], "source", c) for c in self.encoded_columns()})
 
 
-MAX_DOMAIN_FILE_BYTES = 1 << 30
-"""Largest geography domain file read (1 GiB: about 60 million 16-character codes)."""
+MAX_DOMAIN_FILE_BYTES = 256 << 20
+"""Largest geography domain file read (256 MiB: about 16 million 16-character codes)."""
 
 DomainReader = Callable[[str, str], str]
 """reader(column, domain_file) -> the file's text: how a plan reads a geography domain file."""

@@ -1,34 +1,40 @@
 """Post-processing of a release's noisy measurements into publishable tables.
 
-Reads only noisy measurements, their variances and the public plan (post-processing
-immunity). First one generalised least-squares estimate over every count table of the release
-(hierarchy levels, marginals, histograms together: `transforms.estimation`); then the integer step:
-hierarchy queries top-down (their integer totals become the totals of the marginal queries over
-the same geography level), then marginals, then plain histograms.
+Reads only noisy measurements, their variances and the public plan (post-processing immunity). First
+one generalised least-squares estimate over every count table of the release (hierarchy levels,
+marginals, histograms together): computed per geographic unit, two passes over the levels, when the
+tables form a tree of units (`transforms.units`), else globally (`transforms.estimation`, conjugate
+gradients over every link); `estimation_path` says which and why. Then the integer step: hierarchy
+queries top-down, per (parent, cell) (their integer totals become the totals of the marginal queries
+over the same geography level), marginals per unit through a fitted joint table, histograms rounded.
+Every step is a kernel over batches of parents or units whose results do not depend on the batching.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
-from dprelease.transforms.domains import GeographyDomain
+from dprelease.transforms.domains import NATION, GeographyDomain
 from dprelease.transforms.estimation import CountTable, generalised_least_squares, gls_variances
-from dprelease.transforms.postprocess import (clamp_nonnegative, fit_joint_least_squares, iterative_proportional_fit,
-                                              project_to_simplex,
-                                              nonnegative_integer_children, round_joint, top_down_hierarchy)
+from dprelease.transforms.postprocess import clamp_nonnegative
+from dprelease.transforms.units import integers
+from dprelease.transforms.units.joint import JointShape, JointTable, marginal_tables
+from dprelease.transforms.units.passes import estimate_tree
+from dprelease.transforms.units.tree import HierarchyQuery as TreeHierarchy
+from dprelease.transforms.units.tree import MarginalsQuery as TreeMarginals
+from dprelease.transforms.units.tree import UnitTable, UnitTree, decompose, decomposition_problem
 
 from .plan import MeanOutput, Plan, TablePlan
 from .spec import CountUnitsQuery, HierarchyQuery, MarginalsQuery, MeanQuery, QuantileQuery, SumQuery
 
-JOINT_LIMIT = 20_000_000
-"""Largest joint table (units x attribute cells) fitted for exactly consistent integer marginals."""
+JOINT_UNIT_LIMIT = 4_000_000
+"""Largest joint table of one unit (attribute cells) fitted for exactly consistent integer marginals; the
+joint of a query is fitted a chunk of units at a time, so the query's whole joint may be far larger."""
 
 JOINT_ITERATIONS = 50
-"""Mirror-descent iterations of the joint fit from its raked start (fewer when the loss stops improving)."""
-
-MIN_VARIANCE = 1e-9
-"""Floor of a table's weight in the joint fit (a huge epsilon gives a variance that rounds to 0)."""
+"""Mirror-descent iterations of the joint fit from its raked start (per unit, each with its own step)."""
 
 JOINT_SPREAD_LIMIT = 16
 """Largest ratio of a unit's joint cells to its largest table's cells for the joint path: rounding a
@@ -37,13 +43,20 @@ joint far larger than the tables spreads rounding error over many joint cells pe
 table-by-table path. Public: from the plan."""
 
 
-def uses_joint(plan: Plan, query: MarginalsQuery) -> bool:
-    """Whether a marginals query's integer tables are the margins of one rounded joint table per unit."""
+def marginals_path(plan: Plan, query: MarginalsQuery) -> str:
+    """'joint', 'fitted_tables' or 'tables': how a marginals query's integer tables are made (public)."""
     tables = [t for t in plan.tables if t.query == query.name]
     units = tables[0].dims[0].size if query.within else 1
+    per_unit = joint_size(plan, query) // units
+    if per_unit > JOINT_UNIT_LIMIT:
+        return "tables"
     largest = max(t.n_cells // units for t in tables)
-    size = joint_size(plan, query)
-    return size <= JOINT_LIMIT and size // units <= JOINT_SPREAD_LIMIT * largest
+    return "joint" if per_unit <= JOINT_SPREAD_LIMIT * largest else "fitted_tables"
+
+
+def uses_joint(plan: Plan, query: MarginalsQuery) -> bool:
+    """Whether a marginals query's integer tables are the margins of one rounded joint table per unit."""
+    return marginals_path(plan, query) == "joint"
 
 
 COUNT_KINDS = ("hierarchy", "marginals", "histogram")
@@ -100,18 +113,88 @@ compares such a manifest against these texts."""
 
 
 def count_tables(plan: Plan) -> list[TablePlan]:
-    """The tables the global estimate covers."""
+    """The tables the least-squares estimate covers."""
     return [t for t in plan.tables if t.kind in COUNT_KINDS and t.statistic == "count"]
+
+
+def _geographies(plan: Plan) -> dict[str, GeographyDomain]:
+    return {name: d for name, d in plan.domains.items() if isinstance(d, GeographyDomain)}
 
 
 def _estimator_inputs(plan: Plan) -> tuple[list[TablePlan], list[CountTable], dict[str, GeographyDomain]]:
     tables = count_tables(plan)
-    geographies = {name: d for name, d in plan.domains.items() if isinstance(d, GeographyDomain)}
-    return tables, [CountTable(t.name, t.dims, t.noise_variance()) for t in tables], geographies
+    return tables, [CountTable(t.name, t.dims, t.noise_variance()) for t in tables], _geographies(plan)
+
+
+def _tree_inputs(plan: Plan) -> tuple[list[UnitTable], list[TreeHierarchy]]:
+    tables = [UnitTable(t.name, t.query, t.kind, t.dims, t.noise_variance()) for t in count_tables(plan)]
+    hierarchies = [TreeHierarchy(q.name, tuple(f"{q.name}.{level}" for level in q.levels), tuple(q.levels), bool(q.by))
+                   for q in plan.spec.queries if isinstance(q, HierarchyQuery)]
+    return tables, hierarchies
+
+
+def _tree_marginals(plan: Plan) -> list[TreeMarginals]:
+    """Each marginals query as the tree's integer step needs it: its tables, level, integer path, and the
+    hierarchy table whose integers are its unit totals (the first hierarchy without `by` over that level)."""
+    out = []
+    for q in plan.spec.queries:
+        if not isinstance(q, MarginalsQuery):
+            continue
+        level = q.within.partition(".")[2] if q.within else NATION
+        source = next((h for h in plan.spec.queries if isinstance(h, HierarchyQuery) and not h.by and level in h.levels),
+                      None)
+        out.append(TreeMarginals(q.name, tuple(t.name for t in plan.tables if t.query == q.name), level,
+                                 marginals_path(plan, q), f"{source.name}.{level}" if source else None))
+    return out
+
+
+_TREES: dict[int, tuple[weakref.ref, UnitTree | None]] = {}
+
+
+def unit_tree(plan: Plan) -> UnitTree | None:
+    """The tree of geographic units of the plan's count tables, or None when they do not form one
+    (`estimation_path` says why). Public: from the plan alone; built once per plan object."""
+    cached = _TREES.get(id(plan))
+    if cached is not None and cached[0]() is plan:
+        return cached[1]
+    tree = _unit_tree(plan)
+    _TREES[id(plan)] = (weakref.ref(plan), tree)
+    weakref.finalize(plan, _TREES.pop, id(plan), None)
+    return tree
+
+
+def _unit_tree(plan: Plan) -> UnitTree | None:
+    tables, hierarchies = _tree_inputs(plan)
+    if not tables or decomposition_problem(tables, _geographies(plan), hierarchies):
+        return None
+    try:
+        return decompose(tables, _geographies(plan), hierarchies, _tree_marginals(plan))
+    except ValueError:
+        return None
+
+
+def estimation_path(plan: Plan) -> str:
+    """How the least-squares estimate is computed, for people: per geographic unit, or globally and why."""
+    tables, hierarchies = _tree_inputs(plan)
+    if not tables:
+        return "no count tables"
+    problem = decomposition_problem(tables, _geographies(plan), hierarchies)
+    if problem is None:
+        try:
+            tree = decompose(tables, _geographies(plan), hierarchies, [])
+        except ValueError as error:
+            problem = str(error)
+        else:
+            return (f"per geographic unit: two passes over {len(tree.levels)} levels "
+                    f"({' > '.join(level.name for level in tree.levels)}), each unit's block of tables at a time")
+    return f"global (conjugate gradients over every table at once): the tables do not form a tree of units, {problem}"
 
 
 def least_squares_estimates(plan: Plan, noisy: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The GLS estimate (float, before the integer step) of every count table of the plan."""
+    tree = unit_tree(plan)
+    if tree is not None:
+        return estimate_tree(tree, {n: noisy[n] for n in tree.tables})[0]
     tables, inputs, geographies = _estimator_inputs(plan)
     if not tables:
         return {}
@@ -129,6 +212,12 @@ class EstimateVariances:
 
 
 def estimate_variances(plan: Plan) -> EstimateVariances:
+    """Exact per-cell variances from the tree of units when the tables form one (the passes carry the
+    variances alone: no data), else `gls_variances` (exact or an upper bound, said so)."""
+    tree = unit_tree(plan)
+    if tree is not None:
+        zeros = {name: np.zeros(t.n_cells) for name, t in tree.tables.items()}
+        return EstimateVariances(estimate_tree(tree, zeros)[1], True)
     tables, inputs, geographies = _estimator_inputs(plan)
     if not tables:
         return EstimateVariances({}, True)
@@ -141,6 +230,12 @@ def post_process(plan: Plan, noisy: dict[str, np.ndarray], joints: dict | None =
     marginals query's fitted integer joint table (units x attribute cells), from which `synthesize`
     draws records."""
     estimates = least_squares_estimates(plan, noisy)
+    return integer_step(plan, estimates, noisy, joints)
+
+
+def integer_step(plan: Plan, estimates: dict[str, np.ndarray], noisy: dict[str, np.ndarray],
+                 joints: dict | None = None) -> dict[str, np.ndarray]:
+    """Published integers from the least-squares estimates (count tables) and the noisy measurements."""
     published: dict[str, np.ndarray] = {}
     unit_totals: dict[tuple[str, str], np.ndarray] = {}
     for query in plan.spec.queries:
@@ -153,7 +248,7 @@ def post_process(plan: Plan, noisy: dict[str, np.ndarray], joints: dict | None =
         if t.name in published:
             continue
         if t.name in estimates:
-            published[t.name] = np.maximum(np.rint(estimates[t.name]), 0).astype(np.int64)
+            published[t.name] = integers.rounded(estimates[t.name])
         else:
             published[t.name] = noisy[t.name].copy() if _published_raw(t) else clamp_nonnegative(noisy[t.name])
     return published
@@ -175,19 +270,23 @@ def mean_values(mean: MeanOutput, noisy: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def _hierarchy(plan: Plan, query: HierarchyQuery, estimates, unit_totals) -> dict[str, np.ndarray]:
+    """Top-down: the first level rounded and clamped at 0, each lower level fitted per (parent, cell)."""
     tables = [t for t in plan.tables if t.query == query.name]
     geo = plan.domains[query.geography]
     assert isinstance(geo, GeographyDomain)
-    levels, parent_maps = [], []
+    result: dict[str, np.ndarray] = {}
+    above = None
     for i, t in enumerate(tables):
         units = t.dims[0].size
-        levels.append(estimates[t.name].reshape(units, t.n_cells // units))
-        parent_maps.append(geo.parent_of(query.levels[i], query.levels[i - 1]) if i else None)
-    result = {}
-    for t, level, values in zip(tables, query.levels, top_down_hierarchy(levels, parent_maps)):
+        estimate = estimates[t.name].reshape(units, t.n_cells // units)
+        if i == 0:
+            values = integers.rounded(estimate)
+        else:
+            values = integers.children(estimate, geo.parent_of(query.levels[i], query.levels[i - 1]), above)
         result[t.name] = values.ravel()
         if not query.by:
-            unit_totals.setdefault((query.geography, level), values.ravel())
+            unit_totals.setdefault((query.geography, query.levels[i]), values.ravel())
+        above = values
     return result
 
 
@@ -202,80 +301,37 @@ def joint_size(plan: Plan, query: MarginalsQuery) -> int:
     return units * int(np.prod(list(sizes.values())))
 
 
-def _marginals(plan: Plan, query: MarginalsQuery, estimates, noisy, unit_totals, joints=None) -> dict[str, np.ndarray]:
-    """Integer tables of a marginals query: from a nonnegative joint fitted to its noisy tables (with the
-    unit totals fixed) where the joint is small enough, else from the least-squares estimates."""
+def joint_shape(plan: Plan, query: MarginalsQuery) -> tuple[JointShape, list[str]]:
+    """The joint of a marginals query (its attributes' sizes, each table's axes and variance) and the
+    attribute labels in joint order."""
     tables = [t for t in plan.tables if t.query == query.name]
     offset = 1 if query.within else 0
     attributes = list(dict.fromkeys(d.label for t in tables for d in t.dims[offset:]))
     size = {d.label: d.size for t in tables for d in t.dims[offset:]}
+    shape = JointShape(tuple(size[a] for a in attributes),
+                       tuple(JointTable(t.name, tuple(attributes.index(d.label) for d in t.dims[offset:]),
+                                        t.noise_variance()) for t in tables))
+    return shape, attributes
+
+
+def _marginals(plan: Plan, query: MarginalsQuery, estimates, noisy, unit_totals, joints=None) -> dict[str, np.ndarray]:
+    """Integer tables of a marginals query, per unit: through a joint fitted to its noisy tables with the
+    unit totals fixed (`marginals_path`), or table by table from the least-squares estimates."""
+    tables = [t for t in plan.tables if t.query == query.name]
     units = tables[0].dims[0].size if query.within else 1
-    shapes = {t.name: (units,) + tuple(d.size for d in t.dims[offset:]) for t in tables}
-    arrays = {t.name: estimates[t.name].reshape(shapes[t.name]) for t in tables}
-    labels = {t.name: [d.label for d in t.dims[offset:]] for t in tables}
-    totals = _unit_totals(query, tables, arrays, unit_totals, units)
-    segments = {t.name: np.repeat(np.arange(units), t.n_cells // units) for t in tables}
-    if joint_size(plan, query) > JOINT_LIMIT:
-        return {t.name: nonnegative_integer_children(arrays[t.name].ravel(), segments[t.name], totals) for t in tables}
-
-    axes = {t.name: (0,) + tuple(1 + attributes.index(a) for a in labels[t.name]) for t in tables}
-    shape = (units,) + tuple(size[a] for a in attributes)
-    measured = [(axes[t.name], noisy[t.name].astype(np.float64).reshape(shapes[t.name]),
-                 max(t.noise_variance(), MIN_VARIANCE)) for t in tables if not t.invariant]
-    start = _raked_start(arrays, labels, attributes, axes, shape, totals, segments)
-    fitted = fit_joint_least_squares(shape, totals, measured, max_iterations=JOINT_ITERATIONS, start=start)
-
-    def margin(joint: np.ndarray, t: TablePlan) -> np.ndarray:
-        return joint.sum(axis=tuple(a for a in range(len(shape)) if a not in axes[t.name]))
-
-    if not uses_joint(plan, query):
-        return {t.name: nonnegative_integer_children(margin(fitted, t).ravel(), segments[t.name], totals)
-                for t in tables}
-    joint = round_joint(fitted, totals)
-    if joints is not None:
-        joints[query.name] = (attributes, joint)
-    return {t.name: margin(joint, t).astype(np.int64).ravel() for t in tables}
+    shape, attributes = joint_shape(plan, query)
+    rows = {t.name: t.n_cells // units for t in tables}
+    totals = _unit_totals(query, tables, estimates, unit_totals, units)
+    collected: list = [] if joints is not None else None
+    published = marginal_tables(shape, totals, [noisy[t.name].reshape(units, rows[t.name]) for t in tables],
+                                [estimates[t.name].reshape(units, rows[t.name]) for t in tables], JOINT_ITERATIONS,
+                                marginals_path(plan, query), collected)
+    if joints is not None and collected:
+        joints[query.name] = (attributes, np.concatenate(collected).reshape((units,) + shape.sizes))
+    return {t.name: values.ravel() for t, values in zip(tables, published)}
 
 
-START_SWEEPS = 20
-"""Raking sweeps of the fit's warm start (the mirror descent refines it)."""
-
-RAKE_FLOOR = 1e-3
-"""Added to every cell before raking a table to its one-way margins, so a margin can reach a row the
-nonnegative fit left empty."""
-
-
-def _raked_start(arrays, labels, attributes, axes, shape, totals, segments) -> np.ndarray:
-    """A nonnegative joint near the estimate, where the fit begins: each table's estimate projected onto
-    {x >= 0, sum = total} and raked to integer one-way margins shared by all tables, then one joint per
-    unit fitted to those tables by iterative proportional fitting."""
-    one_way = _one_way_margins(arrays, labels, attributes, totals, shape[0])
-    margins = []
-    for name, estimate in arrays.items():
-        target = project_to_simplex(estimate.ravel(), segments[name], totals).reshape(estimate.shape)
-        if len(labels[name]) > 1:
-            fixed = [((0, 1 + i), one_way[a]) for i, a in enumerate(labels[name])]
-            target = iterative_proportional_fit(target.shape, totals, fixed, START_SWEEPS, start=target + RAKE_FLOOR)
-        margins.append((axes[name], target))
-    return iterative_proportional_fit(shape, totals.astype(np.float64), margins, START_SWEEPS)
-
-
-def _one_way_margins(arrays, labels, attributes, totals, units) -> dict[str, np.ndarray]:
-    """Per attribute, its margin per unit (the estimate is consistent: any table holding the attribute
-    gives it) as nonnegative integers adding up to the unit totals."""
-    margins = {}
-    for a in attributes:
-        name = next(n for n in arrays if a in labels[n])
-        axis = 1 + labels[name].index(a)
-        other = tuple(i for i in range(1, arrays[name].ndim) if i != axis)
-        margin = arrays[name].sum(axis=other)
-        segments = np.repeat(np.arange(units), margin.shape[1])
-        margins[a] = nonnegative_integer_children(margin.ravel(), segments, totals).reshape(margin.shape).astype(
-            np.float64)
-    return margins
-
-
-def _unit_totals(query: MarginalsQuery, tables: list[TablePlan], arrays, unit_totals, units) -> np.ndarray:
+def _unit_totals(query: MarginalsQuery, tables: list[TablePlan], estimates, unit_totals, units) -> np.ndarray:
     """Integer total per unit: the hierarchy's final value at that level, else the (consistent) estimate
     rounded: every table of the query carries the same estimated totals."""
     column, _, level = (query.within or "").partition(".")
@@ -283,9 +339,9 @@ def _unit_totals(query: MarginalsQuery, tables: list[TablePlan], arrays, unit_to
         return unit_totals[(column, level)]
     if not query.within:
         for (geo, lvl), values in unit_totals.items():
-            if lvl == "nation":
+            if lvl == NATION:
                 return values
-    estimate = arrays[tables[0].name].reshape(units, -1).sum(axis=1)
+    estimate = estimates[tables[0].name].reshape(units, -1).sum(axis=1)
     return np.maximum(np.rint(estimate), 0).astype(np.int64)
 
 
@@ -297,8 +353,7 @@ def steps_applied(plan: Plan, manifest_version: int = 2) -> list[dict]:
         if isinstance(q, HierarchyQuery):
             key = "hierarchy"
         elif isinstance(q, MarginalsQuery):
-            key = ("marginals_tables" if joint_size(plan, q) > JOINT_LIMIT
-                   else "marginals_joint" if uses_joint(plan, q) else "marginals_fitted_tables")
+            key = f"marginals_{marginals_path(plan, q)}"
         elif isinstance(q, SumQuery):
             key = "sum" if plan.table(q.name).measure.lower < 0 else "sum_nonnegative"
         elif isinstance(q, (CountUnitsQuery, MeanQuery, QuantileQuery)):

@@ -19,6 +19,7 @@ from .engines.base import Engine, ProgressHook, no_progress
 from .engines.embedded import EmbeddedEngine, spill_prefix
 from .housekeeping import owner, remove_stale, terminate_as_exit
 from .keys import check_key_location, default_key_path, load_or_generate
+from .manifest import plan_fingerprint
 from .limits import check_plan_limits
 from .plan import Plan, build_plan
 from .postprocessing import post_process
@@ -62,7 +63,7 @@ def _reserve(ledger: str | Path | None, plan: Plan, key: ReleaseKey, input_finge
     spec = plan.spec
     reservation = reserve(book, spec.dataset_id, spec.release_id, key.key_id(), spec.spec_hash(), unit, spend,
                           spec.period, input_fingerprint=input_fingerprint, release_dir=str(final_dir.resolve()),
-                          owner=owner())
+                          owner=owner(), plan_sha256=plan_fingerprint(plan))
     LOG.info("ledger: reserved %s %s of dataset %s", "nothing (re-run)" if reservation.rerun else spend, unit,
              spec.dataset_id)
     return book, reservation
@@ -70,11 +71,12 @@ def _reserve(ledger: str | Path | None, plan: Plan, key: ReleaseKey, input_finge
 
 def bind_release_key(key: ReleaseKey, plan: Plan, source: InputSource) -> tuple[ReleaseKey, str]:
     """(the key every engine draws with, the input's keyed fingerprint): the key file's key bound to the
-    dataset, release, spec hash and input. Privacy: reusing a key file for anything else draws
-    independent noise (see ReleaseKey.bind); the ledger refuses such reuse outright."""
+    dataset, release, plan fingerprint (spec, domain files, calibration, noise version) and input.
+    Privacy: reusing a key file for anything else draws independent noise (see ReleaseKey.bind); the ledger
+    refuses such reuse outright."""
     spec = plan.spec
     fingerprint = source.fingerprint(key)
-    return key.bind(spec.dataset_id, spec.release_id, spec.spec_hash(), fingerprint), fingerprint
+    return key.bind(spec.dataset_id, spec.release_id, plan_fingerprint(plan), fingerprint), fingerprint
 
 
 def _abort_quietly(book, reservation) -> None:

@@ -78,6 +78,14 @@ def read_inside(root: Path, relative: str, limit: int) -> bytes:
         return _bounded(handle, limit, relative)
 
 
+def buffer_inside(root: Path, relative: str, limit: int):
+    """A regular file below `root` read into a pyarrow buffer (at most `limit` bytes): readers then run on
+    native memory, never calling back into a Python file object from their threads."""
+    import pyarrow as pa
+
+    return pa.BufferReader(pa.py_buffer(read_inside(root, relative, limit)))
+
+
 def read_regular(path: Path, limit: int) -> bytes:
     """The bytes of `path` when it is a regular file (its last component not a link) of at most `limit`
     bytes; the directories above it are taken as they are (a release directory named in the ledger)."""

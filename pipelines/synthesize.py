@@ -28,7 +28,8 @@ from dprelease.transforms.domains import NATION, GeographyDomain
 from .plan import Plan, TablePlan
 from .postprocessing import count_tables, post_process
 from .release import MEASUREMENTS_DIR, TABLES_DIR
-from .safe_files import open_file
+from .safe_files import buffer_inside
+from .verify_tables import MAX_ROW_BYTES
 from .spec import HierarchyQuery, MarginalsQuery
 from .verify import verify_release
 
@@ -53,12 +54,12 @@ def synthesize(release_dir: Path, max_records: int = 100_000_000) -> Synthetic:
         raise SpecError(f"synthesize: {release_dir} has a version-1 manifest (made before the global estimate); "
                         f"its tables were not fitted by this version's post-processing")
     plan = report.plan
-    noisy = {t.name: _column(release_dir, f"{MEASUREMENTS_DIR}/{t.name}.parquet", f"noisy_{t.value_name}")
-             for t in plan.tables}
+    noisy = {t.name: _column(release_dir, f"{MEASUREMENTS_DIR}/{t.name}.parquet", f"noisy_{t.value_name}",
+                             t.n_outputs) for t in plan.tables}
     joints: dict = {}
     published = post_process(plan, noisy, joints)
     for t in count_tables(plan):
-        on_disk = _column(release_dir, f"{TABLES_DIR}/{t.name}.parquet", t.value_name)
+        on_disk = _column(release_dir, f"{TABLES_DIR}/{t.name}.parquet", t.value_name, t.n_outputs)
         if not np.array_equal(on_disk, published[t.name]):
             raise DPReleaseError(f"synthesize: recomputing {t.name} from the release's measurements does not give "
                                  f"its published values (made by another version of dprelease?)")
@@ -78,10 +79,10 @@ def _one(queries: list, kind: str):
     return queries[0] if queries else None
 
 
-def _column(release_dir: Path, relative: str, name: str) -> np.ndarray:
+def _column(release_dir: Path, relative: str, name: str, rows: int) -> np.ndarray:
     """One column of a release's Parquet file, read as a regular file inside the release (verified above)."""
-    with open_file(Path(release_dir), relative) as handle:
-        return pq.read_table(handle, columns=[name]).column(name).to_numpy()
+    reader = buffer_inside(Path(release_dir), relative, rows * MAX_ROW_BYTES + (1 << 20))
+    return pq.read_table(reader, columns=[name]).column(name).to_numpy()
 
 
 def _check_size(records: int, max_records: int) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -51,16 +52,35 @@ MANIFEST = "manifest.json"
 SUPPORTED_VERSIONS = (1, 2, 3)
 HEX16 = re.compile(r"^[0-9a-f]{16}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
-MAX_MANIFEST_BYTES = 256 << 20
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_PROBLEMS = 1000
+"""Problems kept per report (a hostile manifest can make millions); the rest are counted."""
+
 MAX_SPEC_JSON_BYTES = 4 << 20
 MAX_JSON_DIGITS = 100
 MAX_SIGNATURE_BYTES = 4096
 
 
+class Problems(list):
+    """A list of problems that keeps the first MAX_PROBLEMS and counts the rest (bounded memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dropped = 0
+
+    def append(self, problem: str) -> None:
+        if len(self) < MAX_PROBLEMS:
+            super().append(problem)
+        else:
+            self.dropped += 1
+            if self.dropped == 1:
+                super().append("... further problems not listed")
+
+
 @dataclass
 class VerifyReport:
     release_dir: Path
-    problems: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=Problems)
     checked_files: int = 0
     manifest: dict | None = None
     plan: Plan | None = None
@@ -121,6 +141,19 @@ def _depth(value: object) -> int:
     return deepest
 
 
+def _check_schema(manifest: dict, report: VerifyReport) -> None:
+    """The manifest against the published schema; the `files` list is checked entry by entry elsewhere
+    (only its first entries go through the schema model, so a list of millions costs no more)."""
+    shallow = dict(manifest)
+    if isinstance(shallow.get("files"), list):
+        shallow["files"] = shallow["files"][:100]
+    try:
+        Manifest.model_validate(shallow)
+    except ValidationError as error:
+        for item in error.errors()[:20]:
+            report.problems.append(f"manifest schema: {'.'.join(map(str, item['loc']))[:200]}: {item['msg']}")
+
+
 def _read_manifest(root: Path, report: VerifyReport) -> tuple[dict, bytes] | None:
     if not regular_directory(root):
         report.problems.append(f"{root}: not a directory (or a symbolic link)")
@@ -143,9 +176,11 @@ def _read_manifest(root: Path, report: VerifyReport) -> tuple[dict, bytes] | Non
 
 # ---- files ---------------------------------------------------------------------------------------------------------
 
-def _check_files(root: Path, manifest: dict, report: VerifyReport) -> None:
+def _check_files(root: Path, manifest: dict, report: VerifyReport, bounds: dict[str, int] | None = None) -> None:
     """Every listed file is a safe relative path, present as a regular file, with its size and SHA-256;
-    nothing else (no unlisted file, directory, link or special file) is in the release tree."""
+    nothing else (no unlisted file, directory, link or special file) is in the release tree. A file is
+    hashed only when its size is the listed one and within its bound (`bounds`: the largest size a file of
+    this release's plan can have; files not in it are not hashed)."""
     entries = manifest.get("files")
     if not isinstance(entries, list):
         report.problems.append("files: must be a list of {path, sha256, bytes}")
@@ -162,13 +197,15 @@ def _check_files(root: Path, manifest: dict, report: VerifyReport) -> None:
             report.problems.append(f"files[{i}]: {path} listed twice or names the manifest/signature")
             continue
         listed.add(path)
+        bound = (bounds or {}).get(path)
         try:
-            digest, size = _hash_inside(root, path)
-        except UnsafeFile:
-            report.problems.append(f"file {path}: missing (or not a regular file)")
+            digest = _hash_inside(root, path, entry.get("bytes"), bound)
+        except UnsafeFile as error:
+            report.problems.append(f"file {path}: missing (or not a regular file)" if "open" in str(error)
+                                   else f"file {path}: {error}")
             continue
-        if size != entry.get("bytes"):
-            report.problems.append(f"file {path}: size {size} != manifest {brief(entry.get('bytes'), 40)}")
+        if digest is None:
+            continue
         if not HEX64.match(str(entry.get("sha256"))) or digest != entry.get("sha256"):
             report.problems.append(f"file {path}: SHA-256 differs from the manifest")
         report.checked_files += 1
@@ -186,13 +223,38 @@ def _check_files(root: Path, manifest: dict, report: VerifyReport) -> None:
             report.problems.append(f"file {relative}: present but not listed in the manifest")
 
 
-def _hash_inside(root: Path, relative: str) -> tuple[str, int]:
-    digest, size = hashlib.sha256(), 0
+def _hash_inside(root: Path, relative: str, listed, bound: int | None) -> str | None:
+    """The SHA-256 of a regular file inside the release, read only when its size equals the listed size
+    and is within `bound` (None: not a file of this plan, not read)."""
     with open_file(root, relative) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size != listed:
+            raise UnsafeFile(f"size {size} != manifest {brief(listed, 40)}")
+        if bound is None:
+            return None  # not a file of this release's plan (reported as such), or no plan: never read
+        if size > bound:
+            raise UnsafeFile(f"size {size} is more than a file of this release can hold")
+        digest = hashlib.sha256()
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
-            size += len(block)
-    return digest.hexdigest(), size
+    return digest.hexdigest()
+
+
+def size_bounds(plan: Plan) -> dict[str, int]:
+    """The largest size each file of a release of this plan can have."""
+    from .verify_tables import MAX_ROW_BYTES
+
+    bounds = {}
+    for path in expected_files(plan):
+        folder, _, name = path.partition("/")
+        if folder == "domains":
+            bounds[path] = MAX_DOMAIN_FILE_BYTES
+            continue
+        table = name.rsplit(".", 1)[0]
+        rows = plan.table(table).n_outputs if any(t.name == table for t in plan.tables) else \
+            plan.table(next(m.sum_table for m in plan.means if m.name == table)).n_cells
+        bounds[path] = rows * MAX_ROW_BYTES + (1 << 20)
+    return bounds
 
 
 # ---- derived fields --------------------------------------------------------------------------------------------------
@@ -398,7 +460,7 @@ def check_against_ledger(manifest: dict, manifest_bytes: bytes, location: str, r
                                              release_rows)
 
     problems = report.problems
-    book = open_ledger(location)
+    book = open_ledger(location, create=False)
     dataset, release = str(manifest.get("dataset_id")), str(manifest.get("release_id"))
     rows = [r for r in release_rows(book, dataset, release) if r.status in (COMMITTED, RESERVED)]
     block = manifest.get("ledger")
@@ -415,9 +477,12 @@ def check_against_ledger(manifest: dict, manifest_bytes: bytes, location: str, r
         report.ledger = "mismatch"
         return
     row = committed[0]
-    if isinstance(block, dict) and str(block.get("charged")) != row.spend and manifest.get("manifest_version", 0) >= 3:
+    version = manifest.get("manifest_version")
+    if isinstance(block, dict) and str(block.get("charged")) != row.spend and (not isinstance(version, int)
+                                                                             or version >= 3):
         problems.append(f"ledger.charged: {brief(block.get('charged'), 40)}, but the ledger charged {row.spend}")
-    if (row.period or None) != manifest.get("spec", {}).get("period"):
+    spec = manifest.get("spec") if isinstance(manifest.get("spec"), dict) else {}
+    if (row.period or None) != spec.get("period"):
         problems.append(f"ledger: the ledger recorded period {row.period!r}, the spec names another")
     data_row = dataset_row(book, dataset)
     if data_row is None or (isinstance(block, dict) and block.get("unit") != data_row.unit):
@@ -502,24 +567,26 @@ def verify_release(release_dir: Path, public_key: Path | None = None, *, ledger:
         return report
     manifest, manifest_bytes = read
     report.manifest = manifest
-    try:
-        Manifest.model_validate(manifest)
-    except ValidationError as error:
-        for item in error.errors()[:20]:
-            report.problems.append(f"manifest schema: {'.'.join(map(str, item['loc']))[:200]}: {item['msg']}")
+    _check_schema(manifest, report)
     _check_signature(root, manifest, manifest_bytes, public_key, report)
-    _check_files(root, manifest, report)
     if ledger is not None:
-        check_against_ledger(manifest, manifest_bytes, ledger, report)
+        try:
+            check_against_ledger(manifest, manifest_bytes, ledger, report)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            report.problems.append(f"ledger: the manifest's fields cannot be compared with the ledger "
+                                   f"({type(error).__name__})")
     planned = _replan(root, manifest, report)
-    if planned is None:
+    plan = planned[0] if planned else None
+    if plan is not None:
+        try:
+            check_cell_limit(plan)
+        except DPReleaseError as error:
+            report.problems.append(f"spec: {error}")
+            plan = None
+    _check_files(root, manifest, report, size_bounds(plan) if plan is not None else {})
+    if plan is None:
         return report
-    plan, embedded_spec = planned
-    try:
-        check_cell_limit(plan)
-    except DPReleaseError as error:
-        report.problems.append(f"spec: {error}")
-        return report
+    embedded_spec = planned[1]
     report.plan = plan
     version = manifest.get("manifest_version")
     version = version if version in SUPPORTED_VERSIONS else MANIFEST_VERSION

@@ -30,9 +30,11 @@ from dprelease.transforms.aggregate import unravel_cells
 from dprelease.transforms.domains import NATION, GeographyDomain, dimension_labels
 
 from .plan import MeanOutput, Plan, TablePlan
-from .postprocessing import JOINT_LIMIT, EstimateVariances, joint_size, mean_values, post_process, uses_joint
+from .postprocessing import EstimateVariances, mean_values, post_process, uses_joint
 from .release import GLS_VARIANCE, MEASUREMENTS_DIR, TABLES_DIR
-from .safe_files import UnsafeFile, open_file
+from .safe_files import UnsafeFile, buffer_inside
+
+MAX_ROW_BYTES = 4096
 from .spec import HierarchyQuery, MarginalsQuery
 
 
@@ -46,6 +48,11 @@ class FileShape:
     @property
     def schema(self) -> pa.Schema:
         return pa.schema(list(self.columns))
+
+    @property
+    def max_bytes(self) -> int:
+        """The largest file of this shape read (labels, values and CSV quoting per row, generously)."""
+        return self.rows * MAX_ROW_BYTES + (1 << 20)
 
 
 def table_shape(table: TablePlan, folder: str, with_variance: bool) -> FileShape:
@@ -70,15 +77,22 @@ def read_table_file(root: Path, relative: str, shape: FileShape, problems: list[
     """A table's Parquet file with exactly `shape`'s columns and rows and its CSV twin equal to it; the
     Parquet data when both hold."""
     try:
-        with open_file(root, f"{relative}.parquet") as handle:
-            data = pq.read_table(handle)
+        parquet = pq.ParquetFile(buffer_inside(root, f"{relative}.parquet", shape.max_bytes))
+        schema = parquet.schema_arrow
+        found = [(f.name, f.type) for f in schema]
+        if found != list(shape.columns) or parquet.metadata.num_rows != shape.rows:
+            data = None  # the footer already says it is wrong: never decode the data
+        else:
+            data = parquet.read()
     except UnsafeFile as error:
         problems.append(f"{relative}.parquet: {error}")
         return None
     except (pa.ArrowException, OSError) as error:
         problems.append(f"{relative}.parquet: cannot be read as Parquet ({type(error).__name__})")
         return None
-    found = [(f.name, f.type) for f in data.schema]
+    if data is None and found == list(shape.columns):
+        problems.append(f"{relative}.parquet: {parquet.metadata.num_rows} rows, the public domain has {shape.rows}")
+        return None
     if found != list(shape.columns):
         problems.append(f"{relative}.parquet: columns {[f'{n}: {t}' for n, t in found]}, expected exactly "
                         f"{[f'{n}: {t}' for n, t in shape.columns]}")
@@ -98,8 +112,7 @@ def _read_csv(root: Path, relative: str, shape: FileShape, problems: list[str]) 
     options = pacsv.ConvertOptions(column_types=dict(shape.columns), strings_can_be_null=False, null_values=[""],
                                    include_columns=None)
     try:
-        with open_file(root, relative) as handle:
-            data = pacsv.read_csv(handle, convert_options=options)
+        data = pacsv.read_csv(buffer_inside(root, relative, shape.max_bytes), convert_options=options)
     except UnsafeFile as error:
         problems.append(f"{relative}: {error}")
         return None
@@ -130,20 +143,30 @@ def _check_labels(name: str, data: pa.Table, plan: Plan, dims, quantiles, proble
             problems.append(f"{name}: column 'q' differs from the spec's quantiles in order")
 
 
-def _check_values(name: str, table: TablePlan, folder: str, values: pa.ChunkedArray, problems: list[str]) -> None:
+MAX_COUNT = 1 << 40
+"""Largest count a published table may hold: far above any population, and sums of such values over a
+parent's children stay exact in int64 (an edited 2^63 - 1 would wrap around and add up)."""
+
+
+def _check_values(name: str, table: TablePlan, folder: str, values: pa.ChunkedArray, problems: list[str]) -> bool:
+    """Check a table's values; False when they are unusable for the consistency checks."""
     if values.null_count:
         problems.append(f"{name}: {values.null_count} null value(s)")
-        return
+        return False
     array = values.to_numpy()
     if table.quantiles:
         if not np.isin(array, np.asarray(table.layout.candidates, dtype=np.int64)).all():
             problems.append(f"{name}: a quantile value that is not one of the public candidates")
-        return
+        return True
     if folder != TABLES_DIR:
-        return
+        return True
     nonnegative = table.statistic in ("count", "units") or (table.statistic == "sum" and table.measure.lower >= 0)
     if nonnegative and (array < 0).any():
         problems.append(f"{name}: negative values in a table published nonnegative")
+    if table.statistic in ("count", "units") and (array > MAX_COUNT).any():
+        problems.append(f"{name}: counts above {MAX_COUNT:,} (no population is that large)")
+        return False
+    return True
 
 
 def _check_variance(name: str, data: pa.Table, expected: np.ndarray, problems: list[str]) -> None:
@@ -167,10 +190,10 @@ def check_table_files(root: Path, plan: Plan, estimate: EstimateVariances | None
                 continue
             _check_labels(name, data, plan, table.dims, table.quantiles, problems)
             values = data.column(shape.columns[len(table.dims) + bool(table.quantiles)][0])
-            _check_values(name, table, folder, values, problems)
+            usable = _check_values(name, table, folder, values, problems)
             if folder == TABLES_DIR and table.name in per_cell:
                 _check_variance(name, data, per_cell[table.name], problems)
-            if not values.null_count:
+            if usable:
                 into[table.name] = values.to_numpy()
     for mean in plan.means:
         _check_mean_file(root, plan, mean, problems)
@@ -246,7 +269,7 @@ def _check_marginals(plan: Plan, query: MarginalsQuery, published, totals, probl
         (v for (g, lvl), v in totals.items() if lvl == NATION), None)
     if source is not None and source.size == units and not np.array_equal(unit_totals[first], source):
         problems.append(f"{TABLES_DIR}/{first}: its unit totals differ from the hierarchy's {level} totals")
-    if joint_size(plan, query) > JOINT_LIMIT or not uses_joint(plan, query):
+    if not uses_joint(plan, query):
         return
     labels = {t.name: [d.label for d in t.dims[offset:]] for t in tables}
     for a, b in itertools.combinations(tables, 2):
@@ -283,8 +306,8 @@ def check_recomputed(root: Path, plan: Plan, published: dict[str, np.ndarray], n
     for mean in plan.means:
         expected = mean_values(mean, noisy)
         try:
-            with open_file(root, f"{TABLES_DIR}/{mean.name}.parquet") as handle:
-                column = pq.read_table(handle).column("mean")
+            column = pq.read_table(buffer_inside(root, f"{TABLES_DIR}/{mean.name}.parquet",
+                                                 mean_shape(plan, mean).max_bytes)).column("mean")
         except (UnsafeFile, pa.ArrowException, OSError, KeyError):
             continue
         found = column.to_numpy(zero_copy_only=False).astype(np.float64)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -31,12 +30,15 @@ TIMEOUT = 60
 MEMORY_LIMIT = 3 << 30
 
 
+LIMITED = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_AS, ({0}, {0})); "
+           "sys.argv = ['dprelease'] + sys.argv[1:]; runpy.run_module('dprelease.pipelines.cli', run_name='__main__')")
+
+
 def cli(*args, cwd=None, env=None) -> subprocess.CompletedProcess:
-    """The CLI with a wall-clock limit and an address-space limit (a read of /dev/zero would exceed it)."""
-    def limit():
-        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
-    return subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=TIMEOUT, cwd=cwd, env=env, preexec_fn=limit)
+    """The CLI with a wall-clock limit and an address-space limit (a read of /dev/zero would exceed it), set
+    by the child itself (a preexec_fn would fork a test process that may hold gRPC threads)."""
+    return subprocess.run([sys.executable, "-c", LIMITED.format(MEMORY_LIMIT), *map(str, args)], capture_output=True,
+                          text=True, timeout=TIMEOUT, cwd=cwd, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +240,67 @@ def test_table_edits_are_mismatches_even_rehashed(release, edit):
     edit_table(release, relative, change)
     found = problems(release)
     assert any(expected in p for p in found), found
+
+
+def test_counts_that_wrap_around_int64_never_add_up(release):
+    """Tracts of 2^63 - 1 wrapped around to their county's total in main's int64 sums."""
+    def wrap(table):
+        counts = table.column("count").to_numpy().copy()
+        labels = table.column("tract").to_pylist()
+        mine = [i for i, code in enumerate(labels) if code.startswith("02005")]
+        counts[mine[0]] = counts[mine[1]] = 2**63 - 1
+        counts[mine[2]] = int(pq.read_table(release / "tables" / "pop.county.parquet").to_pydict()["count"][
+            pq.read_table(release / "tables" / "pop.county.parquet").column("county").to_pylist().index("02005")]) + 2
+        return set_column(table, "count", counts)
+
+    edit_table(release, "tables/pop.tract", wrap)
+    assert any("above" in p for p in problems(release))
+
+
+def test_a_parquet_file_with_too_many_rows_is_refused_from_its_footer(release):
+    big = pa.table({"sex": pa.array(["F"] * 3_000_000), "noisy_count": pa.array(np.zeros(3_000_000, dtype=np.int64))})
+    pq.write_table(big, release / "measurements" / "by_sex.parquet")  # 20 kB compressed
+    rehash(release)
+    import resource as res
+    before = res.getrusage(res.RUSAGE_SELF).ru_maxrss
+    found = problems(release)
+    assert any("rows, the public domain has" in p for p in found)
+    assert res.getrusage(res.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB: the rows were never decoded
+
+
+def test_a_sparse_file_claiming_terabytes_is_never_hashed(release):
+    path = release / "tables" / "pop.state.csv"
+    with open(path, "r+b") as handle:
+        handle.truncate(1 << 40)
+    manifest = manifest_of(release)
+    for entry in manifest["files"]:
+        if entry["path"] == "tables/pop.state.csv":
+            entry["bytes"] = 1 << 40
+    write_manifest(release, manifest)
+    ran = cli("verify", release)
+    assert ran.returncode == 1 and "more than a file of this release can hold" in ran.stderr
+
+
+def test_a_manifest_listing_millions_of_files_stays_bounded(release):
+    manifest = manifest_of(release)
+    manifest["files"] = manifest["files"] + [{}] * 2_000_000
+    write_manifest(release, manifest)
+    ran = cli("verify", release)
+    assert ran.returncode == 1 and "further problems not listed" in ran.stderr and len(ran.stderr) < 1_000_000
+
+
+@pytest.mark.parametrize("edit", [lambda m: m.update(spec=[]), lambda m: m.update(manifest_version="3")])
+def test_verify_against_a_ledger_never_tracebacks(release, published, edit):
+    manifest = manifest_of(release)
+    edit(manifest)
+    write_manifest(release, manifest)
+    ran = cli("verify", release, "--ledger", published[1])
+    assert ran.returncode == 1 and "Traceback" not in ran.stderr
+
+
+def test_verify_never_creates_a_ledger(release, tmp_path):
+    ran = cli("verify", release, "--ledger", tmp_path / "new.sqlite")
+    assert ran.returncode == 1 and "no such ledger file" in ran.stderr and not (tmp_path / "new.sqlite").exists()
 
 
 def test_a_csv_that_differs_from_its_parquet_is_a_mismatch(release):

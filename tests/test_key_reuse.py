@@ -70,6 +70,36 @@ def test_one_key_over_changed_input_never_publishes_the_true_difference(case, tm
     assert np.count_nonzero(all_cells) > len(all_cells) // 3  # fresh noise, not a difference of true counts
 
 
+def test_a_free_rerun_after_a_domain_file_edit_is_refused(case, tmp_path):
+    """The spec hash names the domain file, not its contents: one tract added in front shifts every cell,
+    and the same noise over shifted cells would publish exact differences of true counts. The plan
+    fingerprint (domain contents, calibration, noise version) binds the key and the ledger row."""
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "test-data", "rho", Fraction(10))
+    spec = case(rows=rows(), budget={"definition": "zcdp", "rho": 1})
+    run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=tmp_path / "a")
+    geo = spec.parent / "geo.txt"
+    geo.write_text("01000000100\n" + geo.read_text())
+    ran = cli("run", spec, "--ledger", book, "--key-file", tmp_path / "k.key", "--out", tmp_path / "b")
+    assert ran.returncode == 2 and "different plan" in ran.stderr, ran.stderr
+    assert statuses(book) == [COMMITTED] and not (tmp_path / "b" / "test-release").exists()
+
+
+def test_a_release_committed_without_a_plan_fingerprint_is_not_rerun_free(case, tmp_path):
+    """Rows from before plan fingerprints may have been drawn with other samplers or calibrations."""
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "test-data", "rho", Fraction(10))
+    spec = case(rows=rows(), budget={"definition": "zcdp", "rho": 1})
+    run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=tmp_path / "a")
+    from sqlalchemy import update
+
+    from dprelease.accounting.ledger import releases
+    with open_ledger(book).begin() as connection:
+        connection.execute(update(releases).values(plan_sha256=None))
+    with pytest.raises(KeyReuseError, match="different plan"):
+        run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=tmp_path / "b")
+
+
 def test_noise_binds_release_id_and_spec(case, tmp_path):
     key = tmp_path / "k.key"
     base = run_release(case(), key_file=key, out_dir=tmp_path / "a")

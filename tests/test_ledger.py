@@ -176,10 +176,10 @@ def test_a_period_spelled_otherwise_is_charged_to_the_same_month(case, tmp_path,
                     out_dir=tmp_path / "b")
 
 
-@pytest.mark.parametrize("bad", ["nov-2026", "2026-13", "2026-11-31", "2026-Q5", "26-11", "2026/11"])
+@pytest.mark.parametrize("bad", ["nov-2026", "2026-13", "2026-11-31", "2026-Q5", "26-11", "2026/11", "2026-11\n"])
 def test_periods_outside_the_formats_are_refused_naming_the_field(case, tmp_path, bad):
     ran = cli("plan", case(period=bad))
-    assert ran.returncode == 2 and f"period = '{bad}'" in ran.stderr and "YYYY-MM" in ran.stderr
+    assert ran.returncode == 2 and f"period = {bad!r}" in ran.stderr and "YYYY-MM" in ran.stderr
 
 
 def test_a_quarterly_budget_counts_every_release_that_overlaps_the_quarter(case, tmp_path):

@@ -77,3 +77,36 @@ def test_two_runs_race_for_the_last_budget_and_the_password_is_never_published(p
     assert f"postgresql+psycopg://***@127.0.0.1:{postgres.port}/{database}" in command_line
     assert all("S3CRET" not in stderr for _, stderr in outcomes)
     assert [r.status for r in history(open_ledger(url), "test-data")[1]] == ["committed"]
+
+
+def test_leases_of_a_migrated_ledger_hold_in_any_session_time_zone(postgres, monkeypatch):
+    """A version-3 ledger migrated in place: its lease column must hold time zones (PostgreSQL's TIMESTAMP
+    alone stores an aware UTC time as the session's local time: west of UTC, reconcile then aborted live
+    runs at once, east of UTC it left dead runs' budget locked for hours)."""
+    from sqlalchemy import create_engine
+
+    from dprelease.accounting.ledger import RESERVED, reconcile
+
+    url = postgres.url(postgres.create_database())
+    with create_engine(url).begin() as connection:  # the schema dprelease wrote at version 3
+        connection.execute(text("""
+            CREATE TABLE schema_version (version INTEGER NOT NULL);
+            INSERT INTO schema_version VALUES (3);
+            CREATE TABLE datasets (dataset_id VARCHAR(128) PRIMARY KEY, unit VARCHAR(16) NOT NULL,
+                lifetime_budget VARCHAR(64) NOT NULL, period_budget VARCHAR(64),
+                updated_at TIMESTAMP WITH TIME ZONE NOT NULL);
+            CREATE TABLE releases (id SERIAL PRIMARY KEY, dataset_id VARCHAR(128) NOT NULL REFERENCES datasets,
+                release_id VARCHAR(128) NOT NULL, period VARCHAR(128), key_id VARCHAR(32) NOT NULL,
+                spec_sha256 VARCHAR(64) NOT NULL, input_fingerprint VARCHAR(64), release_dir VARCHAR(4096),
+                owner VARCHAR(256), manifest_sha256 VARCHAR(64), spend VARCHAR(64) NOT NULL,
+                status VARCHAR(16) NOT NULL, reserved_at TIMESTAMP WITH TIME ZONE NOT NULL,
+                finished_at TIMESTAMP WITH TIME ZONE);
+        """))
+    for zone in ("America/New_York", "Asia/Tokyo"):
+        monkeypatch.setenv("PGTZ", zone)
+        book = open_ledger(url)
+        set_budget(book, f"d-{zone}", "rho", Fraction(5))
+        reserve(book, f"d-{zone}", "r", f"k-{zone}", "s", "rho", Fraction(1), release_dir="/nowhere", owner="h:1.1")
+        assert {s.action for s in reconcile(book, lambda row: None)} == {"left"}  # a fresh 300 s lease holds
+        rows = history(book, f"d-{zone}")[1]
+        assert [r.status for r in rows] == [RESERVED]

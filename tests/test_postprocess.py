@@ -159,7 +159,7 @@ def test_marginals_agree_on_shared_sub_marginals(case, tmp_path):
 
 
 def test_marginals_without_joint_fit_keep_totals(case, tmp_path, monkeypatch):
-    monkeypatch.setattr(postprocessing, "JOINT_LIMIT", 0)
+    monkeypatch.setattr(postprocessing, "JOINT_UNIT_LIMIT", 0)
     result, _ = _release(case, tmp_path)
     _marginal_checks(result, result.plan)
     manifest = json.loads((result.release_dir / "manifest.json").read_text())

@@ -123,8 +123,9 @@ def select_cells(stream: CellStream, start: int, stop: int, scores: np.ndarray, 
     proposals (uniform candidate, exact Bernoulli acceptance), keeping the first accepted one, so the
     number of proposals differs between inputs only when no proposal among the first 16m is accepted
     (probability below exp(-16) = 1.1e-7, as each is accepted with probability >= 1/m), and every lane's
-    stream is sized from m alone. What still varies with the scores is the few bits an acceptance step
-    reads (`benchmarks/selection_timing.py` measures it). The value is the one the unpadded rejection
+    stream is sized from m alone. What still varies with the scores is the cost of each acceptance step
+    (none when a cell's candidates all score alike, as in an empty cell; up to 2x per selection, measured in
+    `benchmarks/selection_timing.py`): not eliminated, stated in the README. The value is the one the unpadded rejection
     sampler returns on the same bits (`samplers_reference.select_cells_reference`)."""
     scores = np.ascontiguousarray(scores, dtype=np.int64)
     num, den = epsilon.numerator, 2 * sensitivity * epsilon.denominator

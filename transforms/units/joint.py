@@ -1,0 +1,318 @@
+"""Marginals within a unit: a nonnegative joint table per unit fitted to the unit's noisy tables.
+
+Per unit: minimise sum_t ||margin_t(p) - y_t||^2 / v_t over {p >= 0, sum p = the unit's integer total}
+(the marginal polytope; Private-PGM's estimator on one clique, McKenna et al. 2019) by entropic mirror
+descent, started from the least-squares tables made nonnegative, raked to shared integer one-way margins
+and joined by iterative proportional fitting; then the joint rounded to the unit total (controlled
+rounding) so the published tables are its margins.
+
+Cost. Units are processed CHUNK at a time in a unit-minor layout (joint axes..., CHUNK), so every
+reduction and broadcast runs over contiguous vectors of CHUNK units. A mirror-descent step needs no
+exponential per joint cell: the gradient is a sum of one term per table, so exp(-step * gradient) is a
+product of one factor per table, each computed on the table's (small) margin and broadcast into the joint.
+Each unit keeps its own step size (grown 1.5x after a step that lowered its loss, halved and the step
+undone otherwise): one loss evaluation per iteration, and no unit's step depends on another's.
+Every operation has one fixed shape per chunk, so a unit's result is the same bits in any batch.
+Post-processing: noisy tables, their public variances and public totals only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..segments import project_segments, round_segments
+
+CHUNK = 32
+"""Units per chunk of the joint fit (its arrays: joint cells x CHUNK doubles, a few of them)."""
+START_SWEEPS = 20
+RAKE_FLOOR = 1e-3
+START_FLOOR = 1e-3
+MIN_VARIANCE = 1e-9
+EXPONENT_CLIP = 100.0
+"""Bound on each table's factor exponent: the product of the factors stays finite (a unit whose loss cannot
+move, a zero total say, keeps growing its step)."""
+
+
+@dataclass(frozen=True)
+class JointTable:
+    """One table of a marginals query as the joint sees it: its axes (indices into the joint's attributes,
+    in the table's own dimension order) and its noise variance (0: published exactly)."""
+
+    name: str
+    axes: tuple[int, ...]
+    variance: float
+
+
+@dataclass(frozen=True)
+class JointShape:
+    sizes: tuple[int, ...]
+    tables: tuple[JointTable, ...]
+
+    @property
+    def cells(self) -> int:
+        return int(np.prod(self.sizes))
+
+    def table_cells(self, table: JointTable) -> int:
+        return int(np.prod([self.sizes[a] for a in table.axes]))
+
+    def groups(self) -> list[tuple[tuple[int, ...], list[int]]]:
+        """Tables grouped under shared intermediate margins: [(kept axes, table indices)]. Greedily, while
+        some (k-1)-way margin (all axes but one) holds two or more tables not yet grouped, the one holding
+        the most becomes an intermediate: its tables' margins are taken from it, and their update factors
+        multiplied into it before it is broadcast into the joint. Tables left over form groups of their own
+        (kept axes: the full joint). Public: from the shape alone."""
+        k = len(self.sizes)
+        left = list(range(len(self.tables)))
+        groups = []
+        while k > 2:
+            best, held = None, []
+            for dropped in range(k):
+                inside = [i for i in left if dropped not in self.tables[i].axes]
+                if len(inside) > len(held):
+                    best, held = dropped, inside
+            if len(held) < 2:
+                break
+            groups.append((tuple(a for a in range(k) if a != best), held))
+            left = [i for i in left if i not in held]
+        groups.extend((tuple(range(k)), [i]) for i in left)
+        return groups
+
+
+def _margin(joint: np.ndarray, shape: JointShape, table: JointTable) -> np.ndarray:
+    """The table's margin of a chunk (table dims in the table's order..., CHUNK)."""
+    k = len(shape.sizes)
+    other = tuple(a for a in range(k) if a not in table.axes)
+    margin = joint.sum(axis=other) if other else joint
+    kept = sorted(table.axes)
+    order = [kept.index(a) for a in table.axes] + [len(kept)]
+    return np.ascontiguousarray(np.transpose(margin, order))
+
+
+def _broadcast(values: np.ndarray, shape: JointShape, table: JointTable) -> np.ndarray:
+    """A table-shaped chunk array (table dims..., CHUNK) with axes to broadcast against the joint."""
+    kept = sorted(table.axes)
+    back = np.transpose(values, [table.axes.index(a) for a in kept] + [len(kept)])
+    return back.reshape([shape.sizes[a] if a in table.axes else 1 for a in range(len(shape.sizes))] + [CHUNK])
+
+
+def _chunk_rows(rows: np.ndarray, dims: tuple[int, ...]) -> np.ndarray:
+    """Units' rows (units x cells, at most CHUNK units) as a unit-minor chunk (dims..., CHUNK), zero padded."""
+    out = np.zeros((int(np.prod(dims)) if dims else 1, CHUNK))
+    out[:, :rows.shape[0]] = rows.T
+    return out.reshape(tuple(dims) + (CHUNK,))
+
+
+def _rows(chunk: np.ndarray, units: int) -> np.ndarray:
+    return chunk.reshape(-1, CHUNK)[:, :units].T.copy()
+
+
+def fit_joints(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarray], estimates: list[np.ndarray],
+               iterations: int) -> np.ndarray:
+    """The fitted joint of every unit (units x joint cells): `noisy` and `estimates` hold, per table of
+    `shape`, the units' noisy and least-squares tables (units x table cells)."""
+    totals = np.asarray(totals, dtype=np.float64)
+    out = np.empty((totals.size, shape.cells))
+    for start in range(0, totals.size, CHUNK):
+        rows = slice(start, min(start + CHUNK, totals.size))
+        units = rows.stop - rows.start
+        total = np.zeros(CHUNK)
+        total[:units] = totals[rows]
+        start_joint = _raked_start(shape, total, [e[rows] for e in estimates], units)
+        fitted = _mirror_descent(shape, total, [_chunk_rows(n[rows].astype(np.float64), _dims(shape, t))
+                                                for n, t in zip(noisy, shape.tables)], start_joint, iterations)
+        out[rows] = _rows(fitted, units)
+    return out
+
+
+def _dims(shape: JointShape, table: JointTable) -> tuple[int, ...]:
+    return tuple(shape.sizes[a] for a in table.axes)
+
+
+def _raked_start(shape: JointShape, total: np.ndarray, estimates: list[np.ndarray], units: int) -> np.ndarray:
+    """A nonnegative joint near the estimate: each table projected onto {x >= 0, sum = total}, raked to
+    integer one-way margins shared by all tables, then the joint fitted to them by iterative proportional
+    fitting from uniform."""
+    one_way: dict[int, np.ndarray] = {}
+    for table, estimate in zip(shape.tables, estimates):
+        dims = _dims(shape, table)
+        local = JointShape(dims, tuple(JointTable("", (i,), 1.0) for i in range(len(dims))))
+        chunk = _chunk_rows(estimate, dims)
+        for position, axis in enumerate(table.axes):
+            if axis not in one_way:
+                margin = _rows(_margin(chunk, local, local.tables[position]), units)
+                one_way[axis] = _chunk_rows(_nonnegative_integers(margin, total[:units]).astype(np.float64),
+                                            (dims[position],))
+    targets = []
+    for table, estimate in zip(shape.tables, estimates):
+        dims = _dims(shape, table)
+        target = _chunk_rows(_project_rows(estimate, total[:units]), dims)
+        if len(table.axes) > 1:
+            local = JointShape(dims, tuple(JointTable("", (i,), 1.0) for i in range(len(dims))))
+            target = _ipf(local, [one_way[a] for a in table.axes], START_SWEEPS, target + RAKE_FLOOR)
+        targets.append(target)
+    uniform = np.broadcast_to(total / shape.cells, tuple(shape.sizes) + (CHUNK,)).copy()
+    return _ipf(shape, targets, START_SWEEPS, uniform)
+
+
+def _project_rows(rows: np.ndarray, totals: np.ndarray) -> np.ndarray:
+    """Each unit's row projected onto {x >= 0, sum x = its total}."""
+    units, cells = rows.shape
+    return project_segments(rows.ravel(), np.repeat(np.arange(units), cells), totals).reshape(units, cells)
+
+
+def _nonnegative_integers(rows: np.ndarray, totals: np.ndarray) -> np.ndarray:
+    """Each unit's row as nonnegative integers adding up to its (integer) total."""
+    units, cells = rows.shape
+    segments = np.repeat(np.arange(units), cells)
+    projected = project_segments(rows.ravel(), segments, totals)
+    return round_segments(projected, segments, np.rint(totals).astype(np.int64)).reshape(units, cells)
+
+
+def _ipf(shape: JointShape, targets: list[np.ndarray], sweeps: int, joint: np.ndarray) -> np.ndarray:
+    """Iterative proportional fitting of a chunk's joints to nonnegative table targets (totals kept)."""
+    joint = joint.copy()
+    for _ in range(sweeps):
+        for table, target in zip(shape.tables, targets):
+            current = _margin(joint, shape, table)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                ratio = np.where(current > 0, target / np.where(current > 0, current, 1.0), 0.0)
+            joint *= _broadcast(ratio, shape, table)
+    return joint
+
+
+def _all_margins(joint: np.ndarray, shape: JointShape, groups) -> list[np.ndarray]:
+    """Every table's margin of a chunk, each group's tables from one intermediate margin."""
+    margins: list[np.ndarray | None] = [None] * len(shape.tables)
+    for kept, members in groups:
+        if len(kept) == len(shape.sizes):
+            for i in members:
+                margins[i] = _margin(joint, shape, shape.tables[i])
+            continue
+        dropped = next(a for a in range(len(shape.sizes)) if a not in kept)
+        partial = joint.sum(axis=dropped)
+        local = JointShape(tuple(shape.sizes[a] for a in kept), ())
+        for i in members:
+            table = shape.tables[i]
+            margins[i] = _margin(partial, local, JointTable(table.name, tuple(kept.index(a) for a in table.axes), 1.0))
+    return margins
+
+
+def _update_factor(shape: JointShape, groups, exponents: list[np.ndarray]) -> np.ndarray:
+    """exp(-step * gradient) of a chunk: the product over tables of each table's factor broadcast into the
+    joint, each group's factors multiplied in its intermediate shape first."""
+    factor = np.ones(tuple(shape.sizes) + (CHUNK,))
+    for kept, members in groups:
+        if len(kept) == len(shape.sizes):
+            for i in members:
+                factor *= _broadcast(np.exp(exponents[i]), shape, shape.tables[i])
+            continue
+        local = JointShape(tuple(shape.sizes[a] for a in kept), ())
+        partial = np.ones(local.sizes + (CHUNK,))
+        for i in members:
+            table = shape.tables[i]
+            partial *= _broadcast(np.exp(exponents[i]), local,
+                                  JointTable(table.name, tuple(kept.index(a) for a in table.axes), 1.0))
+        dropped = next(a for a in range(len(shape.sizes)) if a not in kept)
+        factor *= np.expand_dims(partial, dropped)
+    return factor
+
+
+def _loss_terms(joint: np.ndarray, shape: JointShape, noisy: list[np.ndarray], variances: list[float], groups=None):
+    """Per unit loss sum_t ||margin_t - y_t||^2 / v_t, and per table the gradient factor's exponent
+    2 (margin_t - y_t) / v_t."""
+    loss = np.zeros(CHUNK)
+    gradients = []
+    margins = _all_margins(joint, shape, groups if groups is not None else shape.groups())
+    for table, y, variance, margin in zip(shape.tables, noisy, variances, margins):
+        residual = margin - y
+        loss += (residual * residual).reshape(-1, CHUNK).sum(axis=0) / variance
+        gradients.append(2.0 * residual / variance)
+    return loss, gradients
+
+
+def _normalised(joint: np.ndarray, total: np.ndarray) -> np.ndarray:
+    sums = joint.reshape(-1, CHUNK).sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        scale = np.where(sums > 0, total / np.where(sums > 0, sums, 1.0), 0.0)
+    return joint * scale
+
+
+def _mirror_descent(shape: JointShape, total: np.ndarray, noisy: list[np.ndarray], start: np.ndarray,
+                    iterations: int) -> np.ndarray:
+    measured = [(t, y, max(t.variance, MIN_VARIANCE)) for t, y in zip(shape.tables, noisy) if t.variance > 0]
+    if not measured:
+        return start
+    fit = JointShape(shape.sizes, tuple(t for t, _, _ in measured))
+    groups = fit.groups()
+    ys, variances = [y for _, y, _ in measured], [v for _, _, v in measured]
+    mean = (total / shape.cells).reshape((1,) * len(shape.sizes) + (CHUNK,))
+    joint = _normalised(np.maximum(start, START_FLOOR * mean), total)
+    loss, gradients = _loss_terms(joint, fit, ys, variances, groups)
+    largest = np.zeros(CHUNK)
+    for g in gradients:
+        largest += np.abs(g).reshape(-1, CHUNK).max(axis=0)
+    step = 1.0 / np.maximum(largest, 1e-12)
+    for _ in range(iterations):
+        factor = _update_factor(fit, groups, [np.clip(-step * g, -EXPONENT_CLIP, EXPONENT_CLIP) for g in gradients])
+        candidate = _normalised(joint * factor, total)
+        candidate_loss, candidate_gradients = _loss_terms(candidate, fit, ys, variances, groups)
+        better = candidate_loss <= loss
+        joint = np.where(better, candidate, joint)
+        loss = np.where(better, candidate_loss, loss)
+        gradients = [np.where(better, new, old) for new, old in zip(candidate_gradients, gradients)]
+        step = np.where(better, step * 1.5, step / 2.0)
+    return joint
+
+
+def round_joints(fitted: np.ndarray, totals: np.ndarray) -> np.ndarray:
+    """Each unit's joint as nonnegative integers adding up to its integer total (projection onto the
+    simplex, then controlled rounding), per unit."""
+    units, cells = fitted.shape
+    segments = np.repeat(np.arange(units), cells)
+    totals = np.asarray(totals, dtype=np.int64)
+    projected = project_segments(fitted.ravel(), segments, totals.astype(np.float64))
+    return round_segments(projected, segments, totals).reshape(units, cells)
+
+
+def joint_margins(joint: np.ndarray, shape: JointShape) -> list[np.ndarray]:
+    """Each table's margin of every unit's joint (units x table cells), in the table's cell order."""
+    units = joint.shape[0]
+    full = joint.reshape((units,) + tuple(shape.sizes))
+    out = []
+    for table in shape.tables:
+        other = tuple(1 + a for a in range(len(shape.sizes)) if a not in table.axes)
+        margin = full.sum(axis=other) if other else full
+        kept = sorted(table.axes)
+        out.append(np.transpose(margin, [0] + [1 + kept.index(a) for a in table.axes]).reshape(units, -1))
+    return out
+
+
+def marginal_tables(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarray], estimates: list[np.ndarray],
+                    iterations: int, path: str, joints: list | None = None) -> list[np.ndarray]:
+    """The published integer tables of every unit (per table, units x table cells), CHUNK units at a time
+    (memory: a chunk's joint, never a level's):
+      'joint'          the fitted joint rounded to the unit total; every table a margin of it (consistent);
+      'fitted_tables'  each table, a margin of the fitted joint, rounded to the unit total on its own;
+      'tables'         no joint: each table's estimate made nonnegative and rounded to the unit total.
+    `joints`, when given, receives each chunk's rounded joint (path 'joint')."""
+    totals = np.asarray(totals, dtype=np.int64)
+    out = [np.empty((totals.size, shape.table_cells(t)), dtype=np.int64) for t in shape.tables]
+    for start in range(0, totals.size, CHUNK):
+        rows = slice(start, min(start + CHUNK, totals.size))
+        unit_totals = totals[rows]
+        if path == "tables":
+            for i, estimate in enumerate(estimates):
+                out[i][rows] = _nonnegative_integers(estimate[rows], unit_totals.astype(np.float64))
+            continue
+        fitted = fit_joints(shape, unit_totals, [n[rows] for n in noisy], [e[rows] for e in estimates], iterations)
+        if path == "joint":
+            joint = round_joints(fitted, unit_totals)
+            if joints is not None:
+                joints.append(joint)
+            for i, margin in enumerate(joint_margins(joint, shape)):
+                out[i][rows] = margin
+        else:
+            for i, margin in enumerate(joint_margins(fitted, shape)):
+                out[i][rows] = _nonnegative_integers(margin, unit_totals.astype(np.float64))
+    return out

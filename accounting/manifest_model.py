@@ -209,6 +209,13 @@ class Provenance(Strict):
     created_at: str = Field(description="Start of the run, before any data is read (or SOURCE_DATE_EPOCH).")
 
 
+class LayoutRecord(Strict):
+    """The two sizes that decide which parts the tables are written in (checked, then used by verify)."""
+
+    group_work: int = Field(description="Work per group of units of a level's pass; a group is a part.")
+    part_rows: int = Field(description="Rows per part of a table not written per group.")
+
+
 class Signature(Strict):
     algorithm: Literal["Ed25519"]
     file: str
@@ -243,6 +250,9 @@ class Manifest(Strict):
                         description="One-way id of the key file's key; well-formedness checked, value authenticated "
                                     "only by a signature.")
     domain_files: dict[str, str]
+    layout: LayoutRecord | None = Field(
+        None, description="Descriptive (not verified): a run option, version 3 and on; verify takes it, within bounds, "
+                          "to know which parts the tables are written in, and checks the files against those parts.")
     files: list[FileEntry]
     provenance: Provenance
     signature: Signature | None = None

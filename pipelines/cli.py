@@ -161,6 +161,26 @@ def _plan_table(plan, estimate=None) -> Table:
     return table
 
 
+def _path_lines(plan) -> list[str]:
+    """How post-processing will run: the estimate's path, and each marginals query's integer path."""
+    from .postprocessing import estimation_path, joint_size, marginals_path
+    from .spec import MarginalsQuery
+
+    lines = [f"Estimate: {estimation_path(plan)}"]
+    what = {"joint": "a joint table per unit, rounded (its margins are the published tables)",
+            "fitted_tables": "a joint per unit fitted, each table rounded on its own (the joint is much larger "
+                             "than the tables)",
+            "tables": "no joint (over the per-unit limit): each table rounded on its own"}
+    for q in plan.spec.queries:
+        if isinstance(q, MarginalsQuery):
+            units = plan.table(next(t.name for t in plan.tables if t.query == q.name)).dims[0].size if q.within else 1
+            path = marginals_path(plan, q)
+            lines.append(f"Marginals {q.name}: {what[path]}; {joint_size(plan, q) // units:,} joint cells per unit"
+                         + (f", {joint_size(plan, q):,} in all, fitted a chunk of units at a time" if path != "tables"
+                            else ""))
+    return lines
+
+
 def _totals_text(plan) -> str:
     totals = plan.totals
     if totals.pure_epsilon is not None:
@@ -193,6 +213,8 @@ def plan(spec: Path, max_cells: int | None) -> None:
                                         if t.statistic != "count" or t.measure):
             console.print(f"Sensitivity: {derivation}")
         console.print(_totals_text(result))
+        for line in _path_lines(result):
+            console.print(line, soft_wrap=True)
         console.print(f"{len(result.tables)} tables, {result.n_cells:,} cells "
                       f"(limit {limit:,}); a run needs about {human_bytes(estimated_memory_bytes(result))} "
                       "of driver memory for them")
@@ -232,8 +254,14 @@ def plan(spec: Path, max_cells: int | None) -> None:
 @click.option("--sign-key", type=click.Path(dir_okay=False, path_type=Path),
               help="Sign the manifest with this Ed25519 private key (PEM; openssl genpkey -algorithm ed25519).")
 @MAX_CELLS_OPTION
+@click.option("--group-work", type=click.IntRange(64), envvar="DPRELEASE_GROUP_WORK",
+              help="Cells (a unit's tables and its marginals' joint table) per group of geographic units in "
+                   "post-processing: a worker's unit of work and memory, and a part of the tables written per "
+                   "group (default 2,000,000; env DPRELEASE_GROUP_WORK). Any value gives the same values.")
+@click.option("--part-rows", type=click.IntRange(64), envvar="DPRELEASE_PART_ROWS",
+              help="Rows per part of the other tables (default 4,000,000; env DPRELEASE_PART_ROWS).")
 def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_path, engine, workers, overwrite,
-        master, runner, ledger, no_ledger, internal_dir, strict, sign_key, max_cells) -> None:
+        master, runner, ledger, no_ledger, internal_dir, strict, sign_key, max_cells, group_work, part_rows) -> None:
     """Run a release: bound, aggregate, add noise, post-process, publish atomically.
 
     Beam pipeline options (beam engine) follow a `--`, for example:
@@ -243,10 +271,13 @@ def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_
     """
     from dprelease.accounting.ledger import default_ledger_location
 
+    from .layout import Layout
     from .run import run_release
 
     if no_ledger and ledger:
         raise click.UsageError("--no-ledger and --ledger (or DPRELEASE_LEDGER) exclude each other")
+    layout = Layout(**{name: value for name, value in (("group_work", group_work), ("part_rows", part_rows))
+                       if value is not None})
     ledger = None if no_ledger else (ledger or default_ledger_location())
 
     with _confidential(internal_dir, "run"), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -261,7 +292,7 @@ def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_
         result = run_release(spec, key_file=key_file, out_dir=out_dir, input_path=input_path, engine=engine,
                              workers=workers, overwrite=overwrite, master=master, ledger=ledger, sign_key=sign_key,
                              progress=hook, command_line=sys.argv, internal_dir=internal_dir, strict=strict,
-                             runner=runner, beam_options=list(pipeline_options), max_cells=max_cells)
+                             runner=runner, beam_options=list(pipeline_options), max_cells=max_cells, layout=layout)
     plan_ = result.plan
     # scripts parse these lines (deploy/): never wrap them
     console.print(Text.assemble(("Published", "bold green"), " release ", (plan_.spec.release_id, "bold"),

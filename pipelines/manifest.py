@@ -260,17 +260,23 @@ def invariant_note(version: int) -> str:
     return LEGACY_INVARIANT_NOTE if version < 3 else INVARIANT_NOTE
 
 
-DESCRIPTIVE_FIELDS = ("software.version", "engine", "provenance")
+DESCRIPTIVE_FIELDS = ("software.version", "engine", "provenance", "layout")
 """Manifest fields that describe how a release was made and are not verified (the same release bytes
-come from every engine and version); every other field is recomputed or checked by `verify`."""
+come from every engine and version); every other field is recomputed or checked by `verify`. `layout`
+is a run option: verify takes it (within bounds) to know which parts the tables are in, so a value that
+gives other parts than the files is caught by the file checks, and one that gives the same parts says
+the same thing."""
 
 
 def build_manifest(plan: Plan, engine: str, key_id: str, files: list[dict], created_at: str,
                    command_line: list[str], ledger: dict | None = None, input_validation: dict | None = None,
-                   estimate: EstimateVariances | None = None) -> dict:
+                   estimate: EstimateVariances | None = None, layout=None) -> dict:
     """The manifest. `command_line` must already be redacted (see accounting.redact)."""
+    from .layout import Layout
+
     return {
         **derived_section(plan, estimate=estimate),
+        "layout": (layout or Layout()).record(),
         "software": {"name": "dprelease", "version": software_version()},
         "engine": engine,
         "ledger": ledger,

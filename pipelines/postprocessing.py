@@ -11,7 +11,9 @@ Every step is a kernel over batches of parents or units whose results do not dep
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +23,8 @@ from dprelease.transforms.estimation import CountTable, generalised_least_square
 from dprelease.transforms.postprocess import clamp_nonnegative
 from dprelease.transforms.units import integers
 from dprelease.transforms.units.joint import JointShape, JointTable, marginal_tables
-from dprelease.transforms.units.passes import estimate_tree
+from dprelease.transforms.units.groups import GROUP_WORK, transitions
+from dprelease.transforms.units.passes import blocks_of, down_job, estimate_tree, run_tree
 from dprelease.transforms.units.tree import HierarchyQuery as TreeHierarchy
 from dprelease.transforms.units.tree import MarginalsQuery as TreeMarginals
 from dprelease.transforms.units.tree import UnitTable, UnitTree, decompose, decomposition_problem
@@ -225,12 +228,47 @@ def estimate_variances(plan: Plan) -> EstimateVariances:
     return EstimateVariances({t.name: v for t, v in zip(tables, variances)}, exact)
 
 
-def post_process(plan: Plan, noisy: dict[str, np.ndarray], joints: dict | None = None) -> dict[str, np.ndarray]:
-    """Published table values (int64) for every table of the plan. `joints`, when given, receives each
-    marginals query's fitted integer joint table (units x attribute cells), from which `synthesize`
-    draws records."""
-    estimates = least_squares_estimates(plan, noisy)
-    return integer_step(plan, estimates, noisy, joints)
+def post_process(plan: Plan, noisy: dict[str, np.ndarray], joints: dict | None = None, workers: int = 1,
+                 group_work: int | None = None) -> dict[str, np.ndarray]:
+    """Published table values (int64) for every table of the plan. On a tree of units: the passes and the
+    integer step group by group (`workers` processes run the groups of a level at once; any grouping gives
+    the same values). `joints`, when given, receives each marginals query's fitted integer joint table
+    (units x attribute cells), from which `synthesize` draws records."""
+    tree = unit_tree(plan)
+    if tree is None or joints is not None:
+        return integer_step(plan, least_squares_estimates(plan, noisy), noisy, joints)
+    published: dict[str, np.ndarray] = {}
+    with group_mapper(plan, workers) as mapper:
+        for _, output in run_tree(tree, blocks_of(tree, noisy), transitions(tree, group_work or GROUP_WORK), mapper):
+            published.update({name: values.ravel() for name, values in output.published.items()})
+    return _other_tables(plan, published, {}, noisy)
+
+
+_WORKER_TREE: UnitTree | None = None
+
+
+def _start_worker(plan: Plan) -> None:
+    global _WORKER_TREE
+    _WORKER_TREE = unit_tree(plan)
+
+
+def _worker_down_job(job):
+    return down_job(_WORKER_TREE, job)
+
+
+@contextlib.contextmanager
+def group_mapper(plan: Plan, workers: int):
+    """How a level's groups run: in this process, or in `workers` processes that each build the plan's tree
+    once (results are per unit: the same bits either way)."""
+    if workers <= 1:
+        yield None
+        return
+    with ProcessPoolExecutor(max_workers=workers, initializer=_start_worker, initargs=(plan,)) as pool:
+        yield lambda jobs: pool.map(_worker_down_job, jobs) if len(jobs) > 1 else [_local_down_job(plan, jobs[0])]
+
+
+def _local_down_job(plan: Plan, job):
+    return down_job(unit_tree(plan), job)
 
 
 def integer_step(plan: Plan, estimates: dict[str, np.ndarray], noisy: dict[str, np.ndarray],
@@ -244,6 +282,11 @@ def integer_step(plan: Plan, estimates: dict[str, np.ndarray], noisy: dict[str, 
     for query in plan.spec.queries:
         if isinstance(query, MarginalsQuery):
             published.update(_marginals(plan, query, estimates, noisy, unit_totals, joints))
+    return _other_tables(plan, published, estimates, noisy)
+
+
+def _other_tables(plan: Plan, published: dict, estimates: dict, noisy: dict) -> dict[str, np.ndarray]:
+    """Every table not published yet: histograms rounded from their estimates, the rest cell by cell."""
     for t in plan.tables:
         if t.name in published:
             continue

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,63 +27,96 @@ import pyarrow.parquet as pq
 from dprelease.accounting.errors import SpecError
 from dprelease.accounting.redact import redact_command_line
 from dprelease.accounting.signing import SIGNATURE_FILE, fingerprint, sign
-from dprelease.transforms.aggregate import unravel_cells
 from dprelease.transforms.domains import dimension_labels
 
 from .housekeeping import leftover_tag
 from .manifest import build_manifest, domain_file_names, dump_manifest, sha256_file
 from .plan import MeanOutput, Plan, TablePlan
+from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, Part, mean_parts, table_parts
 from .postprocessing import estimate_variances, mean_values
 from .safe_files import inside
 
 LOG = logging.getLogger("dprelease")
 
-TABLES_DIR = "tables"
 GLS_VARIANCE = "gls_variance"
 """Column of a published count table: the variance of the cell's least-squares estimate before rounding."""
-MEASUREMENTS_DIR = "measurements"
+
+
+def row_labels(plan: Plan, dims, quantiles, start: int, stop: int) -> dict[str, pa.Array]:
+    """The label columns of rows [start, stop) of a table: one per dimension (a quantile table has a row
+    per cell and q, cell-major), then `q` for a quantile table. Public: from the plan."""
+    repeat = max(1, len(quantiles))
+    rows = np.arange(start, stop, dtype=np.int64)
+    cells = rows // repeat
+    columns = {}
+    sizes = tuple(d.size for d in dims)
+    coordinates = np.unravel_index(cells, sizes) if sizes else ()
+    for dim, coords in zip(dims, coordinates):
+        labels = pa.array(dimension_labels(plan.domains[dim.column], dim), type=pa.string())
+        columns[dim.output_name] = labels.take(pa.array(np.asarray(coords, dtype=np.int64)))
+    if quantiles:
+        columns["q"] = pa.array(np.asarray([float(q) for q in quantiles])[rows % repeat], type=pa.float64())
+    return columns
+
+
+def rows_frame(plan: Plan, dims, quantiles, start: int, stop: int, values: dict[str, pa.Array]) -> pa.Table:
+    """Rows [start, stop) of a table: its labels (`row_labels`), then `values`."""
+    return pa.table({**row_labels(plan, dims, quantiles, start, stop), **values})
+
+
+def table_values(table: TablePlan, values: np.ndarray, value_name: str,
+                 variance: np.ndarray | None = None) -> dict[str, pa.Array]:
+    """The value column of a table file, and (published count tables) `gls_variance`, the variance of the
+    cell's least-squares estimate before rounding."""
+    columns = {value_name: pa.array(np.asarray(values, dtype=np.int64))}
+    if variance is not None:
+        columns[GLS_VARIANCE] = pa.array(np.asarray(variance, dtype=np.float64))
+    return columns
 
 
 def table_frame(plan: Plan, table: TablePlan, values: np.ndarray, value_name: str,
                 variance: np.ndarray | None = None) -> pa.Table:
-    """One row per public cell (a quantile table: per cell and q, cell-major): a label column per
-    dimension, then `q` for a quantile table, then the value column, then (published count tables)
-    `gls_variance`, the variance of the cell's least-squares estimate before rounding."""
-    columns = {value_name: pa.array(np.asarray(values, dtype=np.int64))}
-    if variance is not None:
-        columns[GLS_VARIANCE] = pa.array(np.asarray(variance, dtype=np.float64))
-    return _cell_frame(plan, table.dims, table.quantiles, columns)
+    """Every row of a table (see `rows_frame`, `table_values`)."""
+    return rows_frame(plan, table.dims, table.quantiles, 0, table.n_outputs,
+                      table_values(table, values, value_name, variance))
 
 
-def _cell_frame(plan: Plan, dims, quantiles, values: dict[str, pa.Array]) -> pa.Table:
-    columns = {}
-    repeat = max(1, len(quantiles))
-    coordinates = unravel_cells(tuple(d.size for d in dims))
-    for dim, coords in zip(dims, coordinates):
-        labels = pa.array(dimension_labels(plan.domains[dim.column], dim), type=pa.string())
-        columns[dim.output_name] = labels.take(pa.array(np.repeat(coords, repeat)))
-    if quantiles:
-        n_cells = int(np.prod([d.size for d in dims])) if dims else 1
-        columns["q"] = pa.array(np.tile([float(q) for q in quantiles], n_cells), type=pa.float64())
-    return pa.table({**columns, **values})
-
-
-def mean_frame(plan: Plan, mean: MeanOutput, noisy: dict[str, np.ndarray]) -> pa.Table:
-    """The mean table of a mean query: per cell, noisy sum / noisy count clamped to the measure's [lo, hi];
+def mean_column(mean: MeanOutput, noisy: dict[str, np.ndarray]) -> dict[str, pa.Array]:
+    """The mean table's value column: per cell, noisy sum / noisy count clamped to the measure's [lo, hi];
     null where the noisy count is below 1. Post-processing of the raw measurements only."""
-    table = plan.table(mean.sum_table)
-    return _cell_frame(plan, table.dims, (), {"mean": pa.array(mean_values(mean, noisy), type=pa.float64(), from_pandas=True)})
+    return {"mean": pa.array(mean_values(mean, noisy), type=pa.float64(), from_pandas=True)}
 
 
-def _write_frame(frame: pa.Table, root: Path, relative_stem: str) -> list[Path]:
-    """Write a frame as <stem>.parquet and <stem>.csv below `root` (a name that would leave it is refused)."""
-    stem = inside(root, relative_stem)
+def write_part(root: Path, part: Part, frame: pa.Table) -> list[dict]:
+    """Write one part as <stem>.parquet and <stem>.csv below `root` (a name that would leave it is
+    refused); return their manifest entries (path, SHA-256, bytes). Any worker can call it: the bytes
+    depend on the frame alone."""
+    stem = inside(root, part.stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     parquet_path = stem.parent / f"{stem.name}.parquet"
     csv_path = stem.parent / f"{stem.name}.csv"
     pq.write_table(frame, parquet_path, compression="zstd")
     pacsv.write_csv(frame, csv_path)
-    return [parquet_path, csv_path]
+    return [_file_entry(root, parquet_path), _file_entry(root, csv_path)]
+
+
+def write_table(plan: Plan, root: Path, table: TablePlan, folder: str, values: np.ndarray, value_name: str,
+                layout: Layout, variance: np.ndarray | None = None) -> list[dict]:
+    """Write a whole table's values (rows in table order) part by part (`layout.table_parts`)."""
+    entries = []
+    for part in table_parts(plan, table, folder, layout):
+        rows = slice(part.start, part.stop)
+        columns = table_values(table, values[rows], value_name, None if variance is None else variance[rows])
+        entries += write_part(root, part, rows_frame(plan, table.dims, table.quantiles, part.start, part.stop, columns))
+    return entries
+
+
+def write_mean(plan: Plan, root: Path, mean: MeanOutput, noisy: dict[str, np.ndarray], layout: Layout) -> list[dict]:
+    dims = plan.table(mean.sum_table).dims
+    column = mean_column(mean, noisy)["mean"]
+    return [entry for part in mean_parts(plan, mean, layout)
+            for entry in write_part(root, part, rows_frame(plan, dims, (), part.start, part.stop,
+                                                           {"mean": column.slice(part.start, part.stop - part.start)}))]
 
 
 def _file_entry(root: Path, path: Path) -> dict:
@@ -123,49 +157,75 @@ def check_target(final_dir: Path, overwrite: bool) -> None:
         raise SpecError(f"output: {final_dir} exists and is not a directory")
 
 
-def stage_release(
-    plan: Plan, noisy: dict[str, np.ndarray], published: dict[str, np.ndarray], final_dir: Path,
-    *, engine: str, key_id: str, created_at: str, command_line: list[str],
-    progress=lambda stage, done, total: None, ledger: dict | None = None, sign_key=None,
-    input_validation: dict | None = None,
-) -> StagedRelease:
-    """Write every file of the release into a private staging directory beside `final_dir`, the manifest
-    last (and its signature when `sign_key`, an Ed25519 private key, is given). Nothing is published."""
+def new_staging(final_dir: Path) -> Path:
+    """A private staging directory beside `final_dir` (named after this process: see `leftover_tag`)."""
     final_dir = Path(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = final_dir.parent / f"{staging_prefix(final_dir.name)}{leftover_tag()}{os.urandom(4).hex()}"
     staging.mkdir(mode=0o700)
+    return staging
+
+
+def stage_release(
+    plan: Plan, noisy: dict[str, np.ndarray], published: dict[str, np.ndarray], final_dir: Path,
+    *, engine: str, key_id: str, created_at: str, command_line: list[str],
+    progress=lambda stage, done, total: None, ledger: dict | None = None, sign_key=None,
+    input_validation: dict | None = None, layout: Layout = Layout(), workers: int = 1,
+) -> StagedRelease:
+    """Write every file of the release into a private staging directory beside `final_dir`, the manifest
+    last (and its signature when `sign_key`, an Ed25519 private key, is given), tables by `workers`
+    threads (the writers run outside the interpreter lock). Nothing is published."""
+    staging = new_staging(final_dir)
     try:
-        files: list[Path] = []
         estimate = estimate_variances(plan)
-        for i, table in enumerate(plan.tables):
-            files += _write_frame(table_frame(plan, table, published[table.name], table.value_name,
-                                              estimate.per_cell.get(table.name)),
-                                  staging, f"{TABLES_DIR}/{table.name}")
-            files += _write_frame(table_frame(plan, table, noisy[table.name], f"noisy_{table.value_name}"),
-                                  staging, f"{MEASUREMENTS_DIR}/{table.name}")
-            progress("write", i + 1, len(plan.tables))
+        jobs = [(table, TABLES_DIR, published[table.name], table.value_name, estimate.per_cell.get(table.name))
+                for table in plan.tables]
+        jobs += [(table, MEASUREMENTS_DIR, noisy[table.name], f"noisy_{table.value_name}", None)
+                 for table in plan.tables]
+
+        def write(job) -> list[dict]:
+            table, folder, values, name, variance = job
+            return write_table(plan, staging, table, folder, values, name, layout, variance)
+
+        entries: list[dict] = []
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            for i, written in enumerate(pool.map(write, jobs)):
+                entries += written
+                progress("write", i + 1, len(jobs))
         for mean in plan.means:
-            files += _write_frame(mean_frame(plan, mean, noisy), staging, f"{TABLES_DIR}/{mean.name}")
-        for name, relative in domain_file_names(plan).items():
-            path = inside(staging, relative)
-            path.parent.mkdir(exist_ok=True)
-            path.write_text("".join(code + "\n" for code in plan.domains[name].leaves))
-            files.append(path)
-        entries = [_file_entry(staging, p) for p in sorted(files)]
-        manifest = build_manifest(plan, engine, key_id, entries, created_at, redact_command_line(command_line),
-                                  ledger, input_validation, estimate)
-        if sign_key is not None:
-            manifest["signature"] = {"algorithm": "Ed25519", "file": SIGNATURE_FILE,
-                                     "public_key_sha256": fingerprint(sign_key.public_key())}
-        manifest_bytes = dump_manifest(manifest)
-        (staging / "manifest.json").write_bytes(manifest_bytes)
-        if sign_key is not None:
-            (staging / SIGNATURE_FILE).write_bytes(sign(sign_key, manifest_bytes))
-        os.chmod(staging, 0o755)
+            entries += write_mean(plan, staging, mean, noisy, layout)
+        return finish_release(plan, staging, entries, engine=engine, key_id=key_id, created_at=created_at,
+                              command_line=command_line, ledger=ledger, sign_key=sign_key,
+                              input_validation=input_validation, estimate=estimate, layout=layout)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def finish_release(plan: Plan, staging: Path, entries: list[dict], *, engine: str, key_id: str, created_at: str,
+                   command_line: list[str], ledger: dict | None = None, sign_key=None,
+                   input_validation: dict | None = None, estimate=None, layout: Layout = Layout()) -> StagedRelease:
+    """Complete a staging directory whose table files are written (`entries`: their manifest entries): the
+    domain files, then the manifest, last (and its signature). The caller removes the staging directory on
+    failure."""
+    entries = list(entries)
+    for name, relative in domain_file_names(plan).items():
+        path = inside(staging, relative)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("".join(code + "\n" for code in plan.domains[name].leaves))
+        entries.append(_file_entry(staging, path))
+    entries.sort(key=lambda e: e["path"])
+    manifest = build_manifest(plan, engine, key_id, entries, created_at, redact_command_line(command_line),
+                              ledger, input_validation, estimate if estimate is not None else estimate_variances(plan),
+                              layout)
+    if sign_key is not None:
+        manifest["signature"] = {"algorithm": "Ed25519", "file": SIGNATURE_FILE,
+                                 "public_key_sha256": fingerprint(sign_key.public_key())}
+    manifest_bytes = dump_manifest(manifest)
+    (staging / "manifest.json").write_bytes(manifest_bytes)
+    if sign_key is not None:
+        (staging / SIGNATURE_FILE).write_bytes(sign(sign_key, manifest_bytes))
+    os.chmod(staging, 0o755)
     return StagedRelease(staging, hashlib.sha256(manifest_bytes).hexdigest())
 
 

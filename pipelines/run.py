@@ -22,7 +22,8 @@ from .keys import check_key_location, default_key_path, load_or_generate
 from .manifest import plan_fingerprint
 from .limits import check_plan_limits
 from .plan import Plan, build_plan
-from .postprocessing import post_process
+from .layout import Layout
+from .postprocessing import estimation_path, post_process
 from .release import check_target, publish, replaced_prefix, stage_release, staging_prefix
 from .source import InputSource, open_input
 from .spec import load_spec
@@ -188,6 +189,7 @@ def run_release(
     ledger: str | Path | None = None, sign_key: Path | None = None, progress: ProgressHook = no_progress,
     command_line: list[str] | None = None, internal_dir: Path | None = None, strict: bool = False,
     runner: str | None = None, beam_options: list[str] | None = None, max_cells: int | None = None,
+    layout: Layout | None = None,
 ) -> RunResult:
     """Run a release end to end. Everything that can abort on public grounds (spec, cell limit, domain
     files, the schema of every input file, the release target, the key file) is checked before the key
@@ -198,11 +200,12 @@ def run_release(
         return _run_release(spec_path, key_file=key_file, out_dir=out_dir, input_path=input_path, engine=engine,
                             workers=workers, overwrite=overwrite, master=master, ledger=ledger, sign_key=sign_key,
                             progress=progress, command_line=command_line, internal_dir=internal_dir, strict=strict,
-                            runner=runner, beam_options=beam_options, max_cells=max_cells)
+                            runner=runner, beam_options=beam_options, max_cells=max_cells, layout=layout or Layout())
 
 
 def _run_release(spec_path: Path, *, key_file, out_dir, input_path, engine, workers, overwrite, master, ledger,
-                 sign_key, progress, command_line, internal_dir, strict, runner, beam_options, max_cells) -> RunResult:
+                 sign_key, progress, command_line, internal_dir, strict, runner, beam_options, max_cells,
+                 layout) -> RunResult:
     created_at = creation_time()
     spec, spec_dir = load_spec(spec_path)
     plan = build_plan(spec, spec_dir)
@@ -233,7 +236,7 @@ def _run_release(spec_path: Path, *, key_file, out_dir, input_path, engine, work
     try:
         with lease:
             staged = _release_and_stage(plan, engine_, source, validation, created_at, key, key_path, reused,
-                                        release_key, final_dir, progress, command_line, reservation, signer)
+                                        release_key, final_dir, progress, command_line, reservation, signer, layout)
             try:
                 if reservation:
                     commit(book, reservation, staged.manifest_sha256)
@@ -257,16 +260,17 @@ def _run_release(spec_path: Path, *, key_file, out_dir, input_path, engine, work
 
 def _release_and_stage(plan: Plan, engine_: Engine, source: InputSource, validation, created_at: str, key,
                        key_path: Path, reused: bool, release_key: ReleaseKey, final_dir: Path, progress,
-                       command_line, reservation, signer):
+                       command_line, reservation, signer, layout: Layout):
     """Validate values, save a fresh key, draw the noisy measurements, post-process and stage the release."""
     validation_record = check_input_values(plan, engine_, source, validation, created_at) if validation else None
     if not reused:
         key.save(key_path)
     noisy = engine_.noisy_measurements(plan, source, release_key, progress)
     LOG.info("noisy measurements drawn for %d tables", len(plan.tables))
-    published = post_process(plan, noisy)
-    LOG.info("post-processed %d tables", len(plan.tables))
+    workers = getattr(engine_, "workers", 1)
+    published = post_process(plan, noisy, workers=workers, group_work=layout.group_work)
+    LOG.info("post-processed %d tables (%s)", len(plan.tables), estimation_path(plan))
     return stage_release(plan, noisy, published, final_dir, engine=engine_.name, key_id=key.key_id(),
                          created_at=created_at, command_line=command_line or sys.argv, progress=progress,
                          ledger=reservation.record() if reservation else None, sign_key=signer,
-                         input_validation=validation_record)
+                         input_validation=validation_record, layout=layout, workers=workers)

@@ -27,7 +27,7 @@ from dprelease.transforms.domains import NATION, GeographyDomain
 
 from .plan import Plan, TablePlan
 from .postprocessing import count_tables, post_process
-from .release import MEASUREMENTS_DIR, TABLES_DIR
+from .layout import MEASUREMENTS_DIR, TABLES_DIR, layout_of, table_parts
 from .safe_files import buffer_inside
 from .verify_tables import MAX_ROW_BYTES
 from .spec import HierarchyQuery, MarginalsQuery
@@ -54,12 +54,13 @@ def synthesize(release_dir: Path, max_records: int = 100_000_000) -> Synthetic:
         raise SpecError(f"synthesize: {release_dir} has a version-1 manifest (made before the global estimate); "
                         f"its tables were not fitted by this version's post-processing")
     plan = report.plan
-    noisy = {t.name: _column(release_dir, f"{MEASUREMENTS_DIR}/{t.name}.parquet", f"noisy_{t.value_name}",
-                             t.n_outputs) for t in plan.tables}
+    layout = layout_of(report.manifest, report.manifest.get("manifest_version", 1), [])
+    noisy = {t.name: _column(release_dir, plan, t, MEASUREMENTS_DIR, f"noisy_{t.value_name}", layout)
+             for t in plan.tables}
     joints: dict = {}
     published = post_process(plan, noisy, joints)
     for t in count_tables(plan):
-        on_disk = _column(release_dir, f"{TABLES_DIR}/{t.name}.parquet", t.value_name, t.n_outputs)
+        on_disk = _column(release_dir, plan, t, TABLES_DIR, t.value_name, layout)
         if not np.array_equal(on_disk, published[t.name]):
             raise DPReleaseError(f"synthesize: recomputing {t.name} from the release's measurements does not give "
                                  f"its published values (made by another version of dprelease?)")
@@ -79,10 +80,15 @@ def _one(queries: list, kind: str):
     return queries[0] if queries else None
 
 
-def _column(release_dir: Path, relative: str, name: str, rows: int) -> np.ndarray:
-    """One column of a release's Parquet file, read as a regular file inside the release (verified above)."""
-    reader = buffer_inside(Path(release_dir), relative, rows * MAX_ROW_BYTES + (1 << 20))
-    return pq.read_table(reader, columns=[name]).column(name).to_numpy()
+def _column(release_dir: Path, plan: Plan, table: TablePlan, folder: str, name: str, layout) -> np.ndarray:
+    """One column of a table of the release, part by part, each read as a regular file inside the release
+    (verified above)."""
+    pieces = []
+    for part in table_parts(plan, table, folder, layout):
+        reader = buffer_inside(Path(release_dir), f"{part.stem}.parquet", (part.stop - part.start) * MAX_ROW_BYTES
+                               + (1 << 20))
+        pieces.append(pq.read_table(reader, columns=[name]).column(name).to_numpy())
+    return np.concatenate(pieces)
 
 
 def _check_size(records: int, max_records: int) -> None:

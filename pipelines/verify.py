@@ -42,7 +42,7 @@ from .limits import check_cell_limit
 from .manifest import DESCRIPTIVE_FIELDS, MANIFEST_VERSION, derived_section, domain_file_name, domain_file_names
 from .plan import MAX_DOMAIN_FILE_BYTES, Plan, build_plan
 from .postprocessing import EstimateVariances, estimate_variances
-from .release import MEASUREMENTS_DIR, TABLES_DIR
+from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, layout_of, release_files
 from .safe_files import UnsafeFile, open_file, read_inside, read_regular, regular_directory, safe_relative, tree_entries
 from .spec import MAX_NESTING, brief, parse_spec
 from .validation import manifest_record
@@ -94,12 +94,9 @@ class VerifyReport:
         return not self.problems
 
 
-def expected_files(plan: Plan) -> set[str]:
+def expected_files(plan: Plan, layout: Layout) -> set[str]:
     """The files a release of this plan holds (besides the manifest and its signature)."""
-    names = {f"{folder}/{t.name}.{ext}" for t in plan.tables for folder in (TABLES_DIR, MEASUREMENTS_DIR)
-             for ext in ("parquet", "csv")}
-    means = {f"{TABLES_DIR}/{m.name}.{ext}" for m in plan.means for ext in ("parquet", "csv")}
-    return names | means | set(domain_file_names(plan).values())
+    return release_files(plan, layout) | set(domain_file_names(plan).values())
 
 
 # ---- reading the manifest, bounded -----------------------------------------------------------------------------
@@ -240,20 +237,18 @@ def _hash_inside(root: Path, relative: str, listed, bound: int | None) -> str | 
     return digest.hexdigest()
 
 
-def size_bounds(plan: Plan) -> dict[str, int]:
+def size_bounds(plan: Plan, layout: Layout) -> dict[str, int]:
     """The largest size each file of a release of this plan can have."""
+    from .layout import mean_parts, table_parts
     from .verify_tables import MAX_ROW_BYTES
 
-    bounds = {}
-    for path in expected_files(plan):
-        folder, _, name = path.partition("/")
-        if folder == "domains":
-            bounds[path] = MAX_DOMAIN_FILE_BYTES
-            continue
-        table = name.rsplit(".", 1)[0]
-        rows = plan.table(table).n_outputs if any(t.name == table for t in plan.tables) else \
-            plan.table(next(m.sum_table for m in plan.means if m.name == table)).n_cells
-        bounds[path] = rows * MAX_ROW_BYTES + (1 << 20)
+    bounds = {path: MAX_DOMAIN_FILE_BYTES for path in domain_file_names(plan).values()}
+    parts = [p for t in plan.tables for folder in (TABLES_DIR, MEASUREMENTS_DIR)
+             for p in table_parts(plan, t, folder, layout)]
+    parts += [p for m in plan.means for p in mean_parts(plan, m, layout)]
+    for part in parts:
+        for ext in ("parquet", "csv"):
+            bounds[f"{part.stem}.{ext}"] = (part.stop - part.start) * MAX_ROW_BYTES + (1 << 20)
     return bounds
 
 
@@ -531,7 +526,7 @@ def _check_signature(root: Path, manifest: dict, manifest_bytes: bytes, public_k
 # ---- the whole check --------------------------------------------------------------------------------------------------
 
 def _check_derived(root: Path, manifest: dict, version: int, plan: Plan, embedded_spec,
-                   report: VerifyReport) -> None:
+                   report: VerifyReport, layout: Layout) -> None:
     """Every derived field, the file set of the plan, the budget and the ledger block."""
     report.estimate = estimate_variances(plan) if version >= 2 else None
     expected = derived_section(plan, version, report.estimate)
@@ -542,7 +537,7 @@ def _check_derived(root: Path, manifest: dict, version: int, plan: Plan, embedde
         _compare("input_validation", manifest_record(plan), manifest["input_validation"], report.problems)
     listed = {e.get("path") for e in manifest.get("files", []) if isinstance(e, dict)} \
         if isinstance(manifest.get("files"), list) else set()
-    expected_paths = expected_files(plan)
+    expected_paths = expected_files(plan, layout)
     for missing in sorted(expected_paths - listed):
         report.problems.append(f"files: {missing} is part of this release but not listed")
     for extra in sorted(p for p in listed - expected_paths if isinstance(p, str)):
@@ -583,21 +578,22 @@ def verify_release(release_dir: Path, public_key: Path | None = None, *, ledger:
         except DPReleaseError as error:
             report.problems.append(f"spec: {error}")
             plan = None
-    _check_files(root, manifest, report, size_bounds(plan) if plan is not None else {})
+    version = manifest.get("manifest_version")
+    version = version if version in SUPPORTED_VERSIONS else MANIFEST_VERSION
+    layout = layout_of(manifest, version, report.problems)
+    _check_files(root, manifest, report, size_bounds(plan, layout) if plan is not None else {})
     if plan is None:
         return report
     embedded_spec = planned[1]
     report.plan = plan
-    version = manifest.get("manifest_version")
-    version = version if version in SUPPORTED_VERSIONS else MANIFEST_VERSION
     try:
-        _check_derived(root, manifest, version, plan, embedded_spec, report)
+        _check_derived(root, manifest, version, plan, embedded_spec, report, layout)
     except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as error:
         report.problems.append(f"manifest: malformed ({type(error).__name__}); see the schema problems above")
-    published, noisy = check_table_files(root, plan, report.estimate, report.problems)
+    published, noisy = check_table_files(root, plan, report.estimate, layout, report.problems)
     check_consistency(plan, published, report.problems)
     if recompute:
-        check_recomputed(root, plan, published, noisy, report.problems)
+        check_recomputed(root, plan, published, noisy, layout, report.problems)
         report.recomputed = True
     return report
 

@@ -31,7 +31,8 @@ from dprelease.transforms.domains import NATION, GeographyDomain, dimension_labe
 
 from .plan import MeanOutput, Plan, TablePlan
 from .postprocessing import EstimateVariances, mean_values, post_process, uses_joint
-from .release import GLS_VARIANCE, MEASUREMENTS_DIR, TABLES_DIR
+from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, Part, mean_parts, table_parts
+from .release import GLS_VARIANCE, row_labels
 from .safe_files import UnsafeFile, buffer_inside
 
 MAX_ROW_BYTES = 4096
@@ -125,22 +126,12 @@ def _read_csv(root: Path, relative: str, shape: FileShape, problems: list[str]) 
     return data
 
 
-def expected_labels(plan: Plan, dims, repeat: int) -> list[pa.Array]:
-    """Per dimension, the label of every row (cell-major, each cell `repeat` times)."""
-    coordinates = unravel_cells(tuple(d.size for d in dims))
-    return [pa.array(dimension_labels(plan.domains[d.column], d), type=pa.string()).take(pa.array(np.repeat(c, repeat)))
-            for d, c in zip(dims, coordinates)]
-
-
-def _check_labels(name: str, data: pa.Table, plan: Plan, dims, quantiles, problems: list[str]) -> None:
-    repeat = max(1, len(quantiles))
-    for dim, labels in zip(dims, expected_labels(plan, dims, repeat)):
-        if not data.column(dim.output_name).combine_chunks().equals(labels):
-            problems.append(f"{name}: column {dim.output_name!r} differs from the public domain's labels in cell order")
-    if quantiles:
-        n_cells = data.num_rows // repeat
-        if not np.array_equal(data.column("q").to_numpy(), np.tile([float(q) for q in quantiles], n_cells)):
-            problems.append(f"{name}: column 'q' differs from the spec's quantiles in order")
+def _check_labels(name: str, data: pa.Table, plan: Plan, dims, quantiles, part: Part, problems: list[str]) -> None:
+    """A part's label columns (and q) equal the public domain's, in cell order, for its rows."""
+    for column, labels in row_labels(plan, dims, quantiles, part.start, part.stop).items():
+        if not data.column(column).combine_chunks().equals(labels):
+            problems.append(f"{name}: column {column!r} differs from the public domain's labels in cell order"
+                            if column != "q" else f"{name}: column 'q' differs from the spec's quantiles in order")
 
 
 MAX_COUNT = 1 << 40
@@ -175,37 +166,50 @@ def _check_variance(name: str, data: pa.Table, expected: np.ndarray, problems: l
         problems.append(f"{name}: {GLS_VARIANCE!r} differs from the variance recomputed from the plan")
 
 
-def check_table_files(root: Path, plan: Plan, estimate: EstimateVariances | None,
+def check_table_files(root: Path, plan: Plan, estimate: EstimateVariances | None, layout: Layout,
                       problems: list[str]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Check every table file; returns (published values, noisy measurements) of the tables read cleanly."""
+    """Check every table file, one part at a time; returns (published values, noisy measurements) of the
+    tables read cleanly (for the consistency checks and --recompute)."""
     per_cell = estimate.per_cell if estimate is not None else {}
     published: dict[str, np.ndarray] = {}
     noisy: dict[str, np.ndarray] = {}
     for table in plan.tables:
         for folder, into in ((TABLES_DIR, published), (MEASUREMENTS_DIR, noisy)):
-            name = f"{folder}/{table.name}"
-            shape = table_shape(table, folder, table.name in per_cell)
-            data = read_table_file(root, name, shape, problems)
-            if data is None:
-                continue
-            _check_labels(name, data, plan, table.dims, table.quantiles, problems)
-            values = data.column(shape.columns[len(table.dims) + bool(table.quantiles)][0])
-            usable = _check_values(name, table, folder, values, problems)
-            if folder == TABLES_DIR and table.name in per_cell:
-                _check_variance(name, data, per_cell[table.name], problems)
-            if usable:
-                into[table.name] = values.to_numpy()
+            pieces = []
+            for part in table_parts(plan, table, folder, layout):
+                values = _check_part(root, plan, table, folder, part, per_cell.get(table.name), problems)
+                pieces.append(values)
+            if pieces and all(p is not None for p in pieces):
+                into[table.name] = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
     for mean in plan.means:
-        _check_mean_file(root, plan, mean, problems)
+        for part in mean_parts(plan, mean, layout):
+            _check_mean_file(root, plan, mean, part, problems)
     return published, noisy
 
 
-def _check_mean_file(root: Path, plan: Plan, mean: MeanOutput, problems: list[str]) -> None:
-    name = f"{TABLES_DIR}/{mean.name}"
-    data = read_table_file(root, name, mean_shape(plan, mean), problems)
+def _check_part(root: Path, plan: Plan, table: TablePlan, folder: str, part: Part, variance, problems) -> np.ndarray | None:
+    """One part of a table: its files, labels, values and (published count tables) variances; its values
+    when they are usable for the consistency checks."""
+    rows = part.stop - part.start
+    shape = table_shape(table, folder, variance is not None)
+    shape = FileShape(shape.columns, rows)
+    data = read_table_file(root, part.stem, shape, problems)
+    if data is None:
+        return None
+    _check_labels(part.stem, data, plan, table.dims, table.quantiles, part, problems)
+    values = data.column(shape.columns[len(table.dims) + bool(table.quantiles)][0])
+    usable = _check_values(part.stem, table, folder, values, problems)
+    if folder == TABLES_DIR and variance is not None:
+        _check_variance(part.stem, data, variance[part.start:part.stop], problems)
+    return values.to_numpy() if usable else None
+
+
+def _check_mean_file(root: Path, plan: Plan, mean: MeanOutput, part: Part, problems: list[str]) -> None:
+    name = part.stem
+    data = read_table_file(root, name, FileShape(mean_shape(plan, mean).columns, part.stop - part.start), problems)
     if data is None:
         return
-    _check_labels(name, data, plan, plan.table(mean.sum_table).dims, (), problems)
+    _check_labels(name, data, plan, plan.table(mean.sum_table).dims, (), part, problems)
     column = data.column("mean")
     if pc.any(pc.is_nan(column).fill_null(False)).as_py():
         problems.append(f"{name}: NaN means (a mean without a noisy count of at least 1 is null, never NaN)")
@@ -290,7 +294,7 @@ def _margin(array: np.ndarray, labels: list[str], shared: list[str]) -> np.ndarr
 # ---- recompute ---------------------------------------------------------------------------------------------------
 
 def check_recomputed(root: Path, plan: Plan, published: dict[str, np.ndarray], noisy: dict[str, np.ndarray],
-                     problems: list[str]) -> None:
+                     layout: Layout, problems: list[str]) -> None:
     """Re-run the post-processing from the published measurements and demand the published values exactly.
     The estimate is floating point: a release made on another CPU or numpy/BLAS build could differ in a
     rounding tie; a difference is reported as such."""
@@ -305,14 +309,15 @@ def check_recomputed(root: Path, plan: Plan, published: dict[str, np.ndarray], n
                             f"{MEASUREMENTS_DIR}/ (recomputed)")
     for mean in plan.means:
         expected = mean_values(mean, noisy)
-        try:
-            column = pq.read_table(buffer_inside(root, f"{TABLES_DIR}/{mean.name}.parquet",
-                                                 mean_shape(plan, mean).max_bytes)).column("mean")
-        except (UnsafeFile, pa.ArrowException, OSError, KeyError):
-            continue
-        found = column.to_numpy(zero_copy_only=False).astype(np.float64)
-        if not np.array_equal(np.where(np.isnan(expected), np.nan, expected), found, equal_nan=True):
-            problems.append(f"{TABLES_DIR}/{mean.name}: differs from the noisy sum / noisy count (recomputed)")
+        for part in mean_parts(plan, mean, layout):
+            try:
+                shape = FileShape(mean_shape(plan, mean).columns, part.stop - part.start)
+                column = pq.read_table(buffer_inside(root, f"{part.stem}.parquet", shape.max_bytes)).column("mean")
+            except (UnsafeFile, pa.ArrowException, OSError, KeyError):
+                continue
+            found = column.to_numpy(zero_copy_only=False).astype(np.float64)
+            if not np.array_equal(expected[part.start:part.stop], found, equal_nan=True):
+                problems.append(f"{part.stem}: differs from the noisy sum / noisy count (recomputed)")
 
 
 __all__ = ["check_table_files", "check_consistency", "check_recomputed", "table_shape", "GeographyDomain"]

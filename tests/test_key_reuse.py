@@ -290,10 +290,10 @@ def test_a_live_run_that_looks_dead_is_left_and_publishes_charged(case, tmp_path
     monkeypatch.setattr(run_module, "owner", _dead_owner)  # as seen from the host that reconciles
     real = run_module.post_process
 
-    def slow(plan, noisy):
+    def slow(plan, noisy, **options):
         time.sleep(2.5)  # longer than the lease: only renewals keep it
         assert cli("ledger", "reconcile", "--ledger", book).returncode == 0
-        return real(plan, noisy)
+        return real(plan, noisy, **options)
 
     monkeypatch.setattr(run_module, "post_process", slow)
     result = run_release(case(), ledger=book, key_file=tmp_path / "k.key", out_dir=tmp_path / "out")
@@ -313,10 +313,10 @@ def test_a_run_whose_reservation_was_reconciled_publishes_nothing(case, tmp_path
     monkeypatch.setattr(run_module, "LeaseKeeper", lambda *args, **kwargs: contextlib.nullcontext())
     real = run_module.post_process
 
-    def stalled(plan, noisy):
+    def stalled(plan, noisy, **options):
         time.sleep(1.5)
         assert cli("ledger", "reconcile", "--ledger", book).returncode == 0
-        return real(plan, noisy)
+        return real(plan, noisy, **options)
 
     monkeypatch.setattr(run_module, "post_process", stalled)
     with pytest.raises(LedgerError, match="no longer held"):

@@ -6,8 +6,8 @@ descent, started from the least-squares tables made nonnegative, raked to shared
 and joined by iterative proportional fitting; then the joint rounded to the unit total (controlled
 rounding) so the published tables are its margins.
 
-Cost. Units are processed CHUNK at a time in a unit-minor layout (joint axes..., CHUNK), so every
-reduction and broadcast runs over contiguous vectors of CHUNK units. A mirror-descent step needs no
+Cost. Units are processed a chunk at a time in a unit-minor layout (joint axes..., width), so every
+reduction and broadcast runs over contiguous vectors of `chunk_units` units. A mirror-descent step needs no
 exponential per joint cell: the gradient is a sum of one term per table, so exp(-step * gradient) is a
 product of one factor per table, each computed on the table's (small) margin and broadcast into the joint.
 Each unit keeps its own step size (grown 1.5x after a step that lowered its loss, halved and the step
@@ -23,8 +23,9 @@ import numpy as np
 
 from ..segments import project_segments, round_segments
 
-CHUNK = 32
-"""Units per chunk of the joint fit (its arrays: joint cells x CHUNK doubles, a few of them)."""
+CHUNK_CELLS = 1 << 21
+"""Joint cells per chunk array (16 MiB of doubles): a chunk holds max(2, min(256, CHUNK_CELLS // joint cells))
+units, a public function of the joint's size, so every engine and batch computes a unit in the same shape."""
 START_SWEEPS = 20
 RAKE_FLOOR = 1e-3
 START_FLOOR = 1e-3
@@ -79,8 +80,13 @@ class JointShape:
         return groups
 
 
+def chunk_units(cells: int) -> int:
+    """Units per chunk for a joint of `cells` cells per unit."""
+    return max(2, min(256, CHUNK_CELLS // max(cells, 1)))
+
+
 def _margin(joint: np.ndarray, shape: JointShape, table: JointTable) -> np.ndarray:
-    """The table's margin of a chunk (table dims in the table's order..., CHUNK)."""
+    """The table's margin of a chunk (table dims in the table's order..., width)."""
     k = len(shape.sizes)
     other = tuple(a for a in range(k) if a not in table.axes)
     margin = joint.sum(axis=other) if other else joint
@@ -90,21 +96,22 @@ def _margin(joint: np.ndarray, shape: JointShape, table: JointTable) -> np.ndarr
 
 
 def _broadcast(values: np.ndarray, shape: JointShape, table: JointTable) -> np.ndarray:
-    """A table-shaped chunk array (table dims..., CHUNK) with axes to broadcast against the joint."""
+    """A table-shaped chunk array (table dims..., width) with axes to broadcast against the joint."""
     kept = sorted(table.axes)
     back = np.transpose(values, [table.axes.index(a) for a in kept] + [len(kept)])
-    return back.reshape([shape.sizes[a] if a in table.axes else 1 for a in range(len(shape.sizes))] + [CHUNK])
+    return back.reshape([shape.sizes[a] if a in table.axes else 1 for a in range(len(shape.sizes))]
+                        + [values.shape[-1]])
 
 
-def _chunk_rows(rows: np.ndarray, dims: tuple[int, ...]) -> np.ndarray:
-    """Units' rows (units x cells, at most CHUNK units) as a unit-minor chunk (dims..., CHUNK), zero padded."""
-    out = np.zeros((int(np.prod(dims)) if dims else 1, CHUNK))
+def _chunk_rows(rows: np.ndarray, dims: tuple[int, ...], width: int) -> np.ndarray:
+    """Units' rows (units x cells, at most `width` units) as a unit-minor chunk (dims..., width), zero padded."""
+    out = np.zeros((int(np.prod(dims)) if dims else 1, width))
     out[:, :rows.shape[0]] = rows.T
-    return out.reshape(tuple(dims) + (CHUNK,))
+    return out.reshape(tuple(dims) + (width,))
 
 
 def _rows(chunk: np.ndarray, units: int) -> np.ndarray:
-    return chunk.reshape(-1, CHUNK)[:, :units].T.copy()
+    return chunk.reshape(-1, chunk.shape[-1])[:, :units].T.copy()
 
 
 def fit_joints(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarray], estimates: list[np.ndarray],
@@ -113,13 +120,14 @@ def fit_joints(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarray], e
     `shape`, the units' noisy and least-squares tables (units x table cells)."""
     totals = np.asarray(totals, dtype=np.float64)
     out = np.empty((totals.size, shape.cells))
-    for start in range(0, totals.size, CHUNK):
-        rows = slice(start, min(start + CHUNK, totals.size))
+    width = chunk_units(shape.cells)
+    for start in range(0, totals.size, width):
+        rows = slice(start, min(start + width, totals.size))
         units = rows.stop - rows.start
-        total = np.zeros(CHUNK)
+        total = np.zeros(width)
         total[:units] = totals[rows]
         start_joint = _raked_start(shape, total, [e[rows] for e in estimates], units)
-        fitted = _mirror_descent(shape, total, [_chunk_rows(n[rows].astype(np.float64), _dims(shape, t))
+        fitted = _mirror_descent(shape, total, [_chunk_rows(n[rows].astype(np.float64), _dims(shape, t), width)
                                                 for n, t in zip(noisy, shape.tables)], start_joint, iterations)
         out[rows] = _rows(fitted, units)
     return out
@@ -137,21 +145,21 @@ def _raked_start(shape: JointShape, total: np.ndarray, estimates: list[np.ndarra
     for table, estimate in zip(shape.tables, estimates):
         dims = _dims(shape, table)
         local = JointShape(dims, tuple(JointTable("", (i,), 1.0) for i in range(len(dims))))
-        chunk = _chunk_rows(estimate, dims)
+        chunk = _chunk_rows(estimate, dims, total.size)
         for position, axis in enumerate(table.axes):
             if axis not in one_way:
                 margin = _rows(_margin(chunk, local, local.tables[position]), units)
                 one_way[axis] = _chunk_rows(_nonnegative_integers(margin, total[:units]).astype(np.float64),
-                                            (dims[position],))
+                                            (dims[position],), total.size)
     targets = []
     for table, estimate in zip(shape.tables, estimates):
         dims = _dims(shape, table)
-        target = _chunk_rows(_project_rows(estimate, total[:units]), dims)
+        target = _chunk_rows(_project_rows(estimate, total[:units]), dims, total.size)
         if len(table.axes) > 1:
             local = JointShape(dims, tuple(JointTable("", (i,), 1.0) for i in range(len(dims))))
             target = _ipf(local, [one_way[a] for a in table.axes], START_SWEEPS, target + RAKE_FLOOR)
         targets.append(target)
-    uniform = np.broadcast_to(total / shape.cells, tuple(shape.sizes) + (CHUNK,)).copy()
+    uniform = np.broadcast_to(total / shape.cells, tuple(shape.sizes) + (total.size,)).copy()
     return _ipf(shape, targets, START_SWEEPS, uniform)
 
 
@@ -198,44 +206,51 @@ def _all_margins(joint: np.ndarray, shape: JointShape, groups) -> list[np.ndarra
     return margins
 
 
-def _update_factor(shape: JointShape, groups, exponents: list[np.ndarray]) -> np.ndarray:
-    """exp(-step * gradient) of a chunk: the product over tables of each table's factor broadcast into the
-    joint, each group's factors multiplied in its intermediate shape first."""
-    factor = np.ones(tuple(shape.sizes) + (CHUNK,))
+def _updated(joint: np.ndarray, shape: JointShape, groups, exponents: list[np.ndarray]) -> np.ndarray:
+    """joint * exp(-step * gradient) for a chunk: the product over tables of each table's factor broadcast
+    into the joint, each group's factors multiplied in its intermediate shape first."""
+    out = None
     for kept, members in groups:
         if len(kept) == len(shape.sizes):
+            factors = [_broadcast(np.exp(exponents[i]), shape, shape.tables[i]) for i in members]
+        else:
+            local = JointShape(tuple(shape.sizes[a] for a in kept), ())
+            partial = None
             for i in members:
-                factor *= _broadcast(np.exp(exponents[i]), shape, shape.tables[i])
-            continue
-        local = JointShape(tuple(shape.sizes[a] for a in kept), ())
-        partial = np.ones(local.sizes + (CHUNK,))
-        for i in members:
-            table = shape.tables[i]
-            partial *= _broadcast(np.exp(exponents[i]), local,
-                                  JointTable(table.name, tuple(kept.index(a) for a in table.axes), 1.0))
-        dropped = next(a for a in range(len(shape.sizes)) if a not in kept)
-        factor *= np.expand_dims(partial, dropped)
-    return factor
+                table = shape.tables[i]
+                factor = _broadcast(np.exp(exponents[i]), local,
+                                    JointTable(table.name, tuple(kept.index(a) for a in table.axes), 1.0))
+                partial = factor if partial is None else partial * factor
+            dropped = next(a for a in range(len(shape.sizes)) if a not in kept)
+            factors = [np.expand_dims(partial, dropped)]
+        for factor in factors:
+            if out is None:
+                out = joint * factor
+            else:
+                out *= factor
+    return out
 
 
 def _loss_terms(joint: np.ndarray, shape: JointShape, noisy: list[np.ndarray], variances: list[float], groups=None):
     """Per unit loss sum_t ||margin_t - y_t||^2 / v_t, and per table the gradient factor's exponent
     2 (margin_t - y_t) / v_t."""
-    loss = np.zeros(CHUNK)
+    width = joint.shape[-1]
+    loss = np.zeros(width)
     gradients = []
     margins = _all_margins(joint, shape, groups if groups is not None else shape.groups())
     for table, y, variance, margin in zip(shape.tables, noisy, variances, margins):
         residual = margin - y
-        loss += (residual * residual).reshape(-1, CHUNK).sum(axis=0) / variance
+        loss += (residual * residual).reshape(-1, width).sum(axis=0) / variance
         gradients.append(2.0 * residual / variance)
     return loss, gradients
 
 
 def _normalised(joint: np.ndarray, total: np.ndarray) -> np.ndarray:
-    sums = joint.reshape(-1, CHUNK).sum(axis=0)
+    sums = joint.reshape(-1, joint.shape[-1]).sum(axis=0)
     with np.errstate(invalid="ignore", divide="ignore"):
         scale = np.where(sums > 0, total / np.where(sums > 0, sums, 1.0), 0.0)
-    return joint * scale
+    joint *= scale
+    return joint
 
 
 def _mirror_descent(shape: JointShape, total: np.ndarray, noisy: list[np.ndarray], start: np.ndarray,
@@ -246,21 +261,25 @@ def _mirror_descent(shape: JointShape, total: np.ndarray, noisy: list[np.ndarray
     fit = JointShape(shape.sizes, tuple(t for t, _, _ in measured))
     groups = fit.groups()
     ys, variances = [y for _, y, _ in measured], [v for _, _, v in measured]
-    mean = (total / shape.cells).reshape((1,) * len(shape.sizes) + (CHUNK,))
+    width = total.size
+    mean = (total / shape.cells).reshape((1,) * len(shape.sizes) + (width,))
     joint = _normalised(np.maximum(start, START_FLOOR * mean), total)
     loss, gradients = _loss_terms(joint, fit, ys, variances, groups)
-    largest = np.zeros(CHUNK)
+    largest = np.zeros(width)
     for g in gradients:
-        largest += np.abs(g).reshape(-1, CHUNK).max(axis=0)
+        largest += np.abs(g).reshape(-1, width).max(axis=0)
     step = 1.0 / np.maximum(largest, 1e-12)
     for _ in range(iterations):
-        factor = _update_factor(fit, groups, [np.clip(-step * g, -EXPONENT_CLIP, EXPONENT_CLIP) for g in gradients])
-        candidate = _normalised(joint * factor, total)
+        exponents = [np.clip(-step * g, -EXPONENT_CLIP, EXPONENT_CLIP) for g in gradients]
+        candidate = _normalised(_updated(joint, fit, groups, exponents), total)
         candidate_loss, candidate_gradients = _loss_terms(candidate, fit, ys, variances, groups)
         better = candidate_loss <= loss
-        joint = np.where(better, candidate, joint)
-        loss = np.where(better, candidate_loss, loss)
-        gradients = [np.where(better, new, old) for new, old in zip(candidate_gradients, gradients)]
+        if better.all():
+            joint, loss, gradients = candidate, candidate_loss, candidate_gradients
+        else:
+            joint = np.where(better, candidate, joint)
+            loss = np.where(better, candidate_loss, loss)
+            gradients = [np.where(better, new, old) for new, old in zip(candidate_gradients, gradients)]
         step = np.where(better, step * 1.5, step / 2.0)
     return joint
 
@@ -290,7 +309,7 @@ def joint_margins(joint: np.ndarray, shape: JointShape) -> list[np.ndarray]:
 
 def marginal_tables(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarray], estimates: list[np.ndarray],
                     iterations: int, path: str, joints: list | None = None) -> list[np.ndarray]:
-    """The published integer tables of every unit (per table, units x table cells), CHUNK units at a time
+    """The published integer tables of every unit (per table, units x table cells), a chunk of units at a time
     (memory: a chunk's joint, never a level's):
       'joint'          the fitted joint rounded to the unit total; every table a margin of it (consistent);
       'fitted_tables'  each table, a margin of the fitted joint, rounded to the unit total on its own;
@@ -298,8 +317,9 @@ def marginal_tables(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarra
     `joints`, when given, receives each chunk's rounded joint (path 'joint')."""
     totals = np.asarray(totals, dtype=np.int64)
     out = [np.empty((totals.size, shape.table_cells(t)), dtype=np.int64) for t in shape.tables]
-    for start in range(0, totals.size, CHUNK):
-        rows = slice(start, min(start + CHUNK, totals.size))
+    width = chunk_units(shape.cells)
+    for start in range(0, totals.size, width):
+        rows = slice(start, min(start + width, totals.size))
         unit_totals = totals[rows]
         if path == "tables":
             for i, estimate in enumerate(estimates):

@@ -125,11 +125,20 @@ def _concat(parts):
                          for field in ("estimates", "variances", "published")))
 
 
-def run_tree(tree: UnitTree, blocks: list[np.ndarray], transitions, run_group=None):
+def down_job(tree: UnitTree, job) -> tuple:
+    """One group's down step: `job` = (level index, parents' DownState, children's UpState, children's noisy
+    blocks, each child's parent row)."""
+    from .kernels import down_group
+
+    index, parents, children, noisy, child_parent = job
+    return down_group(tree, tree.levels[index], parents, children, noisy, child_parent)
+
+
+def run_tree(tree: UnitTree, blocks: list[np.ndarray], transitions, mapper=None):
     """Both passes and the integer step over the whole tree; yields (level, LevelOutput) root first, each
     level's output the concatenation of its groups' (`transitions`: `groups.transitions(tree)`;
-    `run_group(args) -> (DownState, LevelOutput)`: how a group's down step runs, default here)."""
-    from .kernels import down_group, root, up_group
+    `mapper(jobs) -> results`: runs the groups' down steps (`down_job`), in order, default here)."""
+    from .kernels import root, up_group
 
     states = [None] * len(tree.levels)
     for level in reversed(tree.levels):
@@ -138,15 +147,15 @@ def run_tree(tree: UnitTree, blocks: list[np.ndarray], transitions, run_group=No
                                        tree.levels[level.index + 1].parent if below else None)
     down, output = root(tree, states[0], blocks[0])
     yield tree.levels[0], output
-    run_group = run_group or (lambda args: down_group(tree, *args))
+    mapper = mapper or (lambda jobs: [down_job(tree, job) for job in jobs])
     for transition in transitions:
         level = tree.levels[transition.index]
         jobs = []
         for g in range(transition.count):
             parents = slice(int(transition.parent_start[g]), int(transition.parent_start[g + 1]))
             children = slice(int(transition.child_start[g]), int(transition.child_start[g + 1]))
-            jobs.append((level, _slice(down, parents), _slice(states[level.index], children),
+            jobs.append((level.index, _slice(down, parents), _slice(states[level.index], children),
                          blocks[level.index][children], level.parent[children] - parents.start))
-        results = list(map(run_group, jobs))
+        results = list(mapper(jobs))
         down = _concat([r[0] for r in results])
         yield level, _concat([r[1] for r in results])

@@ -189,14 +189,14 @@ def _build_level(index: int, name: str, units: int, parent, tables: list[UnitTab
         attributes = _attributes(t, geographies)
         shape = tuple(d.size for d in attributes)
         blocks.append(BlockTable(t, offset, shape, tuple(d.column for d in attributes)))
-        offset += int(np.prod(shape)) if shape else 1
+        offset += int(np.prod([float(s) for s in shape])) if shape else 1
+    if offset > MAX_BLOCK_CELLS:
+        raise ValueError(f"the tables at level {name} hold {offset:,} cells per unit, over {MAX_BLOCK_CELLS:,}")
     level = Level(index, name, units, parent, tuple(blocks), offset, copies,
                   np.concatenate([np.full(b.size, float(b.table.variance)) for b in blocks]) if blocks else np.zeros(0))
     if not blocks:
         level.total_var = np.full(copies, np.inf)
         return level
-    if offset > MAX_BLOCK_CELLS:
-        raise ValueError(f"the tables at level {name} hold {offset:,} cells per unit, over {MAX_BLOCK_CELLS:,}")
     local = [CountTable(b.table.name, tuple(d for d in b.table.dims if d.column not in geographies), b.table.variance)
              for b in blocks]
     constraints = constraint_matrix(local, {})

@@ -1,0 +1,333 @@
+"""The release after the noise, as stages a distributed engine runs in its workers (Spark executors, Beam
+workers): post-processing group by group and writing every part, so that nothing whose size grows with
+the cells reaches the driver (it receives the file entries only).
+
+Everything between stages is a *piece*: rows of one kind over a contiguous range of units of one level
+(or of cells of one table), its arrays packed in one binary payload, with the key of the group that
+consumes it. A stage is: split pieces at the consumer's group boundaries (`rekey`), group by key, run a
+kernel on each group (`STAGES`). The kernels call the same per-unit kernels (`transforms.units`) with the
+same groups (`transforms.units.groups`) as the embedded engine, and write parts with the same writer, so
+every engine publishes the same bytes.
+
+    noise pieces (per table range)
+      leaves:  up(d)    per group of level d              -> up state of level d
+      up(l):   per group of parents (levels l and l+1)    -> up state of level l           (l = d-1 .. 0)
+      down(0): the root                                   -> down state of level 0, its parts written
+      down(l): per group of level l (and its parents)     -> down state of level l, parts  (l = 1 .. d)
+      cells:   per part of every other table              -> parts written (tables, measurements, means)
+The engine provides three operations: `rekey` (a flat map of Arrow batches), `group` (group by key and
+apply a kernel to each group's rows) and `collect` (the small file entries).
+"""
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from dprelease.transforms.units.groups import transitions
+from dprelease.transforms.units.kernels import DownState, UpState, down_group, root, up_group
+
+from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, Part, mean_parts, table_parts
+from .plan import Plan
+from .postprocessing import estimate_variances, published_cells, unit_tree
+from .release import mean_column, row_labels, table_values, write_part
+
+SCHEMA = pa.schema([("key", pa.int64()), ("kind", pa.string()), ("level", pa.int32()), ("start", pa.int64()),
+                    ("count", pa.int64()), ("payload", pa.binary())])
+"""Every row between stages: the consuming group's key, what it holds, the level (or table index), its
+first unit (or cell) and how many, and its arrays."""
+SPARK_SCHEMA = "key long, kind string, level int, start long, count long, payload binary"
+
+NOISE, UP, DOWN, FILES = "noise", "up", "down", "files"
+
+
+# ---- payloads ---------------------------------------------------------------------------------------------------
+
+def pack(arrays: dict[str, np.ndarray]) -> bytes:
+    """Named arrays as bytes: a JSON header (names, dtypes, shapes) and the raw little-endian buffers."""
+    header = json.dumps([[name, a.dtype.str, list(a.shape)] for name, a in arrays.items()]).encode()
+    body = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays.values())
+    return len(header).to_bytes(4, "little") + header + body
+
+
+def unpack(data: bytes) -> dict[str, np.ndarray]:
+    size = int.from_bytes(data[:4], "little")
+    header = json.loads(data[4:4 + size])
+    out, offset = {}, 4 + size
+    for name, dtype, shape in header:
+        count = int(np.prod(shape)) if shape else 1
+        array = np.frombuffer(data, dtype=np.dtype(dtype), count=count, offset=offset).reshape(shape)
+        out[name] = array
+        offset += count * np.dtype(dtype).itemsize
+    return out
+
+
+@dataclass(frozen=True)
+class Piece:
+    key: int
+    kind: str
+    level: int
+    start: int
+    count: int
+    arrays: dict[str, np.ndarray]
+
+
+def to_batch(pieces: list[Piece]) -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays([
+        pa.array([p.key for p in pieces], pa.int64()), pa.array([p.kind for p in pieces], pa.string()),
+        pa.array([p.level for p in pieces], pa.int32()), pa.array([p.start for p in pieces], pa.int64()),
+        pa.array([p.count for p in pieces], pa.int64()), pa.array([pack(p.arrays) for p in pieces], pa.binary())],
+        schema=SCHEMA)
+
+
+def from_table(table: pa.Table | pa.RecordBatch) -> list[Piece]:
+    columns = [table.column(n).to_pylist() for n in ("key", "kind", "level", "start", "count", "payload")]
+    return [Piece(k, kind, level, start, count, unpack(payload)) for k, kind, level, start, count, payload
+            in zip(*columns)]
+
+
+def _slice_arrays(arrays: dict[str, np.ndarray], start: int, stop: int) -> dict[str, np.ndarray]:
+    return {name: (a[start:stop] if a.ndim else a) for name, a in arrays.items()}
+
+
+def _join(pieces: list[Piece], kind: str, level: int) -> tuple[int, dict[str, np.ndarray]] | None:
+    """The pieces of one kind and level, in order, as one range: (first unit, arrays)."""
+    chosen = sorted((p for p in pieces if p.kind == kind and p.level == level), key=lambda p: p.start)
+    if not chosen:
+        return None
+    names = chosen[0].arrays.keys()
+    return chosen[0].start, {n: np.concatenate([p.arrays[n] for p in chosen]) for n in names}
+
+
+# ---- the structure every worker derives from the plan ----------------------------------------------------------
+
+class Flow:
+    """What a worker knows: the plan, its tree, the groups of each level, the layout and where to write."""
+
+    def __init__(self, plan: Plan, layout: Layout, staging: str):
+        self.plan, self.layout, self.staging = plan, layout, Path(staging)
+        self.tree = unit_tree(plan)
+        self.transitions = transitions(self.tree, layout.group_work) if self.tree else []
+        self.table_index = {t.name: i for i, t in enumerate(plan.tables)}
+        self.variances = estimate_variances(plan).per_cell if self.tree else {}
+
+    # groups of each level, as boundaries over its units
+    def child_bounds(self, level: int) -> np.ndarray:
+        """The groups of level `level` as children (its own parts): unit boundaries."""
+        if level == 0:
+            return np.asarray([0, 1])
+        return self.transitions[level - 1].child_start
+
+    def parent_bounds(self, level: int) -> np.ndarray:
+        """The groups of level `level` as parents of level + 1: unit boundaries."""
+        return self.transitions[level].parent_start
+
+    def tree_level(self, table: str) -> int | None:
+        return self.tree.level_of(table).index if self.tree and table in self.tree.tables else None
+
+
+def split(piece: Piece, bounds: np.ndarray, kind: str | None = None) -> list[Piece]:
+    """A piece cut at group boundaries (unit indices), each part keyed by its group."""
+    out = []
+    stop = piece.start + piece.count
+    first = int(np.searchsorted(bounds, piece.start, side="right")) - 1
+    for group in range(first, bounds.size - 1):
+        lo, hi = max(piece.start, int(bounds[group])), min(stop, int(bounds[group + 1]))
+        if lo >= hi:
+            break
+        out.append(Piece(group, kind or piece.kind, piece.level, lo, hi - lo,
+                         _slice_arrays(piece.arrays, lo - piece.start, hi - piece.start)))
+    return out
+
+
+# ---- noise pieces -> the stages' keys -----------------------------------------------------------------------------
+
+def noise_piece(flow: Flow, table_index: int, start_cell: int, values: np.ndarray) -> Piece:
+    """A range of one table's noisy values (cells [start_cell, ...)); for a tree table, whole units."""
+    table = flow.plan.tables[table_index]
+    level = flow.tree_level(table.name)
+    if level is None:
+        return Piece(0, NOISE, table_index, start_cell, values.size, {"values": values})
+    per_unit = flow.tree.levels[level].table(table.name).size
+    return Piece(0, NOISE, table_index, start_cell // per_unit, values.size // per_unit,
+                 {"values": values.reshape(-1, per_unit)})
+
+
+def route_noise(flow: Flow, piece: Piece) -> list[Piece]:
+    """Where a noise piece goes: a tree table's units to the up step of its level (keyed by the groups of
+    parents of the level below, or by its own groups at the leaves) and to the down step of its level; any
+    other table's cells to the part it is written in."""
+    table = flow.plan.tables[piece.level]
+    level = flow.tree_level(table.name)
+    if level is None:
+        routed = [_tagged(p, ("cells", piece.level)) for p in _cell_split(flow, table, piece)]
+        for m, mean in enumerate(flow.plan.means):
+            if table.name in (mean.sum_table, mean.count_table):
+                bounds = np.asarray([p.start for p in mean_parts(flow.plan, mean, flow.layout)]
+                                    + [table.n_cells])
+                routed += [_tagged(p, ("means", m)) for p in split(piece, bounds)]
+        return routed
+    leaf = level == len(flow.tree.levels) - 1
+    up_bounds = flow.child_bounds(level) if leaf else flow.parent_bounds(level)
+    return ([_tagged(p, ("up", level)) for p in split(piece, up_bounds)]
+            + [_tagged(p, ("down", level)) for p in split(piece, flow.child_bounds(level))])
+
+
+def _cell_split(flow: Flow, table, piece: Piece) -> list[Piece]:
+    parts = table_parts(flow.plan, table, TABLES_DIR, flow.layout)
+    quantum = max(1, len(table.quantiles))  # noisy values of a quantile table: a row per cell and q
+    bounds = np.asarray([p.start for p in parts] + [parts[-1].stop]) // quantum * quantum
+    return split(piece, bounds)
+
+
+def _tagged(piece: Piece, stage: tuple[str, int]) -> Piece:
+    """The piece under the key of its stage: (stage name, level or table) and group, flattened to one int."""
+    return Piece(stage_key(stage, piece.key), piece.kind, piece.level, piece.start, piece.count, piece.arrays)
+
+
+STAGE_CODES = {"up": 1, "down": 2, "cells": 3, "means": 4}
+
+
+def stage_key(stage: tuple[str, int], group: int) -> int:
+    """One int64 per (stage, level or table, group): what engines group by."""
+    name, level = stage
+    return (STAGE_CODES[name] << 56) | (level << 40) | group
+
+
+def key_group(key: int) -> int:
+    return key & ((1 << 40) - 1)
+
+
+# ---- kernels ---------------------------------------------------------------------------------------------------------
+
+def _noisy_block(flow: Flow, level: int, pieces: list[Piece], start: int, count: int) -> np.ndarray:
+    """Units [start, start + count) of a level as blocks (units x block cells) from their tables' pieces."""
+    tree_level = flow.tree.levels[level]
+    block = np.zeros((count, tree_level.size))
+    for b in tree_level.tables:
+        joined = _join(pieces, NOISE, flow.table_index[b.table.name])
+        if joined is not None:
+            first, arrays = joined
+            block[first - start:first - start + arrays["values"].shape[0], b.offset:b.offset + b.size] = arrays["values"]
+    return block
+
+
+def up_kernel(flow: Flow, level: int, group: int, pieces: list[Piece]) -> list[Piece]:
+    """The up step of a group: level `level`'s units of the group (as parents of level + 1, or the leaves'
+    own groups), their noisy blocks and their children's up state; out: their up state, keyed for the
+    up step above and the down step of their level."""
+    tree = flow.tree
+    leaf = level == len(tree.levels) - 1
+    bounds = flow.child_bounds(level) if leaf else flow.parent_bounds(level)
+    start, stop = int(bounds[group]), int(bounds[group + 1])
+    noisy = _noisy_block(flow, level, pieces, start, stop - start)
+    children = child_parent = None
+    if not leaf:
+        joined = _join(pieces, UP, level + 1)
+        first, arrays = joined
+        children = UpState(arrays["block"], arrays["own_total"], arrays["subtree"], arrays["subtree_var"])
+        child_parent = tree.levels[level + 1].parent[first:first + arrays["block"].shape[0]] - start
+    state = up_group(tree.levels[level], noisy, children, child_parent)
+    piece = Piece(0, UP, level, start, stop - start, {"block": state.block, "own_total": state.own_total,
+                                                      "subtree": state.subtree, "subtree_var": state.subtree_var})
+    out = []
+    if level > 0:
+        out += [_tagged(p, ("up", level - 1)) for p in split(piece, flow.child_bounds(level))]
+    out += [_tagged(p, ("down", level)) for p in split(piece, flow.child_bounds(level))]
+    return out
+
+
+def down_kernel(flow: Flow, level: int, group: int, pieces: list[Piece]) -> list[Piece]:
+    """The down step of a group of level `level` (the root when 0): final totals, integers, and every part of
+    the level's tables written (published and measurements); out: the level's down state keyed for the
+    next level's groups of parents, and the written files' entries."""
+    tree = flow.tree
+    bounds = flow.child_bounds(level)
+    start, stop = int(bounds[group]), int(bounds[group + 1])
+    noisy = _noisy_block(flow, level, pieces, start, stop - start)
+    first, arrays = _join(pieces, UP, level)
+    state = UpState(arrays["block"], arrays["own_total"], arrays["subtree"], arrays["subtree_var"])
+    if level == 0:
+        down, output = root(tree, state, noisy)
+    else:
+        parent_first, parent = _join(pieces, DOWN, level - 1)
+        parents = DownState(parent["final"], parent["final_var"],
+                            {k.removeprefix("int:"): v for k, v in parent.items() if k.startswith("int:")})
+        child_parent = tree.levels[level].parent[start:stop] - parent_first
+        down, output = down_group(tree, tree.levels[level], parents, state, noisy, child_parent)
+    entries = _write_level(flow, level, start, stop, noisy, output)
+    out = [Piece(0, FILES, level, group, len(entries), {"entries": np.frombuffer(json.dumps(entries).encode(),
+                                                                                  dtype=np.uint8)})]
+    if level + 1 < len(tree.levels):
+        piece = Piece(0, DOWN, level, start, stop - start,
+                      {"final": down.final, "final_var": down.final_var,
+                       **{f"int:{k}": v for k, v in down.integers.items()}})
+        out += [_tagged(p, ("down", level + 1)) for p in split(piece, flow.parent_bounds(level))]
+    return out
+
+
+def _write_level(flow: Flow, level: int, start: int, stop: int, noisy: np.ndarray, output) -> list[dict]:
+    """Write the parts of a level's tables that hold units [start, stop) (one part each, by the layout)."""
+    entries = []
+    tree_level = flow.tree.levels[level]
+    for b in tree_level.tables:
+        table = flow.plan.table(b.table.name)
+        rows = (start * b.size, stop * b.size)
+        for folder, values, name, variance in (
+                (TABLES_DIR, output.published[table.name], table.value_name, flow.variances[table.name]),
+                (MEASUREMENTS_DIR, noisy[:, b.offset:b.offset + b.size], f"noisy_{table.value_name}", None)):
+            part = next(p for p in table_parts(flow.plan, table, folder, flow.layout) if p.start == rows[0])
+            columns = table_values(table, np.asarray(values).ravel().astype(np.int64), name,
+                                   None if variance is None else variance[rows[0]:rows[1]])
+            entries += write_part(flow.staging, part, pa.table({**row_labels(flow.plan, table.dims, table.quantiles,
+                                                                               part.start, part.stop), **columns}))
+    return entries
+
+
+def cells_kernel(flow: Flow, table_index: int, group: int, pieces: list[Piece]) -> list[Piece]:
+    """A part of a table outside the tree: its noisy values in, its published and measurement parts
+    written (post-processing cell by cell)."""
+    table = flow.plan.tables[table_index]
+    _, arrays = _join(pieces, NOISE, table_index)
+    values = arrays["values"].astype(np.int64)
+    published = published_cells(table, values)
+    entries = []
+    for folder, data, name in ((TABLES_DIR, published, table.value_name),
+                               (MEASUREMENTS_DIR, values, f"noisy_{table.value_name}")):
+        part = table_parts(flow.plan, table, folder, flow.layout)[group]
+        entries += write_part(flow.staging, part, pa.table({**row_labels(flow.plan, table.dims, table.quantiles,
+                                                                           part.start, part.stop),
+                                                            **table_values(table, data, name)}))
+    return [Piece(0, FILES, table_index, group, len(entries),
+                  {"entries": np.frombuffer(json.dumps(entries).encode(), dtype=np.uint8)})]
+
+
+def means_kernel(flow: Flow, mean_index: int, group: int, pieces: list[Piece]) -> list[Piece]:
+    """A part of a mean table from the same cells of its noisy sum and count tables."""
+    mean = flow.plan.means[mean_index]
+    noisy = {}
+    for name in (mean.sum_table, mean.count_table):
+        _, arrays = _join(pieces, NOISE, flow.table_index[name])
+        noisy[name] = arrays["values"]
+    part = mean_parts(flow.plan, mean, flow.layout)[group]
+    dims = flow.plan.table(mean.sum_table).dims
+    entries = write_part(flow.staging, part, pa.table({**row_labels(flow.plan, dims, (), part.start, part.stop),
+                                                       **mean_column(mean, noisy)}))
+    return [Piece(0, FILES, mean_index, group, len(entries),
+                  {"entries": np.frombuffer(json.dumps(entries).encode(), dtype=np.uint8)})]
+
+
+def run_group(flow: Flow, key: int, pieces: list[Piece]) -> list[Piece]:
+    """Dispatch a group's pieces to its stage's kernel."""
+    code, level, group = key >> 56, (key >> 40) & 0xFFFF, key_group(key)
+    stage = {v: k for k, v in STAGE_CODES.items()}[code]
+    kernel = {"up": up_kernel, "down": down_kernel, "cells": cells_kernel, "means": means_kernel}[stage]
+    return kernel(flow, level, group, pieces)
+
+
+def entries_of(pieces: list[Piece]) -> list[dict]:
+    return [e for p in pieces if p.kind == FILES for e in json.loads(bytes(p.arrays["entries"]))]

@@ -5,15 +5,28 @@ accounting/ -> dprelease.accounting, examples/ -> dprelease.examples.
 `dprelease` itself is an implicit namespace package, so no generic top-level name
 (such as `pipelines`) is installed into site-packages.
 """
+from pathlib import Path
+
 from setuptools import Extension, setup
 
-PACKAGES = {
-    "dprelease.pipelines": "pipelines",
-    "dprelease.pipelines.engines": "pipelines/engines",
-    "dprelease.transforms": "transforms",
-    "dprelease.accounting": "accounting",
-    "dprelease.examples": "examples",
-}
+TOP_LEVEL_FOLDERS = ("pipelines", "transforms", "accounting", "examples")
+
+
+def packages_under(folders: tuple[str, ...]) -> dict[str, str]:
+    """Every folder holding an `__init__.py`, mapped to its `dprelease.` package name.
+
+    Found rather than listed, so a new subpackage can never be left out of a
+    non-editable install (as `transforms/units` once was).
+    """
+    found = {}
+    for folder in folders:
+        for init in sorted(Path(folder).rglob("__init__.py")):
+            relative = init.parent.as_posix()
+            found["dprelease." + relative.replace("/", ".")] = relative
+    return found
+
+
+PACKAGES = packages_under(TOP_LEVEL_FOLDERS)
 
 setup(
     name="dprelease",

@@ -31,8 +31,13 @@ def printable(value: object) -> str:
 def styled(label: str, style: str, rest: str = "") -> Text:
     """A styled label followed by plain text (never parsed as markup)."""
     return Text.assemble((label, style), rest)
+
+
+ENGINES = ["embedded", "spark", "beam"]
 STAGES = {"read": "Reading and encoding input files", "noise": "Drawing noise (cell ranges)",
-          "write": "Writing tables", "beam": "Beam pipeline (read, bound, count, noise)"}
+          "write": "Writing tables", "beam": "Beam pipeline (read, bound, count, noise)",
+          "post-process": "Post-processing and writing in the workers (stages)",
+          "beam-release": "Beam pipeline (read, bound, count, noise, post-process, write)"}
 
 
 def _fail(error: DPReleaseError) -> None:
@@ -92,7 +97,9 @@ def _write_failure(internal_dir: Path, stage: str) -> Path | None:
 MAX_CELLS_OPTION = click.option(
     "--max-cells", type=click.IntRange(1), envvar="DPRELEASE_MAX_CELLS",
     help="Refuse a release with more public cells than this (env DPRELEASE_MAX_CELLS; default 20,000,000, "
-         "about 4 GiB of driver memory); every engine holds each table's cells on one machine.")
+         "about 4 GiB of memory): the embedded engine holds every table's cells on one machine, and so do spark "
+         "and beam unless the count tables form a tree of geographic units (then their workers post-process and "
+         "write it group by group, without this limit).")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -156,7 +163,7 @@ def _plan_table(plan, estimate=None) -> Table:
         table.add_row(
             t.name, statistic, f"{t.n_cells:,}", str(sens.l1), f"{sens.l2_squared ** 0.5:.3g}",
             f"{float(t.event.allocated):.4g}", noise, f"{m.variance() ** 0.5:.3f}", f"±{m.margin_95()}",
-            f"{estimate.per_cell[t.name].max() ** 0.5:.3f}" if t.name in estimate.per_cell else "-",
+            f"{estimate.largest(t.name) ** 0.5:.3f}" if t.name in estimate.per_cell else "-",
         )
     return table
 
@@ -192,12 +199,14 @@ def _totals_text(plan) -> str:
 @main.command()
 @click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
 @MAX_CELLS_OPTION
-def plan(spec: Path, max_cells: int | None) -> None:
+@click.option("--engine", type=click.Choice(ENGINES), help="The engine the memory statement is for (default: the spec's).")
+def plan(spec: Path, max_cells: int | None, engine: str | None) -> None:
     """Show the budget allocation, expected error and memory of every table; reads no data.
 
-    Exit 2 when the release exceeds the cell limit (--max-cells), as `run` would.
+    Exit 2 when the release exceeds the cell limit (--max-cells) on the engine, as `run` would.
     """
-    from .limits import check_plan_limits, estimated_memory_bytes, human_bytes, max_cells_setting
+    from .layout import Layout
+    from .limits import check_plan_limits, max_cells_setting, memory_statement, runs_in_workers
     from .plan import build_plan
     from .postprocessing import EstimateVariances
     from .spec import load_spec
@@ -205,8 +214,9 @@ def plan(spec: Path, max_cells: int | None) -> None:
     with _handled():
         parsed, base = load_spec(spec)
         result = build_plan(parsed, base)
+        engine = engine or parsed.engine
         limit = max_cells_setting(max_cells)
-        over_limit = result.n_cells > limit  # no GLS variances for a plan that may not run
+        over_limit = result.n_cells > limit and not runs_in_workers(result, engine)  # no variances if it may not run
         console.print(_plan_table(result, EstimateVariances({}, True) if over_limit else None))
         console.print(f"Sensitivity: {result.sensitivity.derivation}")
         for derivation in dict.fromkeys(t.event.sensitivity.derivation for t in result.measured()
@@ -215,10 +225,10 @@ def plan(spec: Path, max_cells: int | None) -> None:
         console.print(_totals_text(result))
         for line in _path_lines(result):
             console.print(line, soft_wrap=True)
-        console.print(f"{len(result.tables)} tables, {result.n_cells:,} cells "
-                      f"(limit {limit:,}); a run needs about {human_bytes(estimated_memory_bytes(result))} "
-                      "of driver memory for them")
-        check_plan_limits(result, limit)
+        limit_text = "no cell limit in the workers" if runs_in_workers(result, engine) else f"limit {limit:,}"
+        console.print(f"{len(result.tables)} tables, {result.n_cells:,} cells ({limit_text}); "
+                      f"{memory_statement(result, engine, Layout().group_work)}", soft_wrap=True)
+        check_plan_limits(result, limit, engine)
 
 
 @main.command(context_settings={"allow_interspersed_args": True})
@@ -232,7 +242,7 @@ def plan(spec: Path, max_cells: int | None) -> None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Publish under this directory instead of the spec's output.dir.")
 @click.option("--input", "input_path", help="Read this input instead of the spec's input.path.")
-@click.option("--engine", type=click.Choice(["embedded", "spark", "beam"]),
+@click.option("--engine", type=click.Choice(ENGINES),
               help="Engine (default: the spec's, embedded).")
 @click.option("--master", help="Spark master URL (spark engine only; default local[*]): spark://host:7077, yarn, k8s://...")
 @click.option("--runner", help="Beam runner (beam engine only; default DirectRunner): FlinkRunner, SparkRunner, "
@@ -311,7 +321,7 @@ def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_
 @click.option("--internal-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Private directory for the detailed (confidential) report.")
 @click.option("--input", "input_path", help="Validate this input instead of the spec's input.path.")
-@click.option("--engine", type=click.Choice(["embedded", "spark", "beam"]), help="Engine (default: the spec's).")
+@click.option("--engine", type=click.Choice(ENGINES), help="Engine (default: the spec's).")
 @click.option("--master", help="Spark master URL (spark engine only).")
 def validate(spec: Path, internal_dir: Path, input_path, engine, master) -> None:
     """Check an input against the spec's great-expectations suite; release nothing, spend nothing.

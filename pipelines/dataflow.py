@@ -20,7 +20,6 @@ apply a kernel to each group's rows) and `collect` (the small file entries).
 """
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,8 @@ from dprelease.transforms.units.kernels import DownState, UpState, down_group, r
 
 from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, Part, mean_parts, table_parts
 from .plan import Plan
-from .postprocessing import estimate_variances, published_cells, unit_tree
+from .manifest import VarianceSummary, plan_fingerprint
+from .postprocessing import published_cells, unit_tree
 from .release import mean_column, row_labels, table_values, write_part
 
 SCHEMA = pa.schema([("key", pa.int64()), ("kind", pa.string()), ("level", pa.int32()), ("start", pa.int64()),
@@ -108,12 +108,11 @@ def _join(pieces: list[Piece], kind: str, level: int) -> tuple[int, dict[str, np
 class Flow:
     """What a worker knows: the plan, its tree, the groups of each level, the layout and where to write."""
 
-    def __init__(self, plan: Plan, layout: Layout, staging: str):
-        self.plan, self.layout, self.staging = plan, layout, Path(staging)
-        self.tree = unit_tree(plan)
-        self.transitions = transitions(self.tree, layout.group_work) if self.tree else []
+    def __init__(self, plan: Plan, layout: Layout | None, staging: str, tree=None):
+        self.plan, self.layout, self.staging = plan, layout or Layout(), Path(staging)
+        self.tree = tree if tree is not None else unit_tree(plan)
+        self.transitions = transitions(self.tree, self.layout.group_work) if self.tree else []
         self.table_index = {t.name: i for i, t in enumerate(plan.tables)}
-        self.variances = estimate_variances(plan).per_cell if self.tree else {}
 
     # groups of each level, as boundaries over its units
     def child_bounds(self, level: int) -> np.ndarray:
@@ -128,6 +127,24 @@ class Flow:
 
     def tree_level(self, table: str) -> int | None:
         return self.tree.level_of(table).index if self.tree and table in self.tree.tables else None
+
+
+def run_token(plan: Plan, layout: Layout, staging) -> tuple:
+    """What identifies a run's Flow in a worker: the plan fingerprint, the layout's sizes, the staging path."""
+    return plan_fingerprint(plan), layout.group_work, layout.part_rows, str(staging)
+
+
+_FLOWS: dict[tuple, Flow] = {}
+
+
+def flow_for(token: tuple, plan: Plan, tree) -> Flow:
+    """The Flow of a run, built once per worker process (token: plan fingerprint, layout sizes, staging).
+    `tree` is the driver's: its operators (pseudo-inverses, gains) come out of LAPACK with bits that depend
+    on the BLAS build and thread count, so workers never recompute them (every engine, one set of bits)."""
+    if token not in _FLOWS:
+        _FLOWS.clear()
+        _FLOWS[token] = Flow(plan, Layout(token[1], token[2]), token[3], tree)
+    return _FLOWS[token]
 
 
 def split(piece: Piece, bounds: np.ndarray, kind: str | None = None) -> list[Piece]:
@@ -260,8 +277,9 @@ def down_kernel(flow: Flow, level: int, group: int, pieces: list[Piece]) -> list
         child_parent = tree.levels[level].parent[start:stop] - parent_first
         down, output = down_group(tree, tree.levels[level], parents, state, noisy, child_parent)
     entries = _write_level(flow, level, start, stop, noisy, output)
-    out = [Piece(0, FILES, level, group, len(entries), {"entries": np.frombuffer(json.dumps(entries).encode(),
-                                                                                  dtype=np.uint8)})]
+    summaries = {name: _summary_record(VarianceSummary.of(values.ravel(), [(0, values.size)]))
+                 for name, values in output.variances.items()}
+    out = [_files_piece(level, group, entries, summaries)]
     if level + 1 < len(tree.levels):
         piece = Piece(0, DOWN, level, start, stop - start,
                       {"final": down.final, "final_var": down.final_var,
@@ -278,11 +296,11 @@ def _write_level(flow: Flow, level: int, start: int, stop: int, noisy: np.ndarra
         table = flow.plan.table(b.table.name)
         rows = (start * b.size, stop * b.size)
         for folder, values, name, variance in (
-                (TABLES_DIR, output.published[table.name], table.value_name, flow.variances[table.name]),
+                (TABLES_DIR, output.published[table.name], table.value_name, output.variances[table.name]),
                 (MEASUREMENTS_DIR, noisy[:, b.offset:b.offset + b.size], f"noisy_{table.value_name}", None)):
             part = next(p for p in table_parts(flow.plan, table, folder, flow.layout) if p.start == rows[0])
             columns = table_values(table, np.asarray(values).ravel().astype(np.int64), name,
-                                   None if variance is None else variance[rows[0]:rows[1]])
+                                   None if variance is None else np.asarray(variance).ravel())
             entries += write_part(flow.staging, part, pa.table({**row_labels(flow.plan, table.dims, table.quantiles,
                                                                                part.start, part.stop), **columns}))
     return entries
@@ -302,8 +320,7 @@ def cells_kernel(flow: Flow, table_index: int, group: int, pieces: list[Piece]) 
         entries += write_part(flow.staging, part, pa.table({**row_labels(flow.plan, table.dims, table.quantiles,
                                                                            part.start, part.stop),
                                                             **table_values(table, data, name)}))
-    return [Piece(0, FILES, table_index, group, len(entries),
-                  {"entries": np.frombuffer(json.dumps(entries).encode(), dtype=np.uint8)})]
+    return [_files_piece(table_index, group, entries)]
 
 
 def means_kernel(flow: Flow, mean_index: int, group: int, pieces: list[Piece]) -> list[Piece]:
@@ -317,8 +334,7 @@ def means_kernel(flow: Flow, mean_index: int, group: int, pieces: list[Piece]) -
     dims = flow.plan.table(mean.sum_table).dims
     entries = write_part(flow.staging, part, pa.table({**row_labels(flow.plan, dims, (), part.start, part.stop),
                                                        **mean_column(mean, noisy)}))
-    return [Piece(0, FILES, mean_index, group, len(entries),
-                  {"entries": np.frombuffer(json.dumps(entries).encode(), dtype=np.uint8)})]
+    return [_files_piece(mean_index, group, entries)]
 
 
 def run_group(flow: Flow, key: int, pieces: list[Piece]) -> list[Piece]:
@@ -329,5 +345,112 @@ def run_group(flow: Flow, key: int, pieces: list[Piece]) -> list[Piece]:
     return kernel(flow, level, group, pieces)
 
 
-def entries_of(pieces: list[Piece]) -> list[dict]:
-    return [e for p in pieces if p.kind == FILES for e in json.loads(bytes(p.arrays["entries"]))]
+def _summary_record(summary: VarianceSummary) -> list:
+    return [summary.minimum, summary.maximum, list(summary.sums), summary.count]
+
+
+def _files_piece(level: int, group: int, entries: list[dict], summaries: dict | None = None) -> Piece:
+    """What a group reports to the driver: its written files' entries and (tree levels) each table's
+    variance summary over its part. Small: a few hundred bytes per part."""
+    document = json.dumps({"entries": entries, "summaries": summaries or {}, "group": group}).encode()
+    return Piece(0, FILES, level, group, len(entries), {"files": np.frombuffer(document, dtype=np.uint8)})
+
+
+def results(pieces: list[Piece]) -> tuple[list[dict], dict[str, VarianceSummary]]:
+    """(every file entry, every tree table's variance summary, merged over its parts in order)."""
+    entries, parts = [], {}
+    for piece in pieces:
+        if piece.kind != FILES:
+            continue
+        document = json.loads(bytes(piece.arrays["files"]))
+        entries += document["entries"]
+        for name, (low, high, sums, count) in document["summaries"].items():
+            parts.setdefault(name, []).append((document["group"], VarianceSummary(low, high, tuple(sums), count)))
+    summaries = {name: VarianceSummary.merged([s for _, s in sorted(found)]) for name, found in parts.items()}
+    return entries, summaries
+
+
+# ---- the order of stages, and a reference runner -----------------------------------------------------------------
+
+NOISE_TARGET = 1 << 18
+
+
+def range_length(flow: Flow, table_index: int) -> int:
+    """Measured entries per noise range of a table: whole units for a tree table (so a range is a range of
+    units), else the table's own ranges (whole cells of a quantile table). Noise does not depend on it."""
+    table = flow.plan.tables[table_index]
+    level = flow.tree_level(table.name)
+    if level is None:
+        return table.release.range_length(NOISE_TARGET)
+    per_unit = flow.tree.levels[level].table(table.name).size
+    return per_unit * max(1, NOISE_TARGET // per_unit)
+
+
+def stage_order(flow: Flow) -> list[list[int]]:
+    """The stages in order, each as the (code << 16 | level) prefixes of the keys it groups: the up steps
+    leaves first, the down steps root first, then every per-cell part (tables and means) at once."""
+    stages = []
+    if flow.tree is not None:
+        depth = len(flow.tree.levels)
+        stages += [[STAGE_CODES["up"] << 16 | level] for level in reversed(range(depth))]
+        stages += [[STAGE_CODES["down"] << 16 | level] for level in range(depth)]
+    cells = [STAGE_CODES["cells"] << 16 | i for i, t in enumerate(flow.plan.tables) if flow.tree_level(t.name) is None]
+    cells += [STAGE_CODES["means"] << 16 | m for m in range(len(flow.plan.means))]
+    if cells:
+        stages.append(cells)
+    return stages
+
+
+def stage_of(key: int) -> int:
+    return key >> 40
+
+
+def _emits(flow: Flow, prefix: int) -> set[int]:
+    """The stage prefixes a stage's groups send pieces to (besides the driver's file entries)."""
+    code, level = prefix >> 16, prefix & 0xFFFF
+    up, down = STAGE_CODES["up"], STAGE_CODES["down"]
+    if code == up:
+        return {down << 16 | level} | ({up << 16 | (level - 1)} if level else set())
+    if code == down and level + 1 < len(flow.tree.levels):
+        return {down << 16 | (level + 1)}
+    return set()
+
+
+def stage_sources(flow: Flow, stages: list[list[int]]) -> list[list[int]]:
+    """Per stage, the pools it reads: 0 the routed noise pieces, i + 1 the output of stage i (an engine
+    filters only these, not every earlier output)."""
+    sources = []
+    for i, prefixes in enumerate(stages):
+        wanted = set(prefixes)
+        sources.append([0] + [j + 1 for j in range(i) if any(_emits(flow, p) & wanted for p in stages[j])])
+    return sources
+
+
+def stage_groups(flow: Flow, prefixes: list[int]) -> int:
+    """How many groups a stage has (engines size its shuffle by it)."""
+    total = 0
+    for prefix in prefixes:
+        code, level = prefix >> 16, prefix & 0xFFFF
+        if code == STAGE_CODES["up"]:
+            leaf = level == len(flow.tree.levels) - 1
+            total += (flow.child_bounds(level) if leaf else flow.parent_bounds(level)).size - 1
+        elif code == STAGE_CODES["down"]:
+            total += flow.child_bounds(level).size - 1
+        elif code == STAGE_CODES["cells"]:
+            total += len(table_parts(flow.plan, flow.plan.tables[level], TABLES_DIR, flow.layout))
+        else:
+            total += len(mean_parts(flow.plan, flow.plan.means[level], flow.layout))
+    return total
+
+
+def run_local(flow: Flow, noise_pieces: list[Piece]) -> tuple[list[dict], dict[str, VarianceSummary]]:
+    """The stages in this process, groups in key order: the reference the distributed engines match."""
+    stages = stage_order(flow)
+    pools = [[p for piece in noise_pieces for p in route_noise(flow, piece)]]
+    for prefixes, sources in zip(stages, stage_sources(flow, stages)):
+        groups: dict[int, list[Piece]] = {}
+        for piece in (p for source in sources for p in pools[source]):
+            if stage_of(piece.key) in prefixes:
+                groups.setdefault(piece.key, []).append(piece)
+        pools.append([out for key in sorted(groups) for out in run_group(flow, key, groups[key])])
+    return results([p for pool in pools[1:] for p in pool])

@@ -1,8 +1,12 @@
 """How big a release may be: a public cap on cells, checked before any key, budget or data.
 
-Every engine holds each table's full public domain on the driver (true counts, noise, noisy and
-published values, labels for the output files), so memory grows with cells, not rows. A spec whose
-tables exceed the cap is refused (exit 2) by `plan` and `run` before anything is reserved.
+The embedded engine holds each table's full public domain in its process (true counts, noise, noisy and
+published values), and so do Spark and Beam for a release whose count tables do not form a tree of
+geographic units (they post-process on the driver); memory grows with cells, not rows. A spec whose tables
+exceed the cap is refused (exit 2) by `plan` and `run` before anything is reserved. Spark and Beam
+post-process and write a tree of units in their workers (`pipelines.dataflow`): no cell reaches the
+driver, a worker holds one group of units at a time (`--group-work` cells, a unit's block at most
+`transforms.units.tree.MAX_BLOCK_CELLS`), and the cap does not apply.
 """
 from __future__ import annotations
 
@@ -33,6 +37,17 @@ def max_cells_setting(value: int | None = None) -> int:
     return int(text)
 
 
+WORKER_ENGINES = ("spark", "beam")
+"""The engines that run the post-processing stages of a tree of units in their workers (`Engine.writes_parts`)."""
+
+
+def runs_in_workers(plan: Plan, engine: str) -> bool:
+    """Whether `engine` post-processes and writes this release in its workers (no cell on the driver)."""
+    from .postprocessing import unit_tree
+
+    return engine in WORKER_ENGINES and unit_tree(plan) is not None
+
+
 def estimated_memory_bytes(plan: Plan) -> int:
     return plan.n_cells * BYTES_PER_CELL
 
@@ -45,10 +60,20 @@ def human_bytes(count: int) -> str:
     raise AssertionError
 
 
-def check_plan_limits(plan: Plan, max_cells: int | None = None) -> None:
+def memory_statement(plan: Plan, engine: str, group_work: int) -> str:
+    """What a run of this plan holds in memory, where (public: from the plan)."""
+    if runs_in_workers(plan, engine):
+        return (f"the {engine} workers post-process and write it group by group (about {group_work:,} cells, "
+                f"{human_bytes(group_work * BYTES_PER_CELL)} per group at a time); the driver holds no cells")
+    where = "driver" if engine in WORKER_ENGINES else "process"
+    return f"a run needs about {human_bytes(estimated_memory_bytes(plan))} of {where} memory for them"
+
+
+def check_plan_limits(plan: Plan, max_cells: int | None = None, engine: str = "embedded") -> None:
     """Everything about a plan's size and numbers that must hold before a run may reserve budget."""
     check_representable(plan)
-    check_cell_limit(plan, max_cells)
+    if not runs_in_workers(plan, engine):
+        check_cell_limit(plan, max_cells)
 
 
 def check_representable(plan: Plan) -> None:
@@ -72,6 +97,7 @@ def check_cell_limit(plan: Plan, max_cells: int | None = None) -> None:
     raise SpecError(
         f"queries: the release has {total:,} public cells (largest table {largest.name!r}: {entries}), over "
         f"the limit of {limit:,} (--max-cells or ${MAX_CELLS_ENV}); a run needs about "
-        f"{human_bytes(estimated_memory_bytes(plan))} of driver memory on every engine (embedded, spark and beam all hold "
-        "each table's cells on one machine). Coarsen the table (bins, fewer attributes, a smaller way), or raise "
-        "--max-cells on a machine with that much memory")
+        f"{human_bytes(estimated_memory_bytes(plan))} of memory on one machine (the embedded engine holds every "
+        "table's cells; spark and beam do too unless the count tables form a tree of geographic units, which "
+        "they post-process in their workers without this limit: see `dprelease plan`). Coarsen the table (bins, "
+        "fewer attributes, a smaller way), or raise --max-cells on a machine with that much memory")

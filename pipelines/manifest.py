@@ -11,6 +11,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
@@ -143,17 +144,59 @@ ESTIMATE_NOTE = ("variance per cell of the generalised least-squares estimate fr
                  "cells near 0); per cell in the tables' gls_variance column")
 
 
-def estimate_record(variances: np.ndarray, exact: bool) -> dict:
+@dataclass(frozen=True)
+class VarianceSummary:
+    """What the manifest states of a count table's per-cell variances, from its parts: the smallest, the
+    largest, each part's sum (numpy's, over the part's cells in order) and the number of cells. The mean is
+    math.fsum of the part sums over the count: the same digits whether one machine holds the whole table
+    or each worker summarised its part."""
+
+    minimum: float
+    maximum: float
+    sums: tuple[float, ...]
+    count: int
+
+    @classmethod
+    def of(cls, values: np.ndarray, parts: list[tuple[int, int]]) -> "VarianceSummary":
+        values = np.asarray(values, dtype=np.float64)
+        return cls(float(values.min()), float(values.max()),
+                   tuple(float(values[a:b].sum()) for a, b in parts), int(values.size))
+
+    @classmethod
+    def merged(cls, pieces: list["VarianceSummary"]) -> "VarianceSummary":
+        """Summaries of consecutive parts, in part order, as one."""
+        return cls(min(p.minimum for p in pieces), max(p.maximum for p in pieces),
+                   tuple(s for p in pieces for s in p.sums), sum(p.count for p in pieces))
+
+    def mean(self) -> float:
+        return math.fsum(self.sums) / self.count
+
+
+def estimate_record(summary: VarianceSummary, exact: bool) -> dict:
     """The manifest's summary of a count table's GLS variances (6 significant digits)."""
     def rounded(x: float) -> float:
         return float(f"{x:.6g}")
-    return {"variance_min": rounded(float(variances.min())), "variance_max": rounded(float(variances.max())),
-            "variance_mean": rounded(float(variances.mean())), "bound": "exact" if exact else "upper bound",
+    return {"variance_min": rounded(summary.minimum), "variance_max": rounded(summary.maximum),
+            "variance_mean": rounded(summary.mean()), "bound": "exact" if exact else "upper bound",
             "note": ESTIMATE_NOTE}
 
 
-def accounting_section(plan: Plan, estimate: EstimateVariances | None = None) -> dict:
-    """The part of the manifest `verify` recomputes from the spec alone (`estimate`: version 2 and on)."""
+def variance_summaries(plan: Plan, estimate: EstimateVariances, layout=None) -> dict[str, VarianceSummary]:
+    """Each count table's summary from its per-cell variances, over the parts its published file is in."""
+    from .layout import TABLES_DIR, Layout, table_parts
+
+    layout = layout or Layout()
+    return {t.name: VarianceSummary.merged([VarianceSummary.of(estimate.cells(t.name, p.start, p.stop), [(0, p.stop - p.start)])
+                                            for p in table_parts(plan, t, TABLES_DIR, layout)])
+            for t in plan.tables if t.name in estimate.per_cell}
+
+
+def accounting_section(plan: Plan, estimate: EstimateVariances | None = None, layout=None,
+                       summaries: dict[str, VarianceSummary] | None = None) -> dict:
+    """The part of the manifest `verify` recomputes from the spec alone (`estimate`: version 2 and on; its
+    per-table `summaries`, from the parts of `layout`, computed here when not given)."""
+    if estimate is not None and summaries is None:
+        summaries = variance_summaries(plan, estimate, layout)
     tables = []
     for t in plan.tables:
         record = {"name": t.name, "query": t.query, "kind": t.kind, "cells": t.n_cells,
@@ -164,8 +207,8 @@ def accounting_section(plan: Plan, estimate: EstimateVariances | None = None) ->
         else:
             record.update({"invariant": False, **measurement_record(t.event)})
         record.update(statistic_record(t))
-        if estimate is not None and t.name in estimate.per_cell:
-            record["estimate"] = estimate_record(estimate.per_cell[t.name], estimate.exact)
+        if estimate is not None and t.name in summaries:
+            record["estimate"] = estimate_record(summaries[t.name], estimate.exact)
         tables.append(record)
     totals = compose([t.event for t in plan.measured()], plan.definition, plan.delta)
     return {
@@ -225,12 +268,14 @@ def domain_file_names(plan: Plan) -> dict[str, str]:
     return {name: domain_file_name(name) for name, domain in plan.domains.items() if isinstance(domain, GeographyDomain)}
 
 
-def derived_section(plan: Plan, version: int = MANIFEST_VERSION, estimate: EstimateVariances | None = None) -> dict:
+def derived_section(plan: Plan, version: int = MANIFEST_VERSION, estimate: EstimateVariances | None = None,
+                    layout=None, summaries: dict | None = None) -> dict:
     """Every manifest field that follows from the spec and its plan alone; `verify` recomputes all of it
-    (for a manifest of `version`). `estimate`: the plan's GLS variances when the caller has them."""
+    (for a manifest of `version`). `estimate`: the plan's GLS variances when the caller has them (or their
+    `summaries` alone, from a distributed run)."""
     spec = plan.spec
     if version < 2:
-        estimate = None
+        estimate, summaries = None, None
     elif estimate is None:
         estimate = estimate_variances(plan)
     return {
@@ -240,7 +285,7 @@ def derived_section(plan: Plan, version: int = MANIFEST_VERSION, estimate: Estim
         "spec": spec.model_dump(mode="json"),
         "spec_sha256": spec.spec_hash(),
         "privacy": privacy_section(plan),
-        **accounting_section(plan, estimate),
+        **accounting_section(plan, estimate, layout, summaries),
         "invariants": [{"table": t.name, "protected": False, "note": invariant_note(version)}
                        for t in plan.tables if t.invariant],
         "post_processing": steps_applied(plan, version),
@@ -270,12 +315,12 @@ the same thing."""
 
 def build_manifest(plan: Plan, engine: str, key_id: str, files: list[dict], created_at: str,
                    command_line: list[str], ledger: dict | None = None, input_validation: dict | None = None,
-                   estimate: EstimateVariances | None = None, layout=None) -> dict:
+                   estimate: EstimateVariances | None = None, layout=None, summaries: dict | None = None) -> dict:
     """The manifest. `command_line` must already be redacted (see accounting.redact)."""
     from .layout import Layout
 
     return {
-        **derived_section(plan, estimate=estimate),
+        **derived_section(plan, estimate=estimate, layout=layout, summaries=summaries),
         "layout": (layout or Layout()).record(),
         "software": {"name": "dprelease", "version": software_version()},
         "engine": engine,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from dprelease.transforms.postprocess import clamp_nonnegative
 from dprelease.transforms.units import integers
 from dprelease.transforms.units.joint import JointShape, JointTable, marginal_tables
 from dprelease.transforms.units.groups import GROUP_WORK, transitions
-from dprelease.transforms.units.passes import blocks_of, down_job, estimate_tree, run_tree
+from dprelease.transforms.units.passes import TreeVariances, blocks_of, down_job, estimate_tree, run_tree
 from dprelease.transforms.units.tree import HierarchyQuery as TreeHierarchy
 from dprelease.transforms.units.tree import MarginalsQuery as TreeMarginals
 from dprelease.transforms.units.tree import UnitTable, UnitTree, decompose, decomposition_problem
@@ -208,19 +209,29 @@ def least_squares_estimates(plan: Plan, noisy: dict[str, np.ndarray]) -> dict[st
 @dataclass(frozen=True)
 class EstimateVariances:
     """Per cell of every count table, the variance of its GLS estimate before rounding; `exact` False
-    means an upper bound (see `transforms.estimation.gls_variances`). Public: from the plan only."""
+    means an upper bound (see `transforms.estimation.gls_variances`). Public: from the plan only.
+    `per_cell` maps a table to its variances (computed on access for a tree of units: `TreeVariances`);
+    `cells` and `largest` read a range or the maximum without holding a whole table."""
 
-    per_cell: dict[str, np.ndarray]
+    per_cell: Mapping[str, np.ndarray]
     exact: bool
+
+    def cells(self, name: str, start: int, stop: int) -> np.ndarray:
+        ranged = getattr(self.per_cell, "cells", None)
+        return ranged(name, start, stop) if ranged else np.asarray(self.per_cell[name][start:stop])
+
+    def largest(self, name: str) -> float:
+        largest = getattr(self.per_cell, "largest", None)
+        return largest(name) if largest else float(np.max(self.per_cell[name]))
 
 
 def estimate_variances(plan: Plan) -> EstimateVariances:
-    """Exact per-cell variances from the tree of units when the tables form one (the passes carry the
-    variances alone: no data), else `gls_variances` (exact or an upper bound, said so)."""
+    """Exact per-cell variances from the tree of units when the tables form one (computed on demand from
+    each unit's final total variance: memory per unit, not per cell), else `gls_variances` (exact or an
+    upper bound, said so)."""
     tree = unit_tree(plan)
     if tree is not None:
-        zeros = {name: np.zeros(t.n_cells) for name, t in tree.tables.items()}
-        return EstimateVariances(estimate_tree(tree, zeros)[1], True)
+        return EstimateVariances(TreeVariances(tree), True)
     tables, inputs, geographies = _estimator_inputs(plan)
     if not tables:
         return EstimateVariances({}, True)
@@ -247,9 +258,9 @@ def post_process(plan: Plan, noisy: dict[str, np.ndarray], joints: dict | None =
 _WORKER_TREE: UnitTree | None = None
 
 
-def _start_worker(plan: Plan) -> None:
+def _start_worker(tree: UnitTree) -> None:
     global _WORKER_TREE
-    _WORKER_TREE = unit_tree(plan)
+    _WORKER_TREE = tree
 
 
 def _worker_down_job(job):
@@ -258,12 +269,13 @@ def _worker_down_job(job):
 
 @contextlib.contextmanager
 def group_mapper(plan: Plan, workers: int):
-    """How a level's groups run: in this process, or in `workers` processes that each build the plan's tree
-    once (results are per unit: the same bits either way)."""
+    """How a level's groups run: in this process, or in `workers` processes that each receive this process's
+    tree once (results are per unit: the same bits either way; the tree's operators are never recomputed
+    in a worker, whose BLAS may run with another thread count and give other bits)."""
     if workers <= 1:
         yield None
         return
-    with ProcessPoolExecutor(max_workers=workers, initializer=_start_worker, initargs=(plan,)) as pool:
+    with ProcessPoolExecutor(max_workers=workers, initializer=_start_worker, initargs=(unit_tree(plan),)) as pool:
         yield lambda jobs: pool.map(_worker_down_job, jobs) if len(jobs) > 1 else [_local_down_job(plan, jobs[0])]
 
 
@@ -293,8 +305,14 @@ def _other_tables(plan: Plan, published: dict, estimates: dict, noisy: dict) -> 
         if t.name in estimates:
             published[t.name] = integers.rounded(estimates[t.name])
         else:
-            published[t.name] = noisy[t.name].copy() if _published_raw(t) else clamp_nonnegative(noisy[t.name])
+            published[t.name] = published_cells(t, noisy[t.name])
     return published
+
+
+def published_cells(table: TablePlan, noisy: np.ndarray) -> np.ndarray:
+    """A table post-processed cell by cell (sums, unit counts, quantiles, a mean's sum and count): raw, or
+    negative values set to 0 where the table is published nonnegative. Any range of cells alone."""
+    return np.asarray(noisy).copy() if _published_raw(table) else clamp_nonnegative(noisy)
 
 
 def _published_raw(table: TablePlan) -> bool:

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from dprelease.accounting.errors import SpecError
+from dprelease.accounting.errors import DPReleaseError, SpecError
 from dprelease.accounting.redact import redact_command_line
 from dprelease.accounting.signing import SIGNATURE_FILE, fingerprint, sign
 from dprelease.transforms.domains import dimension_labels
@@ -33,7 +33,7 @@ from .housekeeping import leftover_tag
 from .manifest import build_manifest, domain_file_names, dump_manifest, sha256_file
 from .plan import MeanOutput, Plan, TablePlan
 from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, Part, mean_parts, table_parts
-from .postprocessing import estimate_variances, mean_values
+from .postprocessing import EstimateVariances, estimate_variances, mean_values
 from .safe_files import inside
 
 LOG = logging.getLogger("dprelease")
@@ -95,9 +95,21 @@ def write_part(root: Path, part: Part, frame: pa.Table) -> list[dict]:
     stem.parent.mkdir(parents=True, exist_ok=True)
     parquet_path = stem.parent / f"{stem.name}.parquet"
     csv_path = stem.parent / f"{stem.name}.csv"
-    pq.write_table(frame, parquet_path, compression="zstd")
-    pacsv.write_csv(frame, csv_path)
+    _write_atomically(parquet_path, lambda path: pq.write_table(frame, path, compression="zstd"))
+    _write_atomically(csv_path, lambda path: pacsv.write_csv(frame, path))
     return [_file_entry(root, parquet_path), _file_entry(root, csv_path)]
+
+
+def _write_atomically(path: Path, write) -> None:
+    """`write(temporary path)` then rename into `path`: a retried or speculative task attempt of a distributed
+    engine never leaves a torn file (the attempts write the same bytes)."""
+    temporary = path.parent / f".{path.name}.{os.urandom(6).hex()}.tmp"
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def write_table(plan: Plan, root: Path, table: TablePlan, folder: str, values: np.ndarray, value_name: str,
@@ -202,9 +214,23 @@ def stage_release(
         raise
 
 
+def check_staged_files(staging: Path, entries: list[dict]) -> None:
+    """Every file a worker reported is in `staging` with its size, and none twice (a worker that wrote to
+    storage the driver does not see would otherwise publish a release with missing files)."""
+    paths = [e["path"] for e in entries]
+    if len(set(paths)) != len(paths):
+        raise DPReleaseError("the workers reported a release file twice")
+    for entry in entries:
+        path = staging / entry["path"]
+        if not path.is_file() or path.stat().st_size != entry["bytes"]:
+            raise DPReleaseError(f"release file {entry['path']}: written by a worker but not found in {staging} "
+                                 "with its size; the output directory must be storage every worker shares")
+
+
 def finish_release(plan: Plan, staging: Path, entries: list[dict], *, engine: str, key_id: str, created_at: str,
                    command_line: list[str], ledger: dict | None = None, sign_key=None,
-                   input_validation: dict | None = None, estimate=None, layout: Layout = Layout()) -> StagedRelease:
+                   input_validation: dict | None = None, estimate=None, layout: Layout = Layout(),
+                   summaries: dict | None = None) -> StagedRelease:
     """Complete a staging directory whose table files are written (`entries`: their manifest entries): the
     domain files, then the manifest, last (and its signature). The caller removes the staging directory on
     failure."""
@@ -215,9 +241,10 @@ def finish_release(plan: Plan, staging: Path, entries: list[dict], *, engine: st
         path.write_text("".join(code + "\n" for code in plan.domains[name].leaves))
         entries.append(_file_entry(staging, path))
     entries.sort(key=lambda e: e["path"])
+    if estimate is None:
+        estimate = estimate_variances(plan) if summaries is None else EstimateVariances({}, True)
     manifest = build_manifest(plan, engine, key_id, entries, created_at, redact_command_line(command_line),
-                              ledger, input_validation, estimate if estimate is not None else estimate_variances(plan),
-                              layout)
+                              ledger, input_validation, estimate, layout, summaries)
     if sign_key is not None:
         manifest["signature"] = {"algorithm": "Ed25519", "file": SIGNATURE_FILE,
                                  "public_key_sha256": fingerprint(sign_key.public_key())}

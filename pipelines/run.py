@@ -5,6 +5,7 @@ import contextlib
 import datetime as dt
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -23,8 +24,9 @@ from .manifest import plan_fingerprint
 from .limits import check_plan_limits
 from .plan import Plan, build_plan
 from .layout import Layout
-from .postprocessing import estimation_path, post_process
-from .release import check_target, publish, replaced_prefix, stage_release, staging_prefix
+from .postprocessing import estimation_path, post_process, unit_tree
+from .release import (StagedRelease, check_staged_files, check_target, finish_release, new_staging, publish,
+                      replaced_prefix, stage_release, staging_prefix)
 from .source import InputSource, open_input
 from .spec import load_spec
 from .validation import (StrictValidationError, SuiteRunner, check_schema, expectations_from_spec, manifest_record,
@@ -209,7 +211,7 @@ def _run_release(spec_path: Path, *, key_file, out_dir, input_path, engine, work
     created_at = creation_time()
     spec, spec_dir = load_spec(spec_path)
     plan = build_plan(spec, spec_dir)
-    check_plan_limits(plan, max_cells)
+    check_plan_limits(plan, max_cells, engine or spec.engine)
     LOG.info("planned release %s: %d tables, %d cells, %s budget", spec.release_id, len(plan.tables),
              plan.n_cells, spec.budget.definition)
     root = Path(out_dir) if out_dir else spec_dir / spec.output.dir
@@ -265,12 +267,32 @@ def _release_and_stage(plan: Plan, engine_: Engine, source: InputSource, validat
     validation_record = check_input_values(plan, engine_, source, validation, created_at) if validation else None
     if not reused:
         key.save(key_path)
+    record = dict(engine=engine_.name, key_id=key.key_id(), created_at=created_at,
+                  command_line=command_line or sys.argv, ledger=reservation.record() if reservation else None,
+                  sign_key=signer, input_validation=validation_record, layout=layout)
+    if engine_.writes_parts and unit_tree(plan) is not None:
+        return _stage_in_workers(plan, engine_, source, release_key, final_dir, progress, record)
     noisy = engine_.noisy_measurements(plan, source, release_key, progress)
     LOG.info("noisy measurements drawn for %d tables", len(plan.tables))
     workers = getattr(engine_, "workers", 1)
     published = post_process(plan, noisy, workers=workers, group_work=layout.group_work)
     LOG.info("post-processed %d tables (%s)", len(plan.tables), estimation_path(plan))
-    return stage_release(plan, noisy, published, final_dir, engine=engine_.name, key_id=key.key_id(),
-                         created_at=created_at, command_line=command_line or sys.argv, progress=progress,
-                         ledger=reservation.record() if reservation else None, sign_key=signer,
-                         input_validation=validation_record, layout=layout, workers=workers)
+    return stage_release(plan, noisy, published, final_dir, progress=progress, workers=workers, **record)
+
+
+def _stage_in_workers(plan: Plan, engine_: Engine, source: InputSource, release_key: ReleaseKey, final_dir: Path,
+                      progress, record: dict) -> StagedRelease:
+    """The distributed path: the engine's workers draw the noise, post-process unit group by unit group and
+    write every part into the staging directory (which they must reach: shared storage on a cluster); the
+    driver receives the file entries and variance summaries only, checks that every file is there, and
+    writes the manifest."""
+    staging = new_staging(final_dir)
+    try:
+        entries, summaries = engine_.release_parts(plan, source, release_key, staging, record["layout"], progress)
+        check_staged_files(staging, entries)
+        LOG.info("noise, post-processing (%s) and %d files written by the %s workers", estimation_path(plan),
+                 len(entries), engine_.name)
+        return finish_release(plan, staging, entries, summaries=summaries, **record)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

@@ -41,7 +41,7 @@ from dprelease.accounting.signing import SIGNATURE_FILE, check, fingerprint, loa
 from .limits import check_cell_limit
 from .manifest import DESCRIPTIVE_FIELDS, MANIFEST_VERSION, derived_section, domain_file_name, domain_file_names
 from .plan import MAX_DOMAIN_FILE_BYTES, Plan, build_plan
-from .postprocessing import EstimateVariances, estimate_variances
+from .postprocessing import EstimateVariances, estimate_variances, unit_tree
 from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, layout_of, release_files
 from .safe_files import UnsafeFile, open_file, read_inside, read_regular, regular_directory, safe_relative, tree_entries
 from .spec import MAX_NESTING, brief, parse_spec
@@ -529,7 +529,7 @@ def _check_derived(root: Path, manifest: dict, version: int, plan: Plan, embedde
                    report: VerifyReport, layout: Layout) -> None:
     """Every derived field, the file set of the plan, the budget and the ledger block."""
     report.estimate = estimate_variances(plan) if version >= 2 else None
-    expected = derived_section(plan, version, report.estimate)
+    expected = derived_section(plan, version, report.estimate, layout)
     expected.update(spec=embedded_spec.model_dump(mode="json"), spec_sha256=embedded_spec.spec_hash())
     for key, value in expected.items():
         _compare(key, value, manifest.get(key), report.problems)
@@ -572,7 +572,7 @@ def verify_release(release_dir: Path, public_key: Path | None = None, *, ledger:
                                    f"({type(error).__name__})")
     planned = _replan(root, manifest, report)
     plan = planned[0] if planned else None
-    if plan is not None:
+    if plan is not None and (recompute or unit_tree(plan) is None):  # else verify streams, a part at a time
         try:
             check_cell_limit(plan)
         except DPReleaseError as error:
@@ -590,10 +590,10 @@ def verify_release(release_dir: Path, public_key: Path | None = None, *, ledger:
         _check_derived(root, manifest, version, plan, embedded_spec, report, layout)
     except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as error:
         report.problems.append(f"manifest: malformed ({type(error).__name__}); see the schema problems above")
-    published, noisy = check_table_files(root, plan, report.estimate, layout, report.problems)
-    check_consistency(plan, published, report.problems)
+    usable = check_table_files(root, plan, report.estimate, layout, report.problems)
+    check_consistency(root, plan, usable, layout, report.problems)
     if recompute:
-        check_recomputed(root, plan, published, noisy, layout, report.problems)
+        check_recomputed(root, plan, usable, layout, report.problems)
         report.recomputed = True
     return report
 

@@ -166,42 +166,76 @@ def _check_variance(name: str, data: pa.Table, expected: np.ndarray, problems: l
         problems.append(f"{name}: {GLS_VARIANCE!r} differs from the variance recomputed from the plan")
 
 
+Usable = set[tuple[str, str]]
+"""(table, folder) whose every part passed the checks that make its values usable for the consistency checks."""
+
+
 def check_table_files(root: Path, plan: Plan, estimate: EstimateVariances | None, layout: Layout,
-                      problems: list[str]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Check every table file, one part at a time; returns (published values, noisy measurements) of the
-    tables read cleanly (for the consistency checks and --recompute)."""
-    per_cell = estimate.per_cell if estimate is not None else {}
-    published: dict[str, np.ndarray] = {}
-    noisy: dict[str, np.ndarray] = {}
+                      problems: list[str]) -> Usable:
+    """Check every table file, one part at a time (memory: a part); returns the tables whose values are
+    usable for the consistency checks (which read them again, a range of units at a time)."""
+    usable: Usable = set()
     for table in plan.tables:
-        for folder, into in ((TABLES_DIR, published), (MEASUREMENTS_DIR, noisy)):
-            pieces = []
-            for part in table_parts(plan, table, folder, layout):
-                values = _check_part(root, plan, table, folder, part, per_cell.get(table.name), problems)
-                pieces.append(values)
-            if pieces and all(p is not None for p in pieces):
-                into[table.name] = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+        variance = estimate if estimate is not None and table.name in estimate.per_cell else None
+        for folder in (TABLES_DIR, MEASUREMENTS_DIR):
+            checked = [_check_part(root, plan, table, folder, part, variance, problems)
+                       for part in table_parts(plan, table, folder, layout)]
+            if all(checked):
+                usable.add((table.name, folder))
     for mean in plan.means:
         for part in mean_parts(plan, mean, layout):
             _check_mean_file(root, plan, mean, part, problems)
-    return published, noisy
+    return usable
 
 
-def _check_part(root: Path, plan: Plan, table: TablePlan, folder: str, part: Part, variance, problems) -> np.ndarray | None:
-    """One part of a table: its files, labels, values and (published count tables) variances; its values
-    when they are usable for the consistency checks."""
+def _check_part(root: Path, plan: Plan, table: TablePlan, folder: str, part: Part, estimate: EstimateVariances | None,
+                problems) -> bool:
+    """One part of a table: its files, labels, values and (published count tables) variances; whether its
+    values are usable for the consistency checks."""
     rows = part.stop - part.start
-    shape = table_shape(table, folder, variance is not None)
+    shape = table_shape(table, folder, estimate is not None)
     shape = FileShape(shape.columns, rows)
     data = read_table_file(root, part.stem, shape, problems)
     if data is None:
-        return None
+        return False
     _check_labels(part.stem, data, plan, table.dims, table.quantiles, part, problems)
     values = data.column(shape.columns[len(table.dims) + bool(table.quantiles)][0])
     usable = _check_values(part.stem, table, folder, values, problems)
-    if folder == TABLES_DIR and variance is not None:
-        _check_variance(part.stem, data, variance[part.start:part.stop], problems)
-    return values.to_numpy() if usable else None
+    if folder == TABLES_DIR and estimate is not None:
+        _check_variance(part.stem, data, estimate.cells(table.name, part.start, part.stop), problems)
+    return usable
+
+
+class TableRows:
+    """Rows [start, stop) of a table's value column, read from its part files (the last part read is kept):
+    the consistency checks read a range of units at a time, never a whole table. Only for tables whose
+    parts passed `check_table_files`."""
+
+    def __init__(self, root: Path, plan: Plan, table: TablePlan, folder: str, layout: Layout):
+        self.root, self.folder = root, folder
+        self.parts = table_parts(plan, table, folder, layout)
+        self.starts = np.asarray([p.start for p in self.parts])
+        self.value = table.value_name if folder == TABLES_DIR else f"noisy_{table.value_name}"
+        self._cached: tuple[int, np.ndarray] | None = None
+
+    def _part(self, index: int) -> np.ndarray:
+        if self._cached is None or self._cached[0] != index:
+            part = self.parts[index]
+            bound = FileShape((), part.stop - part.start).max_bytes
+            table = pq.read_table(buffer_inside(self.root, f"{part.stem}.parquet", bound), columns=[self.value])
+            self._cached = (index, table.column(0).to_numpy())
+        return self._cached[1]
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        pieces = []
+        index = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < stop:
+            part = self.parts[index]
+            taken = self._part(index)[start - part.start:min(stop, part.stop) - part.start]
+            pieces.append(taken)
+            start += taken.size
+            index += 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else np.empty(0, np.int64)
 
 
 def _check_mean_file(root: Path, plan: Plan, mean: MeanOutput, part: Part, problems: list[str]) -> None:
@@ -221,67 +255,106 @@ def _check_mean_file(root: Path, plan: Plan, mean: MeanOutput, part: Part, probl
 
 # ---- consistency of the published tables --------------------------------------------------------------------------
 
-def check_consistency(plan: Plan, published: dict[str, np.ndarray], problems: list[str]) -> None:
-    """What the post-processing steps state about the published tables, checked on their values."""
-    totals: dict[tuple[str, str], np.ndarray] = {}
+CHUNK_CELLS = 1 << 22
+"""Cells of a table the consistency checks hold at a time (a range of whole units; whole sibling sets)."""
+
+
+def unit_chunks(units: int, cells_per_unit: int, parent: np.ndarray | None = None,
+                chunk_cells: int = CHUNK_CELLS):
+    """Ranges [a, b) of units of about `chunk_cells` cells, never splitting the children of a parent."""
+    step = max(1, chunk_cells // max(1, cells_per_unit))
+    start = 0
+    while start < units:
+        stop = min(start + step, units)
+        if parent is not None:
+            while stop < units and parent[stop] == parent[stop - 1]:
+                stop += 1
+        yield start, stop
+        start = stop
+
+
+def check_consistency(root: Path, plan: Plan, usable: Usable, layout: Layout, problems: list[str]) -> None:
+    """What the post-processing steps state about the published tables, checked on their values, a range of
+    units at a time (memory bounded by `CHUNK_CELLS`, not by the release)."""
+    readers = {t.name: TableRows(root, plan, t, TABLES_DIR, layout) for t in plan.tables
+               if (t.name, TABLES_DIR) in usable}
+    totals: dict[tuple[str, str], TableRows] = {}
     for query in plan.spec.queries:
         if isinstance(query, HierarchyQuery):
-            _check_hierarchy(plan, query, published, totals, problems)
+            _check_hierarchy(plan, query, readers, totals, problems)
     for query in plan.spec.queries:
         if isinstance(query, MarginalsQuery):
-            _check_marginals(plan, query, published, totals, problems)
+            _check_marginals(plan, query, readers, totals, problems)
 
 
-def _check_hierarchy(plan: Plan, query: HierarchyQuery, published, totals, problems: list[str]) -> None:
+def _check_hierarchy(plan: Plan, query: HierarchyQuery, readers: dict[str, TableRows], totals, problems) -> None:
     geo = plan.domains[query.geography]
     tables = [t for t in plan.tables if t.query == query.name]
-    if not all(t.name in published for t in tables):
+    if not all(t.name in readers for t in tables):
         return
     for i, table in enumerate(tables):
         units = table.dims[0].size
-        values = published[table.name].reshape(units, -1)
         if not query.by:
-            totals.setdefault((query.geography, query.levels[i]), values.ravel())
+            totals.setdefault((query.geography, query.levels[i]), readers[table.name])
         if i == 0:
             continue
         parent_table = tables[i - 1]
-        parent = published[parent_table.name].reshape(parent_table.dims[0].size, -1)
+        per_unit = table.n_cells // units
         mapping = geo.parent_of(query.levels[i], query.levels[i - 1]) if query.levels[i - 1] != NATION \
             else np.zeros(units, dtype=np.int64)
-        sums = np.zeros_like(parent)
-        np.add.at(sums, mapping, values)
-        if not np.array_equal(sums, parent):
+        differ = 0
+        for a, b in unit_chunks(units, per_unit, mapping):
+            first, last = int(mapping[a]), int(mapping[b - 1]) + 1
+            values = readers[table.name].rows(a * per_unit, b * per_unit).reshape(b - a, per_unit)
+            parents = readers[parent_table.name].rows(first * per_unit, last * per_unit).reshape(last - first, per_unit)
+            sums = np.zeros_like(parents)
+            np.add.at(sums, mapping[a:b] - first, values)
+            differ += int(np.count_nonzero(sums != parents))
+        if differ:
             problems.append(f"{TABLES_DIR}/{table.name}: does not add up to {parent_table.name} "
-                            f"({int(np.count_nonzero(sums != parent))} parent cell(s) differ)")
+                            f"({differ} parent cell(s) differ)")
 
 
-def _check_marginals(plan: Plan, query: MarginalsQuery, published, totals, problems: list[str]) -> None:
+def _check_marginals(plan: Plan, query: MarginalsQuery, readers: dict[str, TableRows], totals, problems) -> None:
     tables = [t for t in plan.tables if t.query == query.name]
-    if not all(t.name in published for t in tables):
+    if not all(t.name in readers for t in tables):
         return
     offset = 1 if query.within else 0
     units = tables[0].dims[0].size if query.within else 1
-    shapes = {t.name: (units,) + tuple(d.size for d in t.dims[offset:]) for t in tables}
-    arrays = {t.name: published[t.name].reshape(shapes[t.name]) for t in tables}
-    unit_totals = {name: a.reshape(units, -1).sum(axis=1) for name, a in arrays.items()}
-    first = tables[0].name
-    for t in tables[1:]:
-        if not np.array_equal(unit_totals[t.name], unit_totals[first]):
-            problems.append(f"{TABLES_DIR}/{t.name}: its unit totals differ from {first}'s")
+    shapes = {t.name: tuple(d.size for d in t.dims[offset:]) for t in tables}
+    per_unit = {t.name: t.n_cells // units for t in tables}
     column, _, level = (query.within or f"{NATION}.{NATION}").partition(".")
     source = totals.get((column, level)) if query.within else next(
-        (v for (g, lvl), v in totals.items() if lvl == NATION), None)
-    if source is not None and source.size == units and not np.array_equal(unit_totals[first], source):
-        problems.append(f"{TABLES_DIR}/{first}: its unit totals differ from the hierarchy's {level} totals")
-    if not uses_joint(plan, query):
-        return
+        (reader for (g, lvl), reader in totals.items() if lvl == NATION), None)
+    if source is not None and not _unit_rows(source, units):
+        source = None
+    joint = uses_joint(plan, query)
     labels = {t.name: [d.label for d in t.dims[offset:]] for t in tables}
-    for a, b in itertools.combinations(tables, 2):
-        shared = [x for x in labels[a.name] if x in labels[b.name]]
-        if shared and not np.array_equal(_margin(arrays[a.name], labels[a.name], shared),
-                                         _margin(arrays[b.name], labels[b.name], shared)):
-            problems.append(f"{TABLES_DIR}/{a.name} and {b.name}: their shared margin over {shared} differs "
-                            "(the joint path publishes margins of one joint table)")
+    first = tables[0].name
+    found: set[str] = set()
+    for a, b in unit_chunks(units, max(per_unit.values())):
+        arrays = {t.name: readers[t.name].rows(a * per_unit[t.name], b * per_unit[t.name])
+                  .reshape((b - a,) + shapes[t.name]) for t in tables}
+        unit_totals = {name: array.reshape(b - a, -1).sum(axis=1) for name, array in arrays.items()}
+        for t in tables[1:]:
+            if not np.array_equal(unit_totals[t.name], unit_totals[first]):
+                found.add(f"{TABLES_DIR}/{t.name}: its unit totals differ from {first}'s")
+        if source is not None and not np.array_equal(unit_totals[first], source.rows(a, b)):
+            found.add(f"{TABLES_DIR}/{first}: its unit totals differ from the hierarchy's {level} totals")
+        if not joint:
+            continue
+        for x, y in itertools.combinations(tables, 2):
+            shared = [label for label in labels[x.name] if label in labels[y.name]]
+            if shared and not np.array_equal(_margin(arrays[x.name], labels[x.name], shared),
+                                             _margin(arrays[y.name], labels[y.name], shared)):
+                found.add(f"{TABLES_DIR}/{x.name} and {y.name}: their shared margin over {shared} differs "
+                          "(the joint path publishes margins of one joint table)")
+    problems.extend(sorted(found))
+
+
+def _unit_rows(reader: TableRows, units: int) -> bool:
+    """Whether a hierarchy table has one row per unit of the marginals' level (no `by`)."""
+    return reader.parts[-1].stop == units
 
 
 def _margin(array: np.ndarray, labels: list[str], shared: list[str]) -> np.ndarray:
@@ -293,14 +366,17 @@ def _margin(array: np.ndarray, labels: list[str], shared: list[str]) -> np.ndarr
 
 # ---- recompute ---------------------------------------------------------------------------------------------------
 
-def check_recomputed(root: Path, plan: Plan, published: dict[str, np.ndarray], noisy: dict[str, np.ndarray],
-                     layout: Layout, problems: list[str]) -> None:
+def check_recomputed(root: Path, plan: Plan, usable: Usable, layout: Layout, problems: list[str]) -> None:
     """Re-run the post-processing from the published measurements and demand the published values exactly.
-    The estimate is floating point: a release made on another CPU or numpy/BLAS build could differ in a
-    rounding tie; a difference is reported as such."""
-    if len(noisy) != len(plan.tables):
+    Holds the whole release in memory (as a run on the embedded engine does). The estimate is floating
+    point: a release made on another CPU or numpy/BLAS build could differ in a rounding tie; a difference is
+    reported as such."""
+    if not all((t.name, MEASUREMENTS_DIR) in usable for t in plan.tables):
         problems.append("--recompute: the measurements could not all be read (see above)")
         return
+    noisy = {t.name: TableRows(root, plan, t, MEASUREMENTS_DIR, layout).rows(0, t.n_outputs) for t in plan.tables}
+    published = {t.name: TableRows(root, plan, t, TABLES_DIR, layout).rows(0, t.n_outputs) for t in plan.tables
+                 if (t.name, TABLES_DIR) in usable}
     again = post_process(plan, noisy)
     for table in plan.tables:
         if table.name in published and not np.array_equal(again[table.name], published[table.name]):

@@ -102,6 +102,27 @@ def test_a_failed_noise_bundle_is_retried_without_changing_the_release(demo, tmp
     assert_same_release(demo["embedded"], retried.release_dir, "beam")
 
 
+def test_cli_post_processes_and_writes_parts_in_the_workers(demo, tmp_path):
+    """From the CLI, small groups and parts: the Beam workers post-process and write every part; the release
+    equals the embedded engine's with the same layout, and `dprelease verify` accepts it."""
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", *map(str, args)],
+                              capture_output=True, text=True)
+
+    common = ["--no-ledger", "--input", demo["data"], "--key-file", demo["key"], "--group-work", "64",
+              "--part-rows", "64"]
+    embedded = cli("run", DEMO_SPEC, *common, "--out", tmp_path / "embedded")
+    beamed = cli("run", DEMO_SPEC, *common, "--engine", "beam", "--max-cells", 1000, "--out", tmp_path / "beam",
+                 "--", *DIRECT)  # the cap is the driver's: no cell reaches it on this path
+    assert embedded.returncode == 0 and beamed.returncode == 0, embedded.stderr + beamed.stderr
+    assert "post-process, write" in beamed.stderr  # the workers' path, stated in the progress line
+    release = tmp_path / "beam" / "demo-2026"
+    assert len(list(release.glob("tables/*/part-*.parquet"))) > 10
+    assert_same_release(tmp_path / "embedded" / "demo-2026", release, "beam")
+    verified = cli("verify", release)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
 def test_ptransforms_compose_in_a_users_own_pipeline(demo, tmp_path):
     """A Beam user builds one table with the exposed transforms; it equals the engine's measurement."""
     from apache_beam.testing.util import assert_that

@@ -268,32 +268,34 @@ def test_version_one_manifest_must_state_the_steps_of_its_time(release):
 
 
 def test_joint_fit_is_nonnegative_keeps_totals_and_is_closer_than_the_measurements():
-    """The fit is the weighted projection of the noisy margins onto the margins of nonnegative joints with the
-    given totals, a convex set holding the truth: its weighted distance to the true margins is smaller."""
-    from dprelease.transforms.postprocess import fit_joint_least_squares
+    """The fit (the release's kernel, `transforms.units.joint.fit_joints`) is the weighted projection of the
+    noisy margins onto the margins of nonnegative joints with the given totals, a convex set holding the
+    truth: its weighted distance to the true margins is smaller; fitted to exact margins, it finds them."""
+    from dprelease.transforms.units.joint import JointShape, JointTable, fit_joints
 
     rng = np.random.default_rng(11)
-    shape = (4, 6, 2, 5)
-    truth = rng.poisson(rng.gamma(0.6, 3.0, shape)).astype(np.float64)
-    totals = truth.reshape(4, -1).sum(axis=1)
-    measurements, true_margins = [], []
-    for kept, variance in (((0, 1, 2), 9.0), ((0, 1, 3), 4.0), ((0, 2, 3), 16.0)):
-        other = tuple(a for a in range(4) if a not in kept)
-        margin = truth.sum(axis=other)
-        true_margins.append(margin)
-        measurements.append((kept, margin + rng.normal(0, np.sqrt(variance), margin.shape), variance))
-    fitted = fit_joint_least_squares(shape, totals, measurements, max_iterations=5000, tolerance=1e-13)
+    units, sizes = 4, (6, 2, 5)
+    truth = rng.poisson(rng.gamma(0.6, 3.0, (units,) + sizes)).astype(np.float64)
+    totals = truth.reshape(units, -1).sum(axis=1)
+    kept_axes = (((0, 1), 9.0), ((0, 2), 4.0), ((1, 2), 16.0))
+    shape = JointShape(sizes, tuple(JointTable(f"t{i}", axes, v) for i, (axes, v) in enumerate(kept_axes)))
+
+    def margins(joint):
+        full = joint.reshape((units,) + sizes)
+        return [full.sum(axis=tuple(1 + a for a in range(3) if a not in axes)).reshape(units, -1)
+                for axes, _ in kept_axes]
+    true_margins = margins(truth)
+    noisy = [m + rng.normal(0, np.sqrt(v), m.shape) for m, (_, v) in zip(true_margins, kept_axes)]
+    fitted = fit_joints(shape, totals, noisy, noisy, iterations=3000)
     assert np.all(fitted >= 0)
-    np.testing.assert_allclose(fitted.reshape(4, -1).sum(axis=1), totals)
+    np.testing.assert_allclose(fitted.sum(axis=1), totals)
 
     def distance(values):
-        return sum(((v - m) ** 2).sum() / var for v, m, (_, _, var) in zip(values, true_margins, measurements))
-    fitted_margins = [fitted.sum(axis=tuple(a for a in range(4) if a not in kept)) for kept, _, _ in measurements]
-    assert distance(fitted_margins) < distance([y for _, y, _ in measurements])
-    exact = fit_joint_least_squares(shape, totals, [(k, m, v) for (k, _, v), m in zip(measurements, true_margins)],
-                                    max_iterations=5000, tolerance=1e-14)
-    for (kept, _, _), margin in zip(measurements, true_margins):
-        np.testing.assert_allclose(exact.sum(axis=tuple(a for a in range(4) if a not in kept)), margin, atol=0.05)
+        return sum(((v - m) ** 2).sum() / var for v, m, (_, var) in zip(values, true_margins, kept_axes))
+    assert distance(margins(fitted)) < distance(noisy)
+    exact = fit_joints(shape, totals, true_margins, true_margins, iterations=3000)
+    for fitted_margin, margin in zip(margins(exact), true_margins):
+        np.testing.assert_allclose(fitted_margin, margin, atol=0.05)
 
 
 def test_verify_refuses_to_replan_over_the_cell_limit(release, monkeypatch):

@@ -14,7 +14,7 @@ import yaml
 from dprelease.accounting.ledger import history, open_ledger, set_budget
 from dprelease.pipelines.manifest import dump_manifest
 
-from .conftest import small_spec, write_case
+from .conftest import DEMO_SPEC, small_spec, write_case
 
 
 def cli(*args, env=None) -> subprocess.CompletedProcess:
@@ -40,8 +40,18 @@ def test_plan_shows_memory_and_refuses_a_trillion_cell_release(tmp_path):
     assert "TiB" in planned.stdout + planned.stderr
     small = write_case(tmp_path / "small", small_spec())
     ok = cli("plan", small)
-    assert ok.returncode == 0 and "of driver memory" in ok.stdout and "limit 20,000,000" in ok.stdout
+    assert ok.returncode == 0 and "of process memory" in ok.stdout and "limit 20,000,000" in ok.stdout
     assert cli("plan", small, "--max-cells", 10).returncode == 2
+
+
+def test_the_cap_is_the_embedded_engines_and_plan_says_where_memory_goes():
+    """Spark and Beam post-process a tree of units in their workers: no cell cap there, and plan says so."""
+    capped = cli("plan", DEMO_SPEC, "--max-cells", 1000)
+    assert capped.returncode == 2 and "over the limit of 1,000" in capped.stderr
+    for engine in ("spark", "beam"):
+        workers = cli("plan", DEMO_SPEC, "--max-cells", 1000, "--engine", engine)
+        assert workers.returncode == 0, workers.stderr
+        assert "no cell limit in the workers" in workers.stdout and "the driver holds no cells" in workers.stdout
 
 
 def test_run_refuses_before_any_key_or_reservation(tmp_path):

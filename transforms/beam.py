@@ -208,9 +208,9 @@ class _NoiseRange(beam.DoFn):
     """One range of one table: its measurements (zeros where no record fell) released by the table's
     mechanism (noise, or a quantile selection per cell and q)."""
 
-    def __init__(self, releases: dict[str, TableRelease], key: ReleaseKey, range_cells: int,
+    def __init__(self, releases: dict[str, TableRelease], key: ReleaseKey, steps: dict[str, int],
                  fail_first_dir: str | None):
-        self.releases, self.key, self.range_cells, self.fail_first_dir = releases, key, range_cells, fail_first_dir
+        self.releases, self.key, self.steps, self.fail_first_dir = releases, key, steps, fail_first_dir
 
     def start_bundle(self):
         self._ranges_seen: list[str] = []
@@ -218,7 +218,7 @@ class _NoiseRange(beam.DoFn):
     def process(self, element):
         (name, start), parts = element
         release = self.releases[name]
-        stop = min(start + release.range_length(self.range_cells), release.n_measured)
+        stop = min(start + self.steps[name], release.n_measured)
         counted = [part for part in parts if part is not None]  # None: the public range marker
         cells = np.concatenate([c for c, _ in counted]) if counted else np.empty(0, np.int64)
         counts = np.concatenate([n for _, n in counted]) if counted else np.empty(0, np.int64)
@@ -245,24 +245,27 @@ class AddNoise(beam.PTransform):
     ranges come from the public domain sizes, so every cell is released whether or not any record fell
     in it."""
 
-    def __init__(self, releases: dict[str, TableRelease], key: ReleaseKey, range_cells: int = NOISE_RANGE_CELLS):
+    def __init__(self, releases: dict[str, TableRelease], key: ReleaseKey, range_cells: int = NOISE_RANGE_CELLS,
+                 steps: dict[str, int] | None = None):
         super().__init__()
         self.releases, self.key, self.range_cells = dict(releases), key, range_cells
+        self.steps = {name: (steps or {}).get(name) or release.range_length(range_cells)
+                      for name, release in self.releases.items()}
         hook = os.environ.get(FAIL_FIRST_ATTEMPT_ENV, "")
         self.fail_first_dir = hook.removeprefix("noise:") if hook.startswith("noise:") else None
 
     @classmethod
     def from_plan(cls, plan, key: ReleaseKey, names: Iterable[str] | None = None,
-                  range_cells: int = NOISE_RANGE_CELLS) -> "AddNoise":
-        """AddNoise for the plan's tables (or those in `names`), with their calibrated mechanisms."""
+                  range_cells: int = NOISE_RANGE_CELLS, steps: dict[str, int] | None = None) -> "AddNoise":
+        """AddNoise for the plan's tables (or those in `names`), with their calibrated mechanisms; `steps`:
+        measured entries per range by table, where not the default (ranges never change the noise)."""
         wanted = set(names) if names is not None else {t.name for t in plan.tables}
-        return cls({t.name: t.release for t in plan.tables if t.name in wanted}, key, range_cells)
+        return cls({t.name: t.release for t in plan.tables if t.name in wanted}, key, range_cells, steps)
 
     def expand(self, counts):
-        target = self.range_cells
-        steps = {name: release.range_length(target) for name, release in self.releases.items()}
+        steps = self.steps
         ranges = [((name, start), None) for name, release in sorted(self.releases.items())
-                  for start in release.range_starts(target)]
+                  for start in range(0, release.n_measured, steps[name])]
 
         def split(element):
             name, (cells, values) = element
@@ -276,7 +279,7 @@ class AddNoise(beam.PTransform):
                  counts.pipeline | "PublicRanges" >> beam.Create(ranges))
                 | "WithEveryRange" >> beam.Flatten()
                 | "GroupRanges" >> beam.GroupByKey()
-                | "Noise" >> beam.ParDo(_NoiseRange(self.releases, self.key, target, self.fail_first_dir)).with_output_types(Any))
+                | "Noise" >> beam.ParDo(_NoiseRange(self.releases, self.key, steps, self.fail_first_dir)).with_output_types(Any))
 
 
 class WriteNoisyRanges(beam.PTransform):

@@ -1,4 +1,6 @@
-"""Consistency post-processing of noisy measurements (never touches the raw data).
+"""Consistency post-processing of noisy measurements (never touches the raw data): the nonnegative clamp
+a release uses, and the whole-table reference forms of the tree estimate (Hay et al. 2010) and of the
+top-down integer step, against which tests and benchmarks check the per-unit kernels (`transforms.units`).
 
 Privacy: every function here reads only noisy measurements and public structure
 (the hierarchy's parent maps), so by post-processing immunity the outputs carry the
@@ -154,101 +156,3 @@ def hierarchical_least_squares(
         residual = final[-1] - sibling_sum
         final.append(up[i] + share[:, None] * residual[parents])
     return final
-
-
-def iterative_proportional_fit(shape: tuple[int, ...], totals: np.ndarray,
-                               margins: list[tuple[tuple[int, ...], np.ndarray]], sweeps: int = 100,
-                               start: np.ndarray | None = None) -> np.ndarray:
-    """A nonnegative joint table (axis 0 = unit) whose unit totals are `totals` and whose margins
-    approach the nonnegative targets (IPF / raking; it preserves totals and nonnegativity). From
-    `start` (nonnegative, each unit summing to its total) when given, else uniform."""
-    if start is not None:
-        joint = np.array(start, dtype=np.float64)
-    else:
-        cells_per_unit = int(np.prod(shape[1:]))
-        joint = np.broadcast_to((totals / cells_per_unit).reshape((-1,) + (1,) * (len(shape) - 1)), shape).copy()
-    for _ in range(sweeps):
-        worst = 0.0
-        for kept, target in margins:
-            other = tuple(a for a in range(joint.ndim) if a not in kept)
-            current = joint.sum(axis=other, keepdims=True)
-            goal = np.expand_dims(target, other)
-            worst = max(worst, float(np.abs(goal - current).max(initial=0.0)))
-            with np.errstate(invalid="ignore", divide="ignore"):
-                ratio = np.where(current > 0, goal / current, 0.0)
-            joint *= ratio
-        if worst < 1e-6:
-            break
-    return joint
-
-
-def round_joint(joint: np.ndarray, totals: np.ndarray) -> np.ndarray:
-    """Nonnegative integer joint per unit summing exactly to the integer `totals` (controlled rounding)."""
-    units = joint.shape[0]
-    flat = joint.reshape(units, -1)
-    fitted = project_to_simplex(flat.ravel(), np.repeat(np.arange(units), flat.shape[1]), totals.astype(np.float64))
-    rounded = controlled_round(fitted, np.repeat(np.arange(units), flat.shape[1]), totals)
-    return rounded.reshape(joint.shape)
-
-
-START_FLOOR = 1e-3
-"""A warm start's zero cells begin at this fraction of their unit's mean cell (multiplicative updates
-cannot leave an exact 0)."""
-
-
-def fit_joint_least_squares(shape: tuple[int, ...], totals: np.ndarray,
-                            measurements: list[tuple[tuple[int, ...], np.ndarray, float]],
-                            max_iterations: int = 2000, tolerance: float = 1e-9,
-                            start: np.ndarray | None = None) -> np.ndarray:
-    """The nonnegative joint table per unit (axis 0) with the given unit totals whose margins best fit the
-    noisy measurements: minimises sum_m ||margin_m(p) - y_m||^2 / v_m over {p >= 0, each unit sums to
-    its total}, the marginal polytope, by entropic mirror descent (exponentiated gradient with a
-    backtracking step; Private-PGM's estimator on a single clique, McKenna et al. 2019).
-
-    `measurements`: (kept axes incl. 0, noisy margin with those axes, noise variance > 0); `start`: a
-    nonnegative joint to begin from (cells at 0 are lifted to START_FLOOR of their unit's mean). The truth
-    lies in the feasible set, so the fitted margins are never farther from it, in this weighted norm,
-    than the measurements are. Post-processing: reads noisy values and public structure only."""
-    totals = np.asarray(totals, dtype=np.float64)
-    units = shape[0]
-    per_unit = int(np.prod(shape[1:]))
-    log_p = np.zeros(shape)
-    if start is not None:
-        mean = np.maximum(totals / per_unit, 1e-12).reshape((-1,) + (1,) * (len(shape) - 1))
-        log_p = np.log(np.maximum(np.asarray(start, dtype=np.float64), START_FLOOR * mean))
-
-    def normalise(log_values: np.ndarray) -> np.ndarray:
-        flat = log_values.reshape(units, per_unit)
-        weights = np.exp(flat - flat.max(axis=1, keepdims=True))
-        weights /= weights.sum(axis=1, keepdims=True)
-        return (weights * totals[:, None]).reshape(shape)
-
-    def loss_and_gradient(p: np.ndarray) -> tuple[float, np.ndarray]:
-        loss, gradient = 0.0, np.zeros(shape)
-        for kept, noisy, variance in measurements:
-            other = tuple(a for a in range(len(shape)) if a not in kept)
-            residual = p.sum(axis=other) - noisy
-            loss += float((residual ** 2).sum()) / variance
-            gradient += np.expand_dims(2.0 * residual / variance, other)
-        return loss, gradient
-
-    p = normalise(log_p)
-    loss, gradient = loss_and_gradient(p)
-    step = 1.0 / max(float(np.abs(gradient).max()), 1e-12)
-    for _ in range(max_iterations):
-        while True:
-            candidate_log = log_p - step * gradient
-            candidate = normalise(candidate_log)
-            candidate_loss, candidate_gradient = loss_and_gradient(candidate)
-            if candidate_loss <= loss or step < 1e-300:
-                break
-            step /= 2.0
-        improvement = loss - candidate_loss
-        log_p = candidate_log - candidate_log.reshape(units, per_unit).max(axis=1).reshape(
-            (-1,) + (1,) * (len(shape) - 1))
-        p, gradient = candidate, candidate_gradient
-        loss = candidate_loss
-        step *= 1.5
-        if improvement <= tolerance * max(loss, 1.0):
-            break
-    return p

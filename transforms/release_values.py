@@ -47,9 +47,6 @@ class TableRelease:
         """A range length near `target` that holds whole cells."""
         return max(1, target // self.buckets) * self.buckets
 
-    def range_starts(self, target: int) -> list[int]:
-        return list(range(0, self.n_measured, self.range_length(target)))
-
     def output_start(self, start: int) -> int:
         """Where the released values of the range starting at `start` begin."""
         return start // self.buckets * len(self.quantiles) if self.selects else start

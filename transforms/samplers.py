@@ -176,4 +176,5 @@ def table_noise(key, table: str, mechanism, start: int, stop: int) -> np.ndarray
 
 FAIL_FIRST_ATTEMPT_ENV = "DPRELEASE_TEST_FAIL_FIRST_ATTEMPT"
 """Test hook, read when a job is built: makes the noise stage fail on first attempts (Spark: 'noise';
-Beam: 'noise:DIR', a marker file per range in DIR) to show that retries change nothing."""
+Beam: 'noise:DIR', a marker file per range in DIR), or (Spark: 'groups') every post-processing group's first
+attempt after it wrote its parts, to show that retries change nothing."""

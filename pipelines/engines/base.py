@@ -2,12 +2,14 @@
 
 An engine turns the input into one noisy count vector per planned table:
 encode -> bound contributions -> aggregate over the public domain -> add noise.
-True counts never leave the engine. Post-processing and writing are engine-neutral
-and happen in `dprelease.pipelines.release`.
+True counts never leave the engine. Post-processing and writing are engine-neutral: the driver runs
+them (`pipelines.postprocessing`, `pipelines.release`) or, for a release whose tables form a tree of
+units, a distributed engine runs the same kernels in its workers (`release_parts`, `pipelines.dataflow`).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -18,6 +20,7 @@ from ..plan import Plan
 from ..source import InputSource
 
 if TYPE_CHECKING:
+    from ..layout import Layout
     from ..validation import ValidationOutcome
 
 ProgressHook = Callable[[str, int, int], None]
@@ -39,6 +42,19 @@ class Engine(ABC):
 
         Privacy: the result must be exactly counts(bounded input) + noise(key, table, cell).
         """
+
+    writes_parts: bool = False
+    """Whether the engine runs the post-processing and writing stages of a tree of units in its workers
+    (`release_parts`); else the driver post-processes the noisy vectors (`pipelines.postprocessing`)."""
+
+    def release_parts(self, plan: Plan, source: InputSource, key: ReleaseKey, staging: Path, layout: "Layout",
+                      progress: ProgressHook = no_progress) -> tuple[list[dict], dict]:
+        """Noise, post-processing and every table part written into `staging` by the workers
+        (`pipelines.dataflow`); returns (file entries, variance summaries), all the driver receives.
+
+        Privacy: the same bytes as the embedded engine's release: noise(key, table, cell) on the bounded
+        counts, then post-processing of the noisy values only."""
+        raise NotImplementedError(f"the {self.name} engine post-processes on the driver")
 
     def check_input_schema(self, source: InputSource) -> None:
         """Refuse (InputSchemaError, exit 2) input column types this engine cannot read; called before any

@@ -123,8 +123,83 @@ def _delete_remote(directory: str) -> None:
         logging.getLogger("dprelease").warning("could not delete %s (%s)", directory, type(error).__name__)
 
 
+def _route(element, plan: Plan, token: tuple, tree, table_ids: dict[str, int]):
+    """A released range as dataflow pieces keyed by the post-processing group that reads them."""
+    from ..dataflow import flow_for, noise_piece, route_noise
+
+    name, start, values = element
+    flow = flow_for(token, plan, tree)
+    for piece in route_noise(flow, noise_piece(flow, table_ids[name], start, values)):
+        yield piece.key, piece
+
+
+def _run_group(element, plan: Plan, token: tuple, tree):
+    """One group of a post-processing or writing stage, in a worker."""
+    from ..dataflow import flow_for, run_group
+
+    key, pieces = element
+    for piece in run_group(flow_for(token, plan, tree), key, list(pieces)):
+        yield piece.key, piece
+
+
+def _in_stage(element, prefixes: frozenset) -> bool:
+    from ..dataflow import FILES, stage_of
+
+    return element[1].kind != FILES and stage_of(element[0]) in prefixes
+
+
+def _write_entries(element, directory: str):
+    """A group's file entries, as one small JSON file in the result directory (named by its content)."""
+    import hashlib
+
+    from apache_beam.io.filesystems import FileSystems
+
+    document = bytes(element[1].arrays["files"])
+    with FileSystems.create(f"{directory}/{hashlib.sha256(document).hexdigest()}.json") as handle:
+        handle.write(document)
+    yield 1
+
+
+def post_process_and_write(noisy, flow, token: tuple, directory: str):
+    """Released ranges (a PCollection) -> every table part written into the flow's staging directory,
+    post-processed per group of units (`pipelines.dataflow`: per stage a Filter of the pools it reads, a
+    GroupByKey and a kernel per group), each group's file entries into `directory`. The driver's tree
+    travels with the transforms (its operators are never recomputed in workers)."""
+    beam = import_beam()
+    from ..dataflow import FILES, stage_order, stage_sources
+
+    plan, tree = flow.plan, flow.tree
+    table_ids = {t.name: i for i, t in enumerate(plan.tables)}
+    pools = [noisy | "RouteNoise" >> beam.FlatMap(_route, plan, token, tree, table_ids)]
+    stages = stage_order(flow)
+    for i, (prefixes, sources) in enumerate(zip(stages, stage_sources(flow, stages))):
+        chosen = [pools[j] | f"Stage{i}From{j}" >> beam.Filter(_in_stage, frozenset(prefixes)) for j in sources]
+        pools.append(chosen
+                     | f"Stage{i}Inputs" >> beam.Flatten()
+                     | f"Stage{i}Groups" >> beam.GroupByKey()
+                     | f"Stage{i}Run" >> beam.FlatMap(_run_group, plan, token, tree))
+    files = [pool | f"Files{j}" >> beam.Filter(lambda element: element[1].kind == FILES)
+             for j, pool in enumerate(pools[1:])]
+    return files | "AllFiles" >> beam.Flatten() | "WriteEntries" >> beam.FlatMap(_write_entries, directory)
+
+
+def _read_entries(directory: str) -> list:
+    """The groups' file-entry documents written by `_write_entries`, as FILES pieces."""
+    from apache_beam.io.filesystems import FileSystems
+
+    from ..dataflow import FILES, Piece
+
+    pieces = []
+    for metadata in FileSystems.match([f"{directory}/*.json"])[0].metadata_list:
+        with FileSystems.open(metadata.path) as handle:
+            document = handle.read()
+        pieces.append(Piece(0, FILES, 0, 0, 0, {"files": np.frombuffer(document, dtype=np.uint8)}))
+    return pieces
+
+
 class BeamEngine(Engine):
     name = "beam"
+    writes_parts = True
 
     def __init__(self, runner: str | None = None, options: list[str] | None = None, workers: int | None = None):
         self.options = pipeline_options(runner, list(options or []), workers)
@@ -139,9 +214,16 @@ class BeamEngine(Engine):
 
     def build(self, pipeline, plan: Plan, source: InputSource, key: ReleaseKey, directory: str):
         """The release's transforms, applied to `pipeline`; ends in one .npy file per noisy range."""
+        from dprelease.transforms.beam import WriteNoisyRanges
+
+        noisy = self.noisy_ranges(pipeline, plan, source, key)
+        return noisy | "Write" >> WriteNoisyRanges(directory, {t.name: i for i, t in enumerate(plan.tables)})
+
+    def noisy_ranges(self, pipeline, plan: Plan, source: InputSource, key: ReleaseKey,
+                     steps: dict[str, int] | None = None):
+        """Input files -> (table, output start, released values) for every range of every table."""
         beam = import_beam()
-        from dprelease.transforms.beam import (AddNoise, BoundContributions, CountCells, EncodeRecords,
-                                               ReadInputBatches, WriteNoisyRanges)
+        from dprelease.transforms.beam import AddNoise, BoundContributions, CountCells, EncodeRecords, ReadInputBatches
 
         columns = source.columns
         encoded = (pipeline
@@ -152,8 +234,26 @@ class BeamEngine(Engine):
             shards = max(self.workers * SHARDS_PER_WORKER, -(-source.estimated_rows() // 1_000_000))
             encoded = encoded | "Bound" >> BoundContributions.from_plan(plan, key, shards)
         counts = encoded | "Count" >> CountCells([t.layout for t in plan.tables])
-        noisy = counts | "AddNoise" >> AddNoise.from_plan(plan, key)
-        return noisy | "Write" >> WriteNoisyRanges(directory, {t.name: i for i, t in enumerate(plan.tables)})
+        return counts | "AddNoise" >> AddNoise.from_plan(plan, key, steps=steps)
+
+    def release_parts(self, plan: Plan, source: InputSource, key: ReleaseKey, staging, layout,
+                      progress: ProgressHook = no_progress):
+        """The whole release after the input, in the Beam workers: noise, post-processing stage by stage,
+        every table part written into `staging` (a directory every worker reaches); each group's file
+        entries come back through the result directory: all the driver reads."""
+        from ..dataflow import Flow, range_length, results, run_token
+
+        flow = Flow(plan, layout, str(staging))
+        token = run_token(plan, layout, staging)
+        steps = {t.name: range_length(flow, i) for i, t in enumerate(plan.tables)}
+
+        def build(pipeline, directory: str) -> None:
+            post_process_and_write(self.noisy_ranges(pipeline, plan, source, key, steps), flow, token, directory)
+
+        progress("beam-release", 0, 1)
+        found = self._run("the Beam pipeline", build, _read_entries)
+        progress("beam-release", 1, 1)
+        return results(found)
 
     def _run(self, what: str, build, read):
         """Build a pipeline with `build(pipeline, directory)`, run it, return `read(directory)`; any

@@ -15,8 +15,11 @@ clusters (see deploy/spark/README.md).
 """
 from __future__ import annotations
 
+import contextlib
+
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -56,7 +59,7 @@ def _import_pyspark():
     return SparkSession
 
 
-def _encode_bound_count_function(plan: Plan, unit: str | None, subkey: bytes):
+def _encode_bound_count_function(plan: Plan, unit: str | None, subkey: bytes, steps: list[int]):
     """Per partition (all records of a unit together): encode every batch (encoding kernel),
     bound contributions (bounding kernel) and measure every table (aggregation kernel); emit the
     nonzero entries as sparse partial counts, each with the release range it falls in."""
@@ -64,7 +67,6 @@ def _encode_bound_count_function(plan: Plan, unit: str | None, subkey: bytes):
     encoders = {c: ColumnEncoder(plan.domains[c]) for c in columns}
     sizes = [plan.domains[c].size for c in columns]
     layouts = [t.layout for t in plan.tables]
-    steps = [t.release.range_length(NOISE_RANGE_CELLS) for t in plan.tables]
 
     def encode_bound_count(batches):
         parts: dict[str, list] = {c: [] for c in columns}
@@ -92,26 +94,42 @@ def _encode_bound_count_function(plan: Plan, unit: str | None, subkey: bytes):
     return encode_bound_count
 
 
-def _noise_function(plan: Plan, key: ReleaseKey, target: int):
-    releases = [t.release for t in plan.tables]
-    fail_first_attempt = os.environ.get(FAIL_FIRST_ATTEMPT_ENV) == "noise"
+def _fails_first_attempt(stage: str = "noise") -> bool:
+    """Test hook, read on the driver (executors do not see its environment): fail the first attempt of each
+    task of `stage` ('noise' or 'groups')."""
+    return os.environ.get(FAIL_FIRST_ATTEMPT_ENV) == stage
+
+
+def _fail_if_first_attempt(what: str) -> None:
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    if context is not None and context.attemptNumber() == 0:
+        raise RuntimeError(f"test hook: failing the first attempt of a {what} task")
+
+
+def _noisy_values(releases, key: ReleaseKey, steps: list[int], group: pa.Table,
+                  fail_first_attempt: bool) -> tuple[int, int, np.ndarray]:
+    """(table id, first output, released values) of one (table, range) group of sparse counts: every public
+    cell of the range, empty ones included (range markers carry cell -1)."""
+    if fail_first_attempt:
+        _fail_if_first_attempt("noise")
+    table_id = int(group.column("table_id")[0].as_py())
+    range_id = int(group.column("range_id")[0].as_py())
+    release = releases[table_id]
+    start, stop = range_id * steps[table_id], min((range_id + 1) * steps[table_id], release.n_measured)
+    cells = group.column("cell").to_numpy()
+    real = cells >= 0
+    values = noisy_range(key, release, start, stop, cells[real], group.column("count").to_numpy()[real])
+    return table_id, release.output_start(start), values
+
+
+def _noise_function(plan: Plan, key: ReleaseKey, steps: list[int]):
+    """Released values per cell, for the driver (releases estimated globally)."""
+    releases, fail_first_attempt = [t.release for t in plan.tables], _fails_first_attempt()
 
     def noise(group: pa.Table) -> pa.Table:
-        if fail_first_attempt:
-            from pyspark import TaskContext
-
-            context = TaskContext.get()
-            if context is not None and context.attemptNumber() == 0:
-                raise RuntimeError("test hook: failing the first attempt of a noise task")
-        table_id = int(group.column("table_id")[0].as_py())
-        range_id = int(group.column("range_id")[0].as_py())
-        release = releases[table_id]
-        step = release.range_length(target)
-        start, stop = range_id * step, min((range_id + 1) * step, release.n_measured)
-        cells = group.column("cell").to_numpy()
-        real = cells >= 0  # range markers carry cell -1
-        values = noisy_range(key, release, start, stop, cells[real], group.column("count").to_numpy()[real])
-        first = release.output_start(start)
+        table_id, first, values = _noisy_values(releases, key, steps, group, fail_first_attempt)
         return pa.table({"table_id": pa.array(np.full(values.size, table_id, dtype=np.int32)),
                          "cell": pa.array(np.arange(first, first + values.size, dtype=np.int64)),
                          "noisy": pa.array(values)})
@@ -119,8 +137,54 @@ def _noise_function(plan: Plan, key: ReleaseKey, target: int):
     return noise
 
 
+def _noise_pieces_function(plan: Plan, key: ReleaseKey, steps: list[int], token: tuple, tree):
+    """Released values as dataflow pieces routed to the post-processing stages (`pipelines.dataflow`);
+    `tree`: a broadcast of the driver's tree of units."""
+    from ..dataflow import flow_for, noise_piece, route_noise, to_batch
+
+    releases, fail_first_attempt = [t.release for t in plan.tables], _fails_first_attempt()
+
+    def noise(group: pa.Table) -> pa.Table:
+        flow = flow_for(token, plan, tree.value)
+        table_id, first, values = _noisy_values(releases, key, steps, group, fail_first_attempt)
+        return pa.Table.from_batches([to_batch(route_noise(flow, noise_piece(flow, table_id, first, values)))])
+
+    return noise
+
+
+def _group_function(plan: Plan, token: tuple, tree):
+    """One group of a post-processing or writing stage, in an executor."""
+    from ..dataflow import flow_for, from_table, run_group, to_batch
+
+    fail_first_attempt = _fails_first_attempt("groups")
+
+    def run(group: pa.Table) -> pa.Table:
+        pieces = from_table(group)
+        out = run_group(flow_for(token, plan, tree.value), pieces[0].key, pieces)
+        if fail_first_attempt:  # after this attempt's parts are written
+            _fail_if_first_attempt("post-processing")
+        return pa.Table.from_batches([to_batch(out)])
+
+    return run
+
+
+def _range_steps(plan: Plan) -> list[int]:
+    """Measured entries per noise range of every table (`dataflow.range_length`: whole units for a table of
+    a tree of units): one rule for the counting and the noise stages, on every path."""
+    from ..dataflow import Flow, range_length
+
+    flow = Flow(plan, None, "")
+    return [range_length(flow, i) for i in range(len(plan.tables))]
+
+
+def _shuffle_partitions(spark, groups: int) -> int:
+    """Partitions of a shuffle with `groups` keys: a few per core, never more than the keys."""
+    return max(1, min(groups, 4 * spark.sparkContext.defaultParallelism))
+
+
 class SparkEngine(Engine):
     name = "spark"
+    writes_parts = True
 
     def __init__(self, master: str | None = None, app_name: str = "dprelease"):
         _import_pyspark()  # a missing extra is a public spec error, before any key is drawn or budget reserved
@@ -201,35 +265,91 @@ class SparkEngine(Engine):
 
     def noisy_measurements(self, plan: Plan, source: InputSource, key: ReleaseKey,
                            progress: ProgressHook = no_progress) -> dict[str, np.ndarray]:
-        from pyspark.sql import functions as F
-
-        spark = self.session()
-        try:
-            unit = source.unit_column
-            frame = self._read(spark, source)
-            if unit:  # records of a unit must meet in one partition; null units are dropped by policy
-                partitions = max(spark.sparkContext.defaultParallelism,
-                                 -(-source.estimated_rows() // ROWS_PER_PARTITION))
-                frame = frame.where(F.col(unit).isNotNull()).repartition(partitions, unit)
-            partial = frame.mapInArrow(_encode_bound_count_function(plan, unit, key.derive("dprelease/bound")),
-                                       "table_id int, range_id long, cell long, count long")
+        with self._job() as spark:
+            steps = _range_steps(plan)
+            ranges = self._ranged_counts(spark, plan, source, key, steps)
             progress("read", 1, 1)
-            counts = partial.groupBy("table_id", "range_id", "cell").agg(F.sum("count").alias("count"))
-            ranges = [(i, r, -1, 0) for i, t in enumerate(plan.tables)
-                      for r in range(len(t.release.range_starts(NOISE_RANGE_CELLS)))]
-            markers = spark.createDataFrame(ranges, "table_id int, range_id long, cell long, count long")
-            noisy = (counts.select("table_id", "range_id", "cell", "count").unionByName(markers)
-                     .groupBy("table_id", "range_id")
-                     .applyInArrow(_noise_function(plan, key, NOISE_RANGE_CELLS), "table_id int, cell long, noisy long"))
+            noisy = ranges.applyInArrow(_noise_function(plan, key, steps), "table_id int, cell long, noisy long")
             result = noisy.toArrow()
             progress("noise", 1, 1)
-        except Exception as error:  # Spark wraps executor errors; keep the message public-only
+        return self._assemble(plan, result)
+
+    @contextlib.contextmanager
+    def _job(self):
+        """A Spark session for one job, stopped afterwards; any Spark error becomes a public-only message
+        (Spark wraps executor errors, whose text could quote data)."""
+        spark = self.session()
+        try:
+            yield spark
+        except Exception as error:
             if isinstance(error, DPReleaseError):
                 raise
             raise DPReleaseError(f"the Spark job failed: {type(error).__name__}") from error
         finally:
             spark.stop()
-        return self._assemble(plan, result)
+
+    def _ranged_counts(self, spark, plan: Plan, source: InputSource, key: ReleaseKey, steps: list[int]):
+        """The input read, bounded and counted in executors, grouped by (table, noise range) with a marker
+        row for every range (so that ranges without records are released too)."""
+        from pyspark.sql import functions as F
+
+        unit = source.unit_column
+        frame = self._read(spark, source)
+        if unit:  # records of a unit must meet in one partition; null units are dropped by policy
+            partitions = max(spark.sparkContext.defaultParallelism, -(-source.estimated_rows() // ROWS_PER_PARTITION))
+            frame = frame.where(F.col(unit).isNotNull()).repartition(partitions, unit)
+        partial = frame.mapInArrow(_encode_bound_count_function(plan, unit, key.derive("dprelease/bound"), steps),
+                                   "table_id int, range_id long, cell long, count long")
+        counts = partial.groupBy("table_id", "range_id", "cell").agg(F.sum("count").alias("count"))
+        ranges = [(i, r, -1, 0) for i, t in enumerate(plan.tables) for r in range(-(-t.release.n_measured // steps[i]))]
+        markers = spark.createDataFrame(ranges, "table_id int, range_id long, cell long, count long")
+        return (counts.select("table_id", "range_id", "cell", "count").unionByName(markers)
+                .repartition(_shuffle_partitions(spark, len(ranges)), "table_id", "range_id")
+                .groupBy("table_id", "range_id"))
+
+    def release_parts(self, plan: Plan, source: InputSource, key: ReleaseKey, staging: Path, layout,
+                      progress: ProgressHook = no_progress):
+        """The whole release after the input, in executors: noise, then each post-processing stage (a
+        shuffle by group key, a kernel per group: `pipelines.dataflow`), every table part written into
+        `staging` (a directory the executors reach). The driver receives the file entries and variance
+        summaries only. Only for releases whose count tables form a tree of units."""
+        from pyspark import StorageLevel
+        from pyspark.sql import functions as F
+
+        from ..dataflow import (FILES, SPARK_SCHEMA, Flow, from_table, results, run_token, stage_groups, stage_order,
+                                stage_sources)
+
+        token = run_token(plan, layout, staging)
+        flow = Flow(plan, layout, str(staging))
+        with self._job() as spark:
+            tree = spark.sparkContext.broadcast(flow.tree)
+            steps = _range_steps(plan)
+            noise = (self._ranged_counts(spark, plan, source, key, steps)
+                     .applyInArrow(_noise_pieces_function(plan, key, steps, token, tree), SPARK_SCHEMA)
+                     .persist(StorageLevel.MEMORY_AND_DISK))
+            noise.count()  # draw the noise now (the read, bounding and counting with it), once
+            progress("noise", 1, 1)
+            pools = [noise]
+            stages = stage_order(flow)
+            for done, (prefixes, sources) in enumerate(zip(stages, stage_sources(flow, stages))):
+                inputs = None
+                for source_index in sources:
+                    chosen = pools[source_index].where(F.shiftright(F.col("key"), 40).isin(prefixes))
+                    inputs = chosen if inputs is None else inputs.unionByName(chosen)
+                out = (inputs.repartition(_shuffle_partitions(spark, stage_groups(flow, prefixes)), "key")
+                       .groupBy("key").applyInArrow(_group_function(plan, token, tree), SPARK_SCHEMA)
+                       .persist(StorageLevel.MEMORY_AND_DISK))
+                out.count()  # run the stage now: its output feeds later stages, computed once
+                pools.append(out)
+                progress("post-process", done + 1, len(stages))
+            files = None
+            for frame in pools[1:]:
+                chosen = frame.where(F.col("kind") == FILES)
+                files = chosen if files is None else files.unionByName(chosen)
+            collected = from_table(files.toArrow()) if files is not None else []
+            for frame in pools:
+                frame.unpersist()
+        return results(collected)
 
     @staticmethod
     def _assemble(plan: Plan, result: pa.Table) -> dict[str, np.ndarray]:

@@ -33,6 +33,9 @@ MIN_VARIANCE = 1e-9
 EXPONENT_CLIP = 100.0
 """Bound on each table's factor exponent: the product of the factors stays finite (a unit whose loss cannot
 move, a zero total say, keeps growing its step)."""
+MAX_STEP = 1e200
+"""Bound on a unit's step: a unit whose gradient vanishes keeps growing its step, which must stay finite
+(inf * 0 is NaN). Never reached in the release's 50 iterations (a step starts at most at 1e12)."""
 
 
 @dataclass(frozen=True)
@@ -280,7 +283,7 @@ def _mirror_descent(shape: JointShape, total: np.ndarray, noisy: list[np.ndarray
             joint = np.where(better, candidate, joint)
             loss = np.where(better, candidate_loss, loss)
             gradients = [np.where(better, new, old) for new, old in zip(candidate_gradients, gradients)]
-        step = np.where(better, step * 1.5, step / 2.0)
+        step = np.where(better, np.minimum(step * 1.5, MAX_STEP), step / 2.0)
     return joint
 
 

@@ -6,6 +6,7 @@ total). Batches hold whole sibling groups in the down pass; any batch size gives
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,6 +104,68 @@ def estimate_tree(tree: UnitTree, noisy: dict[str, np.ndarray], batch: int = 409
             estimates[b.table.name] = estimate[:, b.offset:b.offset + b.size].ravel()
             variances[b.table.name] = variance[:, b.offset:b.offset + b.size].ravel()
     return estimates, variances
+
+
+def total_variances(tree: UnitTree) -> list[np.ndarray]:
+    """Per level, each unit's final total variance (units x copies): both passes on the variances alone
+    (they never depend on the values), the same operations as `up_pass`/`down_pass` and the kernels, so
+    the same bits. Memory: a few floats per unit, none per cell."""
+    subtree_var: list[np.ndarray] = [np.empty(0)] * len(tree.levels)
+    below = None
+    for level in reversed(tree.levels):
+        zeros = np.zeros((level.units, level.copies))
+        subtree_var[level.index] = combine_up(zeros, level.total_var, None if below is None else np.zeros_like(below),
+                                              below)[1]
+        if level.index:
+            below = sum_by_parent(subtree_var[level.index], level.parent, tree.levels[level.index - 1].units)
+    finals, parent_var = [], None
+    for level in tree.levels:
+        if level.parent is None:
+            final_var = subtree_var[0].copy()
+        else:
+            parents = tree.levels[level.index - 1].units
+            sibling_var = sum_by_parent(subtree_var[level.index], level.parent, parents)
+            zeros = np.zeros((level.units, level.copies))
+            final_var = split_down(zeros, subtree_var[level.index], level.parent, np.zeros((parents, level.copies)),
+                                   parent_var, np.zeros((parents, level.copies)), sibling_var)[1]
+        finals.append(final_var)
+        parent_var = final_var
+    return finals
+
+
+class TreeVariances(Mapping):
+    """Per-cell variances of the tree estimate, table by table, computed on demand from each unit's final
+    total variance (`total_variances`): `cells(name, start, stop)` costs that range only, so a release of
+    any size is summarised or checked a part at a time. Public: from the plan's structure and noise only."""
+
+    def __init__(self, tree: UnitTree):
+        self.tree = tree
+        self.finals = total_variances(tree)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.cells(name, 0, self.tree.tables[name].n_cells)
+
+    def __iter__(self):
+        return iter(self.tree.tables)
+
+    def __len__(self) -> int:
+        return len(self.tree.tables)
+
+    def cells(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Variances of cells [start, stop) of table `name`, in the table's cell order."""
+        level = self.tree.level_of(name)
+        block = level.table(name)
+        first, last = start // block.size, -(-stop // block.size)
+        rows = final_variances(level, self.finals[level.index][first:last]) if level.size else np.zeros((last - first, 0))
+        flat = rows[:, block.offset:block.offset + block.size].ravel()
+        return flat[start - first * block.size:stop - first * block.size]
+
+    def largest(self, name: str, chunk_cells: int = 1 << 22) -> float:
+        """The largest variance over the table's cells, a chunk of units at a time."""
+        size = self.tree.tables[name].n_cells
+        step = max(1, chunk_cells // max(1, self.tree.level_of(name).table(name).size)) * \
+            self.tree.level_of(name).table(name).size
+        return max(float(self.cells(name, a, min(a + step, size)).max()) for a in range(0, size, step))
 
 
 def _slice(state, rows: slice):

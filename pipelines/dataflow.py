@@ -76,7 +76,28 @@ class Piece:
     arrays: dict[str, np.ndarray]
 
 
+MAX_PIECE_BYTES = 1 << 22
+"""Largest payload of one row between stages (4 MiB): a larger piece travels as consecutive pieces of whole
+units, which every kernel joins back (`_join`), so an engine never holds one huge row (Spark builds its
+cached batches and Arrow rows in the JVM heap)."""
+
+
+def bounded(piece: Piece, max_bytes: int | None = None) -> list[Piece]:
+    """A piece as consecutive pieces of whole units (or cells) of at most `max_bytes` (default
+    MAX_PIECE_BYTES) each, same key."""
+    max_bytes = max_bytes or MAX_PIECE_BYTES
+    per_row = sum(a.nbytes // max(len(a), 1) for a in piece.arrays.values() if a.ndim)
+    if piece.kind == FILES or piece.count <= 1 or per_row * piece.count <= max_bytes:
+        return [piece]
+    rows = max(1, max_bytes // max(per_row, 1))
+    return [Piece(piece.key, piece.kind, piece.level, piece.start + lo, min(rows, piece.count - lo),
+                  _slice_arrays(piece.arrays, lo, min(lo + rows, piece.count)))
+            for lo in range(0, piece.count, rows)]
+
+
 def to_batch(pieces: list[Piece]) -> pa.RecordBatch:
+    """Pieces as one Arrow batch of rows of at most MAX_PIECE_BYTES of payload each."""
+    pieces = [part for piece in pieces for part in bounded(piece)]
     return pa.RecordBatch.from_arrays([
         pa.array([p.key for p in pieces], pa.int64()), pa.array([p.kind for p in pieces], pa.string()),
         pa.array([p.level for p in pieces], pa.int32()), pa.array([p.start for p in pieces], pa.int64()),
@@ -444,13 +465,14 @@ def stage_groups(flow: Flow, prefixes: list[int]) -> int:
 
 
 def run_local(flow: Flow, noise_pieces: list[Piece]) -> tuple[list[dict], dict[str, VarianceSummary]]:
-    """The stages in this process, groups in key order: the reference the distributed engines match."""
+    """The stages in this process, groups in key order: the reference the distributed engines match. Every
+    stage's output goes through the wire format the engines use (`to_batch`, `from_table`)."""
     stages = stage_order(flow)
-    pools = [[p for piece in noise_pieces for p in route_noise(flow, piece)]]
+    pools = [from_table(to_batch([p for piece in noise_pieces for p in route_noise(flow, piece)]))]
     for prefixes, sources in zip(stages, stage_sources(flow, stages)):
         groups: dict[int, list[Piece]] = {}
         for piece in (p for source in sources for p in pools[source]):
             if stage_of(piece.key) in prefixes:
                 groups.setdefault(piece.key, []).append(piece)
-        pools.append([out for key in sorted(groups) for out in run_group(flow, key, groups[key])])
+        pools.append(from_table(to_batch([out for key in sorted(groups) for out in run_group(flow, key, groups[key])])))
     return results([p for pool in pools[1:] for p in pool])

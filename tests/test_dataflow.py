@@ -9,6 +9,7 @@ import pytest
 from dprelease.accounting.errors import DPReleaseError
 from dprelease.pipelines.dataflow import (STAGE_CODES, Flow, Piece, from_table, noise_piece, pack, range_length,
                                           run_local, split, stage_order, stage_sources, to_batch, unpack)
+from dprelease.pipelines import dataflow
 from dprelease.pipelines.layout import Layout
 from dprelease.pipelines.plan import build_plan
 from dprelease.pipelines.postprocessing import post_process
@@ -60,8 +61,12 @@ def files_of(directory):
     return {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
 
 
-@pytest.mark.parametrize("layout", [Layout(), Layout(64, 64)], ids=["whole tables", "parts"])
-def test_stages_write_the_embedded_release_byte_for_byte(plan, tmp_path, layout):
+@pytest.mark.parametrize("layout, piece_bytes", [(Layout(), None), (Layout(64, 64), None), (Layout(64, 64), 256)],
+                         ids=["whole tables", "parts", "parts in small pieces"])
+def test_stages_write_the_embedded_release_byte_for_byte(plan, tmp_path, layout, piece_bytes, monkeypatch):
+    """Also with every row between stages cut to a few units (`dataflow.MAX_PIECE_BYTES`)."""
+    if piece_bytes:
+        monkeypatch.setattr(dataflow, "MAX_PIECE_BYTES", piece_bytes)
     noisy = noisy_outputs(plan)
     embedded = stage_release(plan, noisy, post_process(plan, noisy, group_work=layout.group_work),
                              tmp_path / "embedded" / "r", layout=layout, **COMMON)
@@ -75,6 +80,17 @@ def test_stages_write_the_embedded_release_byte_for_byte(plan, tmp_path, layout)
     assert all(ours[name] == reference[name] for name in reference)
     parts = [name for name in reference if "part-" in str(name)]
     assert bool(parts) == (layout.group_work == 64)
+
+
+def test_a_large_piece_travels_as_pieces_of_whole_units_that_join_back():
+    arrays = {"block": np.arange(40.0).reshape(10, 4), "own_total": np.arange(10.0).reshape(10, 1)}
+    piece = Piece(7, "up", 2, 100, 10, arrays)
+    parts = dataflow.bounded(piece, 3 * 5 * 8)
+    assert [(p.start, p.count) for p in parts] == [(100, 3), (103, 3), (106, 3), (109, 1)]
+    assert {p.key for p in parts} == {7}
+    back = from_table(dataflow.to_batch(parts[::-1]))
+    first, joined = dataflow._join(back, "up", 2)
+    assert first == 100 and all(np.array_equal(joined[n], arrays[n]) for n in arrays)
 
 
 def test_stages_read_only_the_pools_that_feed_them(plan):

@@ -177,9 +177,33 @@ def _range_steps(plan: Plan) -> list[int]:
     return [range_length(flow, i) for i in range(len(plan.tables))]
 
 
+def _stage_output(frame):
+    """A stage's output computed now, once, and kept on the executors' local disks (streamed there: a
+    partition is never unrolled in the heap) under a fresh plan: later stages read it without recomputing it, and without carrying every earlier stage's
+    plan (which grows with the stages and would fill the driver's heap). A lost executor fails the job
+    (local checkpoints are not recomputed): nothing is published, and a re-run with the same key is free
+    and gives the same bytes."""
+    from pyspark import StorageLevel
+
+    return frame.localCheckpoint(eager=True, storageLevel=StorageLevel.DISK_ONLY)
+
+
+COUNTS_PER_PARTITION = 1_000_000
+"""Counts per partition of the noise stage's input (each task sorts its partition by range)."""
+
+
 def _shuffle_partitions(spark, groups: int) -> int:
     """Partitions of a shuffle with `groups` keys: a few per core, never more than the keys."""
     return max(1, min(groups, 4 * spark.sparkContext.defaultParallelism))
+
+
+def _stage_partitions(groups: int) -> int:
+    """Partitions of a post-processing stage: one per group (a group is up to `--group-work` cells, so a
+    task sorts and holds one group's rows, whatever the release's size)."""
+    return max(1, min(groups, MAX_STAGE_PARTITIONS))
+
+
+MAX_STAGE_PARTITIONS = 100_000
 
 
 class SparkEngine(Engine):
@@ -303,8 +327,10 @@ class SparkEngine(Engine):
         counts = partial.groupBy("table_id", "range_id", "cell").agg(F.sum("count").alias("count"))
         ranges = [(i, r, -1, 0) for i, t in enumerate(plan.tables) for r in range(-(-t.release.n_measured // steps[i]))]
         markers = spark.createDataFrame(ranges, "table_id int, range_id long, cell long, count long")
+        records = source.estimated_rows() * len(plan.tables)  # at most one count per (row, table)
+        partitions = max(_shuffle_partitions(spark, len(ranges)), -(-records // COUNTS_PER_PARTITION))
         return (counts.select("table_id", "range_id", "cell", "count").unionByName(markers)
-                .repartition(_shuffle_partitions(spark, len(ranges)), "table_id", "range_id")
+                .repartition(min(partitions, len(ranges)), "table_id", "range_id")
                 .groupBy("table_id", "range_id"))
 
     def release_parts(self, plan: Plan, source: InputSource, key: ReleaseKey, staging: Path, layout,
@@ -313,7 +339,6 @@ class SparkEngine(Engine):
         shuffle by group key, a kernel per group: `pipelines.dataflow`), every table part written into
         `staging` (a directory the executors reach). The driver receives the file entries and variance
         summaries only. Only for releases whose count tables form a tree of units."""
-        from pyspark import StorageLevel
         from pyspark.sql import functions as F
 
         from ..dataflow import (FILES, SPARK_SCHEMA, Flow, from_table, results, run_token, stage_groups, stage_order,
@@ -324,10 +349,8 @@ class SparkEngine(Engine):
         with self._job() as spark:
             tree = spark.sparkContext.broadcast(flow.tree)
             steps = _range_steps(plan)
-            noise = (self._ranged_counts(spark, plan, source, key, steps)
-                     .applyInArrow(_noise_pieces_function(plan, key, steps, token, tree), SPARK_SCHEMA)
-                     .persist(StorageLevel.MEMORY_AND_DISK))
-            noise.count()  # draw the noise now (the read, bounding and counting with it), once
+            noise = _stage_output(self._ranged_counts(spark, plan, source, key, steps)
+                                  .applyInArrow(_noise_pieces_function(plan, key, steps, token, tree), SPARK_SCHEMA))
             progress("noise", 1, 1)
             pools = [noise]
             stages = stage_order(flow)
@@ -336,19 +359,14 @@ class SparkEngine(Engine):
                 for source_index in sources:
                     chosen = pools[source_index].where(F.shiftright(F.col("key"), 40).isin(prefixes))
                     inputs = chosen if inputs is None else inputs.unionByName(chosen)
-                out = (inputs.repartition(_shuffle_partitions(spark, stage_groups(flow, prefixes)), "key")
-                       .groupBy("key").applyInArrow(_group_function(plan, token, tree), SPARK_SCHEMA)
-                       .persist(StorageLevel.MEMORY_AND_DISK))
-                out.count()  # run the stage now: its output feeds later stages, computed once
-                pools.append(out)
+                pools.append(_stage_output(inputs.repartition(_stage_partitions(stage_groups(flow, prefixes)), "key")
+                                           .groupBy("key").applyInArrow(_group_function(plan, token, tree), SPARK_SCHEMA)))
                 progress("post-process", done + 1, len(stages))
             files = None
             for frame in pools[1:]:
                 chosen = frame.where(F.col("kind") == FILES)
                 files = chosen if files is None else files.unionByName(chosen)
             collected = from_table(files.toArrow()) if files is not None else []
-            for frame in pools:
-                frame.unpersist()
         return results(collected)
 
     @staticmethod

@@ -1,5 +1,5 @@
 """A block-level release on Spark (blocks_spec.yaml: hierarchy nation > state > county > tract > block and a
-PL94-like histogram of 588 cells per block), at growing numbers of blocks: wall time per stage, published
+PL94-like histogram of 1,584 cells per block), at growing numbers of blocks: wall time per stage, published
 cells per second, and the peak resident memory of the driver (this Python process) and of its JVM (in
 local mode the JVM holds the executors too), sampled every 0.1 s. The driver's JVM gets `--driver-memory`
 (default 1g). Usage:

@@ -125,21 +125,22 @@ def _delete_remote(directory: str) -> None:
 
 def _route(element, plan: Plan, token: tuple, tree, table_ids: dict[str, int]):
     """A released range as dataflow pieces keyed by the post-processing group that reads them."""
-    from ..dataflow import flow_for, noise_piece, route_noise
+    from ..dataflow import bounded, flow_for, noise_piece, route_noise
 
     name, start, values = element
     flow = flow_for(token, plan, tree)
     for piece in route_noise(flow, noise_piece(flow, table_ids[name], start, values)):
-        yield piece.key, piece
+        yield from ((part.key, part) for part in bounded(piece))
 
 
 def _run_group(element, plan: Plan, token: tuple, tree):
-    """One group of a post-processing or writing stage, in a worker."""
-    from ..dataflow import flow_for, run_group
+    """One group of a post-processing or writing stage, in a worker. Its output travels in pieces of at
+    most `dataflow.MAX_PIECE_BYTES` (elements a runner can shuffle and spill one at a time)."""
+    from ..dataflow import bounded, flow_for, run_group
 
     key, pieces = element
     for piece in run_group(flow_for(token, plan, tree), key, list(pieces)):
-        yield piece.key, piece
+        yield from ((part.key, part) for part in bounded(piece))
 
 
 def _in_stage(element, prefixes: frozenset) -> bool:

@@ -1,9 +1,8 @@
-"""One distribution, `dprelease`, installing the top-level folders under one namespace.
+"""One distribution, `dprelease`, installing the top-level folders under one package.
 
-pipelines/ -> dprelease.pipelines, transforms/ -> dprelease.transforms,
-accounting/ -> dprelease.accounting, examples/ -> dprelease.examples.
-`dprelease` itself is an implicit namespace package, so no generic top-level name
-(such as `pipelines`) is installed into site-packages.
+api/ -> dprelease (the Python API), pipelines/ -> dprelease.pipelines, transforms/ -> dprelease.transforms,
+accounting/ -> dprelease.accounting, examples/ -> dprelease.examples. No generic top-level name (such as
+`pipelines`) is installed into site-packages.
 """
 from pathlib import Path
 
@@ -26,7 +25,8 @@ def packages_under(folders: tuple[str, ...]) -> dict[str, str]:
     return found
 
 
-PACKAGES = packages_under(TOP_LEVEL_FOLDERS)
+PACKAGES = {"dprelease": "api", **packages_under(TOP_LEVEL_FOLDERS)}
+"""api/ is the `dprelease` package itself (its __init__ is the Python API: `import dprelease`)."""
 
 setup(
     name="dprelease",

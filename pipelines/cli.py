@@ -10,12 +10,14 @@ from pathlib import Path
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
 from dprelease.accounting.errors import DPReleaseError
 
-console = Console(width=None if sys.stdout.isatty() else 120, markup=False, highlight=False)
+console = Console(width=None if sys.stdout.isatty() else 200, markup=False, highlight=False)
+"""On a terminal: its width (plan tables fold their cells to fit); piped or redirected: 200 columns, nothing folded."""
 errors = Console(stderr=True, markup=False, highlight=False)
 """Markup is off on both consoles: text that comes from data, specs, manifests or messages (a release id
 holding '[/]', a version holding '[bold green]OK[/]', '[lo, hi]' in an error) prints as it is; styles are
@@ -131,41 +133,52 @@ def schema(manifest: bool) -> None:
 
 
 def _plan_table(plan, estimate=None) -> Table:
-    """The plan as a table; `estimate`: its GLS variances (computed when not given)."""
-    from .manifest import rank_margin_95
+    """The plan as a table; `estimate`: its GLS variances (computed when not given). Columns fold rather than
+    cut on a narrow terminal (no value is ever shown as an ellipsis)."""
+    from .plan_table import plan_records
     from .postprocessing import estimate_variances
 
     if estimate is None:
         estimate = estimate_variances(plan)
-
     unit = "epsilon" if plan.definition == "pure" else "rho"
     table = Table(title=f"Plan of release {plan.spec.release_id} ({plan.definition})",
                   caption="L1/L2: sensitivity (quantiles: of the scores); noise: DLap scale b, DGauss variance s2 or "
                           "exponential mechanism (EM) epsilon per selection; std and 95% margin per cell (quantiles: "
                           "rank error in records); GLS std: largest over the cells of the count tables' least-squares "
                           f"estimate from all measurements, before rounding ({'exact' if estimate.exact else 'upper bound'})")
-    table.add_column("table", no_wrap=True)
-    for header in ("statistic", "cells", "L1", "L2", unit, "noise", "std", "95%", "GLS std"):
-        table.add_column(header, justify="right", no_wrap=True)
-    for t in plan.tables:
-        statistic = f"{t.statistic}({t.measure.column})" if t.measure else t.statistic
-        if t.invariant:
-            table.add_row(t.name, statistic, f"{t.n_cells:,}", "-", "-", "0", "exact (invariant)", "0", "±0", "0")
-            continue
-        m = t.event.mechanism
-        sens = t.event.sensitivity
-        if m.kind == "exponential":
-            table.add_row(t.name, statistic, f"{t.n_cells:,} x {len(t.quantiles)} q", str(sens.l1), "-",
-                          f"{float(t.event.allocated):.4g}", f"EM eps={float(m.epsilon):.4g} x {m.selections}", "-",
-                          f"±{rank_margin_95(t)} ranks", "-")
-            continue
-        noise = f"DLap b={m.scale}" if m.kind == "discrete_laplace" else f"DGauss s2={m.sigma2}"
-        table.add_row(
-            t.name, statistic, f"{t.n_cells:,}", str(sens.l1), f"{sens.l2_squared ** 0.5:.3g}",
-            f"{float(t.event.allocated):.4g}", noise, f"{m.variance() ** 0.5:.3f}", f"±{m.margin_95()}",
-            f"{estimate.largest(t.name) ** 0.5:.3f}" if t.name in estimate.per_cell else "-",
-        )
-    return table
+    headers = ("table", "statistic", "cells", "L1", "L2", unit, "noise", "std", "95%", "GLS std")
+    for header in headers:
+        table.add_column(header, justify="left" if header == "table" else "right", no_wrap=True)
+    rows = [_plan_row(r) for r in plan_records(plan, estimate)]
+    for row in rows:
+        table.add_row(*row)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+    if sum(widths) + 3 * len(widths) + 1 <= console.width:
+        return table
+    return Group(table.title, *(", ".join(f"{h} {v}" if i else v for i, (h, v) in enumerate(zip(headers, row)))
+                                for row in rows), table.caption)  # too narrow for the table: one line per table
+
+
+def _plan_row(r: dict) -> tuple[str, ...]:
+    cells = f"{r['cells']:,}" + (f" x {r['quantiles']} q" if r.get("quantiles") else "")
+    margin = (f"±{r['margin_95']} ranks" if r["mechanism"] == "exponential" else f"±{r['margin_95']}")
+    return (r["table"], r["statistic"], cells, _dash(r["l1"], str), _dash(r["l2"], "{:.3g}".format),
+            "0" if r["mechanism"] == "invariant" else f"{r['budget']:.4g}", r["noise"],
+            _dash(r["noise_std"], "{:.3f}".format), margin, _dash(r["gls_std"], "{:.3f}".format))
+
+
+def _dash(value, form) -> str:
+    return "-" if value is None else form(value)
+
+
+def _plan_json(plan, estimate) -> str:
+    """`plan --json`: the records, the totals and the paths, for programs."""
+    from .plan_table import plan_records
+
+    return json.dumps({"release_id": plan.spec.release_id, "definition": plan.definition,
+                       "budget_unit": "epsilon" if plan.definition == "pure" else "rho",
+                       "cells": plan.n_cells, "tables": plan_records(plan, estimate),
+                       "estimate_exact": estimate.exact, "paths": _path_lines(plan)}, indent=2)
 
 
 def _path_lines(plan) -> list[str]:
@@ -200,7 +213,9 @@ def _totals_text(plan) -> str:
 @click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
 @MAX_CELLS_OPTION
 @click.option("--engine", type=click.Choice(ENGINES), help="The engine the memory statement is for (default: the spec's).")
-def plan(spec: Path, max_cells: int | None, engine: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the plan as JSON (per table: cells, sensitivity, budget, noise, std, 95% margin, GLS std).")
+def plan(spec: Path, max_cells: int | None, engine: str | None, as_json: bool) -> None:
     """Show the budget allocation, expected error and memory of every table; reads no data.
 
     Exit 2 when the release exceeds the cell limit (--max-cells) on the engine, as `run` would.
@@ -208,7 +223,7 @@ def plan(spec: Path, max_cells: int | None, engine: str | None) -> None:
     from .layout import Layout
     from .limits import check_plan_limits, max_cells_setting, memory_statement, runs_in_workers
     from .plan import build_plan
-    from .postprocessing import EstimateVariances
+    from .postprocessing import EstimateVariances, estimate_variances
     from .spec import load_spec
 
     with _handled():
@@ -217,7 +232,12 @@ def plan(spec: Path, max_cells: int | None, engine: str | None) -> None:
         engine = engine or parsed.engine
         limit = max_cells_setting(max_cells)
         over_limit = result.n_cells > limit and not runs_in_workers(result, engine)  # no variances if it may not run
-        console.print(_plan_table(result, EstimateVariances({}, True) if over_limit else None))
+        estimate = EstimateVariances({}, True) if over_limit else estimate_variances(result)
+        if as_json:
+            check_plan_limits(result, limit, engine)
+            click.echo(_plan_json(result, estimate))
+            return
+        console.print(_plan_table(result, estimate))
         console.print(f"Sensitivity: {result.sensitivity.derivation}")
         for derivation in dict.fromkeys(t.event.sensitivity.derivation for t in result.measured()
                                         if t.statistic != "count" or t.measure):

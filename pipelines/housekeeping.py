@@ -37,6 +37,12 @@ def leftover_tag() -> str:
     return f"{process_token()}@{socket.gethostname()}@"
 
 
+def input_copy_prefix(release_id: str) -> str:
+    """Name prefix of a Python API run's private copy of in-memory data in TMPDIR (`leftover_tag` follows it, so
+    the next run of the release removes a copy that a killed run left)."""
+    return f"dprelease-input-{release_id}@"
+
+
 def owner() -> str:
     """The owner of a ledger reservation: host:pid.start."""
     return f"{socket.gethostname()}:{process_token()}"

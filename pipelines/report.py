@@ -23,7 +23,8 @@ body{font-family:system-ui,sans-serif;margin:2rem;max-width:72rem;color:#1b1b1b}
 h1{margin-bottom:.2rem} h2{margin-top:2rem;border-bottom:1px solid #ccc}
 table{border-collapse:collapse;width:100%;font-size:.9rem} td,th{border:1px solid #ddd;padding:.25rem .5rem;text-align:left}
 th{background:#f3f3f3} .ok{color:#0a6b2d;font-weight:bold} .bad{color:#b00020;font-weight:bold}
-code{font-size:.8rem} .num{text-align:right;font-variant-numeric:tabular-nums}
+code{font-size:.8rem;overflow-wrap:anywhere} .num{text-align:right;font-variant-numeric:tabular-nums}
+td{overflow-wrap:anywhere}
 """
 
 
@@ -57,6 +58,56 @@ def _error_bar(margin: int, scale: float) -> str:
     return (f'<svg width="220" height="16" xmlns="http://www.w3.org/2000/svg"><line x1="{110 - half:.1f}" y1="8" '
             f'x2="{110 + half:.1f}" y2="8" stroke="#b35c00" stroke-width="2"/><line x1="110" y1="2" x2="110" y2="14" '
             f'stroke="#1b1b1b"/></svg>')
+
+
+def _bar_scales(tables: list[dict]) -> dict[str, float]:
+    """Pixels per unit of each table's error bar: one scale per kind of value (counts of units together; each
+    measured column's sums, means and counts together), so a sum's margin never flattens the counts' bars."""
+    largest: dict[str, float] = {}
+    for t in tables:
+        margin = (t.get("expected_error") or {}).get("margin_95")
+        if margin:
+            group = _bar_group(t)
+            largest[group] = max(largest.get(group, 0), margin)
+    return {group: 100 / value for group, value in largest.items() if value > 0}
+
+
+def _bar_group(table: dict) -> str:
+    measure = table.get("measure")
+    return f"{table.get('statistic')} of {measure['column']}" if measure else "counts"
+
+
+def _words(key: str) -> str:
+    return key.replace("_", " ").capitalize()
+
+
+def _plain(value) -> str:
+    """A manifest value as a reader expects it: yes/no, a dash for nothing, JSON for nested values."""
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True)
+    return str(value)
+
+
+def _record_rows(record: dict) -> str:
+    """A flat manifest block (ledger, input validation) as a two-column table of readable keys and values."""
+    return _rows(["", ""], [[escape(_words(k)), escape(_plain(v))] for k, v in record.items()])
+
+
+def _loss_rows(implied: dict, unit: str) -> str:
+    """The loss each attribute and each geography level carries (the manifest's implied_loss)."""
+    rows = []
+    for section, label in (("by_attribute", "attribute"), ("by_geography_level", "geography level")):
+        for name, loss in (implied.get(section) or {}).items():
+            amount = loss.get(unit) or {}
+            rows.append([escape(label), escape(name), escape(str(amount.get("fraction", "-"))),
+                         f"{loss['epsilon_at_delta']:.4f}" if loss.get("epsilon_at_delta") is not None else "-"])
+    if not rows:
+        return "<p>Not recorded in this manifest.</p>"
+    return _rows(["of", "name", unit, "epsilon at the release's delta"], rows, {2, 3})
 
 
 def _conforms(manifest: dict | None) -> bool:
@@ -109,8 +160,7 @@ def render(report: VerifyReport, ledger_history: list | None = None) -> str:
         return _problems_page(report)
     manifest = report.manifest
     tables = manifest.get("tables", [])
-    margins = [t["expected_error"]["margin_95"] for t in tables if (t.get("expected_error") or {}).get("margin_95")]
-    scale = 100 / max(margins) if margins and max(margins) > 0 else 1.0
+    scales = _bar_scales(tables)
     status = ('<p class="ok">Verified: every file hash, allocation, mechanism and total matches.</p>' if report.ok
               else '<p class="bad">MISMATCH:</p><ul>' + "".join(f"<li>{escape(p)}</li>" for p in report.problems) + "</ul>")
     totals = manifest.get("totals", {})
@@ -135,7 +185,7 @@ def render(report: VerifyReport, ledger_history: list | None = None) -> str:
                            f"{measured}{escape(mechanism['kind'])} {escape(mechanism['parameter'])}={escape(mechanism['value']['fraction'])}",
                            f"{t['expected_error']['std']:.3f}", f"±{t['expected_error']['margin_95']}",
                            _estimate_text(t.get("estimate")),
-                           _error_bar(t["expected_error"]["margin_95"], scale)])
+                           _error_bar(t["expected_error"]["margin_95"], scales.get(_bar_group(t), 1.0))])
     privacy = manifest.get("privacy", {})
     sections = [
         f"<h1>Release {escape(manifest.get('release_id', '?'))}</h1>",
@@ -149,8 +199,14 @@ def render(report: VerifyReport, ledger_history: list | None = None) -> str:
         f"Definition {escape(str(privacy.get('definition')))}; total {total_text}; at most "
         f"{escape(str(privacy.get('contribution_bounds', {}).get('max_records_per_unit')))} records per unit.</p>",
         "<h2>Budget split</h2>", _budget_chart(tables),
+        "<h2>Privacy loss per attribute and geography level</h2>",
+        "<p>What the release reveals about one attribute or one geography level of a unit: the composed loss of the "
+        "tables that use it.</p>",
+        _loss_rows(manifest.get("implied_loss") or {}, "epsilon" if privacy.get("definition") == "pure" else "rho"),
         "<h2>Expected error per cell</h2>",
         _rows(["table", "cells", "noise", "std dev", "95% margin", "GLS std dev", "error bar"], error_rows, {1, 3, 4, 5}),
+        "<p>Error bars: the 95% margin, drawn to one scale per kind of value (" +
+        escape(", ".join(sorted(scales))) + "), so bars compare within a kind only.</p>",
         "<p>GLS std dev: the standard deviation of a cell's generalised least-squares estimate from all count "
         "measurements together, before the nonnegative integer step (min–max over the table's cells; per cell in "
         "the table's <code>gls_variance</code> column); an upper bound where marked.</p>",
@@ -161,8 +217,7 @@ def render(report: VerifyReport, ledger_history: list | None = None) -> str:
         ("<ul>" + "".join(f"<li>{escape(i['table'])}: {escape(i['note'])}</li>" for i in manifest["invariants"]) + "</ul>")
         if manifest.get("invariants") else "<p>None.</p>",
         "<h2>Ledger</h2>",
-        _rows(list(manifest["ledger"]), [[escape(str(v)) for v in manifest["ledger"].values()]])
-        if manifest.get("ledger") else "<p>This release was not run against a ledger.</p>",
+        _record_rows(manifest["ledger"]) if manifest.get("ledger") else "<p>This release was not run against a ledger.</p>",
     ]
     if ledger_history:
         sections.append(_rows(["release", "period", "key id", "spend", "status", "reserved at"],
@@ -171,9 +226,7 @@ def render(report: VerifyReport, ledger_history: list | None = None) -> str:
                                for r in ledger_history]))
     validation = manifest.get("input_validation")
     sections += ["<h2>Input validation</h2>",
-                 _rows(list(validation), [[escape(json.dumps(v) if isinstance(v, dict) else str(v))
-                                           for v in validation.values()]])
-                 if validation else "<p>The input was not validated with an expectation suite.</p>"]
+                 _record_rows(validation) if validation else "<p>The input was not validated with an expectation suite.</p>"]
     sections += ["<h2>Files</h2>",
                  _rows(["path", "bytes", "SHA-256"], [[escape(f["path"]), f"{f['bytes']:,}", f"<code>{escape(f['sha256'])}</code>"]
                                                       for f in manifest.get("files", [])], {1})]

@@ -18,7 +18,7 @@ from dprelease.transforms.csprng import ReleaseKey
 
 from .engines.base import Engine, ProgressHook, no_progress
 from .engines.embedded import EmbeddedEngine, spill_prefix
-from .housekeeping import owner, remove_stale, terminate_as_exit
+from .housekeeping import input_copy_prefix, owner, remove_stale, terminate_as_exit
 from .keys import check_key_location, default_key_path, load_or_generate
 from .manifest import plan_fingerprint
 from .limits import check_plan_limits
@@ -28,7 +28,7 @@ from .postprocessing import estimation_path, post_process, unit_tree
 from .release import (StagedRelease, check_staged_files, check_target, finish_release, new_staging, publish,
                       replaced_prefix, stage_release, staging_prefix)
 from .source import InputSource, open_input
-from .spec import load_spec
+from .spec import ReleaseSpec, load_spec
 from .validation import (StrictValidationError, SuiteRunner, check_schema, expectations_from_spec, manifest_record,
                          write_internal_report)
 
@@ -97,12 +97,15 @@ def clean_leftovers(root: Path, release_id: str) -> None:
     removed = remove_stale(root, staging_prefix(release_id))
     removed += remove_stale(root, replaced_prefix(release_id))
     removed += remove_stale(Path(tempfile.gettempdir()), spill_prefix(release_id))
+    removed += remove_stale(Path(tempfile.gettempdir()), input_copy_prefix(release_id))
     for path in removed:
         LOG.info("removed %s, left by a run of release %s that died", path, release_id)
 
 
 def make_engine(name: str, workers: int | None, master: str | None = None, runner: str | None = None,
-                beam_options: list[str] | None = None) -> Engine:
+                beam_options: list[str] | None = None, spark_session=None) -> Engine:
+    if spark_session is not None and name != "spark":
+        raise SpecError(f"engine = {name!r}: a Spark DataFrame runs on the spark engine")
     if name != "beam" and (runner or beam_options):
         raise SpecError(f"--runner / pipeline options: only the beam engine takes them (engine is {name})")
     if name == "embedded":
@@ -112,7 +115,7 @@ def make_engine(name: str, workers: int | None, master: str | None = None, runne
     if name == "spark":
         from .engines.spark import SparkEngine
 
-        return SparkEngine(master=master)
+        return SparkEngine(master=master, session=spark_session)
     if name == "beam":
         if master:
             raise SpecError(f"--master = {master!r}: only the spark engine takes a master URL; "
@@ -185,31 +188,39 @@ def validate_only(spec_path: Path, internal_dir: Path, *, input_path: str | None
     return _value_report(plan, engine_, source, validation, created_at)[1]
 
 
-def run_release(
-    spec_path: Path, *, key_file: Path | None = None, out_dir: Path | None = None, input_path: str | None = None,
-    engine: str | None = None, workers: int | None = None, overwrite: bool = False, master: str | None = None,
-    ledger: str | Path | None = None, sign_key: Path | None = None, progress: ProgressHook = no_progress,
-    command_line: list[str] | None = None, internal_dir: Path | None = None, strict: bool = False,
-    runner: str | None = None, beam_options: list[str] | None = None, max_cells: int | None = None,
-    layout: Layout | None = None,
-) -> RunResult:
-    """Run a release end to end. Everything that can abort on public grounds (spec, cell limit, domain
-    files, the schema of every input file, the release target, the key file) is checked before the key
-    is drawn or any noise is sampled, and before the ledger reserves any budget. The ledger charge is
-    committed before the release is renamed into place: a published release is always charged.
-    SIGTERM runs every clean-up (spill, staging, reservation) before the process exits."""
-    with terminate_as_exit():
-        return _run_release(spec_path, key_file=key_file, out_dir=out_dir, input_path=input_path, engine=engine,
-                            workers=workers, overwrite=overwrite, master=master, ledger=ledger, sign_key=sign_key,
-                            progress=progress, command_line=command_line, internal_dir=internal_dir, strict=strict,
-                            runner=runner, beam_options=beam_options, max_cells=max_cells, layout=layout or Layout())
-
-
-def _run_release(spec_path: Path, *, key_file, out_dir, input_path, engine, workers, overwrite, master, ledger,
-                 sign_key, progress, command_line, internal_dir, strict, runner, beam_options, max_cells,
-                 layout) -> RunResult:
-    created_at = creation_time()
+def run_release(spec_path: Path, **options) -> RunResult:
+    """Run the release a spec file describes, end to end (see `run_release_spec` for `options`)."""
     spec, spec_dir = load_spec(spec_path)
+    return run_release_spec(spec, spec_dir, **options)
+
+
+def run_release_spec(
+    spec: ReleaseSpec, spec_dir: Path, *, key_file: Path | None = None, out_dir: Path | None = None,
+    input_path: str | None = None, engine: str | None = None, workers: int | None = None, overwrite: bool = False,
+    master: str | None = None, ledger: str | Path | None = None, sign_key: Path | None = None,
+    progress: ProgressHook = no_progress, command_line: list[str] | None = None, internal_dir: Path | None = None,
+    strict: bool = False, runner: str | None = None, beam_options: list[str] | None = None,
+    max_cells: int | None = None, layout: Layout | None = None, spark_session=None,
+) -> RunResult:
+    """Run a release end to end; relative paths of the spec start from `spec_dir`. Everything that can abort
+    on public grounds (spec, cell limit, domain files, the schema of every input file, the release target, the
+    key file) is checked before the key is drawn or any noise is sampled, and before the ledger reserves any
+    budget. The ledger charge is committed before the release is renamed into place: a published release is
+    always charged. `ledger=None` runs without one (the CLI's --no-ledger). SIGTERM runs every clean-up (spill,
+    staging, reservation) before the process exits. `spark_session`: run the spark engine on this session
+    (never stopped)."""
+    with terminate_as_exit():
+        return _run_release(spec, Path(spec_dir), key_file=key_file, out_dir=out_dir, input_path=input_path,
+                            engine=engine, workers=workers, overwrite=overwrite, master=master, ledger=ledger,
+                            sign_key=sign_key, progress=progress, command_line=command_line,
+                            internal_dir=internal_dir, strict=strict, runner=runner, beam_options=beam_options,
+                            max_cells=max_cells, layout=layout or Layout(), spark_session=spark_session)
+
+
+def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_path, engine, workers, overwrite,
+                 master, ledger, sign_key, progress, command_line, internal_dir, strict, runner, beam_options,
+                 max_cells, layout, spark_session) -> RunResult:
+    created_at = creation_time()
     plan = build_plan(spec, spec_dir)
     check_plan_limits(plan, max_cells, engine or spec.engine)
     LOG.info("planned release %s: %d tables, %d cells, %s budget", spec.release_id, len(plan.tables),
@@ -220,44 +231,47 @@ def _run_release(spec_path: Path, *, key_file, out_dir, input_path, engine, work
         raise SpecError(f"--internal-dir = {str(internal_dir)!r}: must not be inside the output directory {root} "
                         "(the validation report is confidential)")
     check_target(final_dir, overwrite)
-    engine_ = make_engine(engine or spec.engine, workers, master, runner, beam_options)
-    signer = load_private_key(sign_key) if sign_key else None
-    source = open_input(plan, spec_dir, input_path)
-    engine_.check_input_schema(source)
-    LOG.info("input: %d %s file(s); engine %s", len(source.files()), source.format, engine_.name)
-    validation = check_input_schema(plan, source, internal_dir, strict)
-    key_path = Path(key_file) if key_file else default_key_path(spec_dir, spec.release_id, created_at)
-    check_key_location(key_path, root)
-    key, reused = load_or_generate(key_path)
-    release_key, input_fingerprint = bind_release_key(key, plan, source)
-    clean_leftovers(root, spec.release_id)
-    book, reservation = _reserve(ledger, plan, key, input_fingerprint, final_dir)
-    LOG.info("key %s (%s)", key.key_id(), "reused" if reused else "new")
-    committed = False
-    lease = LeaseKeeper(book, reservation, warn=LOG.warning) if reservation else contextlib.nullcontext()
+    engine_ = make_engine(engine or spec.engine, workers, master, runner, beam_options, spark_session)
     try:
-        with lease:
-            staged = _release_and_stage(plan, engine_, source, validation, created_at, key, key_path, reused,
-                                        release_key, final_dir, progress, command_line, reservation, signer, layout)
-            try:
-                if reservation:
-                    commit(book, reservation, staged.manifest_sha256)
-                committed = True
-                publish(staged, final_dir, overwrite)
-            except BaseException as error:
-                staged.discard()
-                if committed and reservation and isinstance(error, Exception):
-                    raise PublishError(
-                        f"release {spec.release_id}: charged in the ledger but not published ({type(error).__name__}: "
-                        f"{error}); re-run it with --key-file {key_path} and the same spec and input to publish it at "
-                        "no further cost") from error
-                raise
-    except BaseException:
-        if reservation and not committed:
-            _abort_quietly(book, reservation)
-        raise
-    LOG.info("published %s", final_dir)
-    return RunResult(final_dir, key_path, reused, plan)
+        signer = load_private_key(sign_key) if sign_key else None
+        source = open_input(plan, spec_dir, input_path)
+        engine_.check_input_schema(source)
+        LOG.info("input: %d %s file(s); engine %s", len(source.files()), source.format, engine_.name)
+        validation = check_input_schema(plan, source, internal_dir, strict)
+        key_path = Path(key_file) if key_file else default_key_path(spec_dir, spec.release_id, created_at)
+        check_key_location(key_path, root)
+        key, reused = load_or_generate(key_path)
+        release_key, input_fingerprint = bind_release_key(key, plan, source)
+        clean_leftovers(root, spec.release_id)
+        book, reservation = _reserve(ledger, plan, key, input_fingerprint, final_dir)
+        LOG.info("key %s (%s)", key.key_id(), "reused" if reused else "new")
+        committed = False
+        lease = LeaseKeeper(book, reservation, warn=LOG.warning) if reservation else contextlib.nullcontext()
+        try:
+            with lease:
+                staged = _release_and_stage(plan, engine_, source, validation, created_at, key, key_path, reused,
+                                            release_key, final_dir, progress, command_line, reservation, signer, layout)
+                try:
+                    if reservation:
+                        commit(book, reservation, staged.manifest_sha256)
+                    committed = True
+                    publish(staged, final_dir, overwrite)
+                except BaseException as error:
+                    staged.discard()
+                    if committed and reservation and isinstance(error, Exception):
+                        raise PublishError(
+                            f"release {spec.release_id}: charged in the ledger but not published "
+                            f"({type(error).__name__}: {error}); re-run it with --key-file {key_path} and the same "
+                            "spec and input to publish it at no further cost") from error
+                    raise
+        except BaseException:
+            if reservation and not committed:
+                _abort_quietly(book, reservation)
+            raise
+        LOG.info("published %s", final_dir)
+        return RunResult(final_dir, key_path, reused, plan)
+    finally:
+        engine_.close()  # a session the engine started never outlives the run
 
 
 def _release_and_stage(plan: Plan, engine_: Engine, source: InputSource, validation, created_at: str, key,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -214,7 +215,42 @@ def schema_problems(path: str, schema: pa.Schema, plan: Plan) -> list[str]:
             field = f"privacy_unit {name!r}" if domain_type == "unit" else f"columns.{name}"
             problems.append(f"input file {path}: {field}: input column type is {schema.field(name).type}; "
                             f"allowed: {ALLOWED_TYPES[domain_type]}")
+        elif name in schema.names and domain_type == "categorical":
+            problems += _unmatchable_values(path, name, schema.field(name).type, spec.columns[name].values)
     return problems
+
+
+CANONICAL_INTEGER = re.compile(r"^-?(0|[1-9][0-9]*)$")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _can_match(value, integer_column: bool) -> bool:
+    """Whether a spec value can equal the text of some value of a numeric column (integers are read as their
+    canonical text: 1, never 01 or 1.0)."""
+    if isinstance(value, int):
+        return True
+    return bool(CANONICAL_INTEGER.match(str(value))) if integer_column else _is_number(str(value))
+
+
+def _unmatchable_values(path: str, name: str, kind: pa.DataType, values: list) -> list[str]:
+    """A numeric input column under a categorical whose values are all text that is no number: no record can
+    match any value (every one would fall in `(other)`), decided from the schema and the spec alone (public)."""
+    value = value_type(kind)
+    if not (pa.types.is_integer(value) or pa.types.is_floating(value)):
+        return []
+    if any(_can_match(v, pa.types.is_integer(value)) for v in values):
+        return []
+    shown = [str(v) for v in values[:5]] + (["..."] if len(values) > 5 else [])
+    return [f"input file {path}: columns.{name}: input column type is {kind}, but none of the spec's values "
+            f"{shown} is a number as the column writes it, so no record could match one (every record would be (other)); write the "
+            "values as the data codes them (for example [0, 1]) or recode the column"]
 
 
 def check_every_file(files: list[str], fmt: str, plan: Plan, columns: list[str]) -> dict[str, pa.Schema]:

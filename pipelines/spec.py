@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
 from dprelease.accounting.errors import SpecError
 from dprelease.accounting.periods import parse_period
@@ -82,6 +82,19 @@ def _delta(value: Any) -> float:
     return number
 
 
+RATIONAL_PATTERN = r"^\s*[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?(\s*/\s*[0-9]+)?\s*$"
+Rational = Annotated[str, WithJsonSchema({
+    "anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string", "pattern": RATIONAL_PATTERN}],
+    "description": "A positive number, or an exact fraction as text ('1/3', '0.1').",
+})]
+"""An exact rational, stored as its text; written in a spec as a number or a string (the JSON Schema says both)."""
+Delta = Annotated[float, WithJsonSchema({
+    "anyOf": [{"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+              {"type": "string", "pattern": r"^\s*[0-9.]+([eE]-?[0-9]+)?\s*$"}],
+    "description": "A number in [1e-100, 1); YAML reads 1e-10 as text, which is accepted.",
+})]
+
+
 class InputSpec(Frozen):
     path: str = Field(description="Required. A Parquet or CSV file, or a directory of them (relative to the spec file).")
     format: Literal["parquet", "csv"] | None = Field(
@@ -91,7 +104,7 @@ class InputSpec(Frozen):
 
 class PureBudget(Frozen):
     definition: Literal["pure"] = Field(description="Required. Pure epsilon-DP; counts get discrete Laplace noise.")
-    epsilon: str = Field(description="Required. Total epsilon in (0, 1e6], a number or an exact fraction 'p/q'.")
+    epsilon: Rational = Field(description="Required. Total epsilon in (0, 1e6], a number or an exact fraction 'p/q'.")
 
     _check_epsilon = field_validator("epsilon", mode="before")(_budget_amount)
 
@@ -100,8 +113,8 @@ class ApproxBudget(Frozen):
     definition: Literal["approx"] = Field(
         description="Required. Approximate (epsilon, delta)-DP, met through zCDP and discrete Gaussian noise."
     )
-    epsilon: str = Field(description="Required. Total epsilon in (0, 1e6].")
-    delta: float = Field(description="Required. Total delta in [1e-100, 1).")
+    epsilon: Rational = Field(description="Required. Total epsilon in (0, 1e6].")
+    delta: Delta = Field(description="Required. Total delta in [1e-100, 1).")
 
     _check_epsilon = field_validator("epsilon", mode="before")(_budget_amount)
     _check_delta = field_validator("delta", mode="before")(_delta)
@@ -109,8 +122,8 @@ class ApproxBudget(Frozen):
 
 class ZcdpBudget(Frozen):
     definition: Literal["zcdp"] = Field(description="Required. rho-zCDP; counts get discrete Gaussian noise.")
-    rho: str = Field(description="Required. Total rho in (0, 1e6].")
-    delta: float = Field(1e-10, description="Defaulted (1e-10). The delta in [1e-100, 1) at which the implied "
+    rho: Rational = Field(description="Required. Total rho in (0, 1e6].")
+    delta: Delta = Field(1e-10, description="Defaulted (1e-10). The delta in [1e-100, 1) at which the implied "
                                             "epsilon is reported.")
 
     _check_rho = field_validator("rho", mode="before")(_budget_amount)
@@ -202,7 +215,7 @@ class QueryBase(Frozen):
     """Fields every query has: its name and its budget weight."""
 
     name: str = Field(pattern=NAME, description="Required. Unique query name (letters, digits, _ and -).")
-    weight: str = Field("1", description="Defaulted (1). Share of the budget relative to the other queries.")
+    weight: Rational = Field("1", description="Defaulted (1). Share of the budget relative to the other queries.")
 
     _check_weight = field_validator("weight", mode="before")(lambda v: _positive_rational(v, "weight"))
 
@@ -236,7 +249,7 @@ class MeanQuery(QueryBase):
     kind: Literal["mean"]
     column: str = Field(description="Required. An integer column with `clamp`: the measure averaged per cell.")
     by: list[str] = Field(default_factory=list, description="Defaulted ([]). Columns or geo levels.")
-    count_share: str = Field(
+    count_share: Rational = Field(
         "1/3", description="Defaulted (1/3). Share of the query's budget for the noisy count of records with a valid "
                            "measure (tables NAME.sum and NAME.count); the rest measures the sum. The mean is "
                            "their ratio, clamped to [lo, hi] (post-processing).")
@@ -258,7 +271,7 @@ class QuantileQuery(QueryBase):
     kind: Literal["quantile"]
     column: str = Field(description="Required. An integer column with `clamp`: the measure ranked per cell.")
     by: list[str] = Field(default_factory=list, description="Defaulted ([]). Columns or geo levels.")
-    q: list[str] = Field(min_length=1, max_length=20,
+    q: list[Rational] = Field(min_length=1, max_length=20,
                          description="Required. Quantiles in (0, 1), e.g. [0.5] or [0.25, 0.5, 0.75] (denominators "
                                      f"up to {MAX_QUANTILE_DENOMINATOR}); the budget is split equally among them.")
     candidates: list[int] | None = Field(

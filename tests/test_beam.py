@@ -156,6 +156,112 @@ def test_ptransforms_compose_in_a_users_own_pipeline(demo, tmp_path):
         assert_that(noisy, matches)
 
 
+def test_bound_contributions_without_a_privacy_unit(case, tmp_path):
+    """privacy_unit: null: every record is its own unit; BoundContributions passes the records through (it once
+    failed with KeyError '__unit__'), and the pipeline's noisy counts equal the embedded engine's."""
+    from apache_beam.testing.util import assert_that
+
+    from dprelease.pipelines.run import bind_release_key
+    from dprelease.pipelines.source import open_input
+    from dprelease.transforms.beam import AddNoise, BoundContributions, EncodeRecords, Histogram, ReadInputBatches
+    from dprelease.transforms.csprng import ReleaseKey
+
+    spec_path = case(privacy_unit=None)
+    released = run_release(spec_path, key_file=tmp_path / "k.key")
+    spec, base = load_spec(spec_path)
+    plan = build_plan(spec, base)
+    key, _ = bind_release_key(ReleaseKey.load(tmp_path / "k.key"), plan, open_input(plan, base))
+    expected = pq.read_table(released.release_dir / "measurements" / "by_sex.parquet").column("noisy_count").to_numpy()
+    with pytest.raises(ValueError, match="k must be 1"):
+        BoundContributions(2, b"k" * 32, {"sex": 3}, unit=False)
+
+    def matches(results):
+        (name, start, values), = results
+        assert name == "by_sex" and start == 0 and np.array_equal(values, expected)
+
+    with beam.Pipeline(options=pipeline_options(None, ["--direct_running_mode=in_memory"])) as pipeline:
+        noisy = (pipeline | beam.Create([str(base / "input.parquet")])
+                 | ReadInputBatches(plan.used_columns())
+                 | EncodeRecords.from_plan(plan)
+                 | BoundContributions.from_plan(plan, key)
+                 | Histogram(plan, "by_sex")
+                 | AddNoise.from_plan(plan, key, names=["by_sex"]))
+        assert_that(noisy, matches)
+
+
+def test_published_tables_composite_equals_the_launchers_release(case, tmp_path):
+    """`PublishedTables`: records in (dicts here, Arrow alike), every post-processed table out; bound to the same
+    input fingerprint, its tables equal the published files of `dprelease run` (counts with gls_variance, a
+    sum, a mean); with a fresh key (the default) they are another draw of the same release."""
+    from apache_beam.testing.util import assert_that
+
+    from dprelease.pipelines.api import Release
+    from dprelease.pipelines.run import bind_release_key
+    from dprelease.pipelines.source import open_input
+    from dprelease.transforms.beam_release import PublishedTables
+    from dprelease.transforms.csprng import ReleaseKey
+
+    from .test_api import persons, spec_with_means
+    from .conftest import write_case
+
+    frame = persons(300)
+    spec_path = write_case(tmp_path / "case", spec_with_means(), rows={c: frame[c].tolist() for c in frame.columns})
+    released = run_release(spec_path, key_file=tmp_path / "k.key")
+    release = Release.from_yaml(spec_path)
+    plan = release.build_plan()
+    _, fingerprint = bind_release_key(ReleaseKey.load(tmp_path / "k.key"), plan,
+                                      open_input(plan, spec_path.parent))
+    names = [t.name for t in plan.tables] + [m.name for m in plan.means]
+    expected = {name: pq.read_table(released.release_dir / "tables" / f"{name}.parquet") for name in names}
+
+    def equal_to_the_files(results):
+        assert sorted(name for name, _ in results) == sorted(names)
+        for name, table in results:
+            assert table.equals(expected[name]), name
+
+    def a_full_release(results):
+        assert sorted(name for name, _ in results) == sorted(names)
+
+    records = frame.to_dict("records")
+    records[0] = {k: v for k, v in records[0].items() if k != "income"}  # a missing field is null, not an error
+    records[1]["age"] = "SECRET-AGE"  # a value Arrow cannot type with the others is invalid, never an error
+    def keep(element, label):
+        name, table = element
+        (tmp_path / label).mkdir(exist_ok=True)
+        pq.write_table(table, tmp_path / label / f"{name}.parquet")
+
+    with beam.Pipeline(options=pipeline_options(None, ["--direct_running_mode=in_memory"])) as pipeline:
+        rows = pipeline | "Clean" >> beam.Create(frame.to_dict("records"))
+        same = rows | "Bound" >> PublishedTables(plan, ReleaseKey.load(tmp_path / "k.key"), input_fingerprint=fingerprint)
+        assert_that(same, equal_to_the_files, label="SameKey")
+        once = PublishedTables.from_spec(release)  # one instance applied twice: a fresh key each time
+        for label in ("First", "Second"):
+            out = pipeline | f"{label}Rows" >> beam.Create(records) | label >> once
+            assert_that(out, a_full_release, label=f"{label}Full")
+            out | f"{label}Keep" >> beam.Map(keep, label)
+    first, second = ({name: pq.read_table(tmp_path / label / f"{name}.parquet") for name in names}
+                     for label in ("First", "Second"))
+    assert any(not first[name].equals(second[name]) for name in names)  # independent noise, not the same draw
+    with pytest.raises(SpecError, match="cells"):
+        PublishedTables(plan, max_cells=10)
+    with pytest.raises(ValueError, match="input_fingerprint"):
+        PublishedTables(plan, ReleaseKey.load(tmp_path / "k.key"))
+
+
+def test_the_documented_beam_example_runs(case, tmp_path):
+    """examples/beam_release.py (deploy/beam/README.md) publishes every table of the spec."""
+    from .conftest import REPO
+
+    spec_path = case(privacy_unit=None)
+    done = subprocess.run([sys.executable, str(REPO / "examples" / "beam_release.py"), str(spec_path),
+                           str(spec_path.parent / "input.parquet"), str(tmp_path / "tables")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    written = sorted(p.stem for p in (tmp_path / "tables").glob("*.parquet"))
+    assert "pop.tract" in written and "by_sex" in written
+    assert pq.read_table(tmp_path / "tables" / "pop.nation.parquet").column("count")[0].as_py() >= 0
+
+
 def test_runner_options_are_built_and_checked():
     from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 

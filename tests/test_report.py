@@ -36,6 +36,36 @@ def test_report_holds_what_an_auditor_needs(released):
     assert "Verified" in html
 
 
+def test_error_bars_compare_within_a_kind_and_losses_per_attribute_are_shown(tmp_path):
+    """A sum's huge margin no longer flattens the count tables' bars (one scale per kind of value); the loss per
+    attribute and geography level is on the page; the ledger block reads as words, not Python reprs."""
+    import re
+
+    from .conftest import write_case
+    from .test_api import persons, spec_with_means
+
+    frame = persons(300)
+    spec = write_case(tmp_path / "case", spec_with_means(), rows={c: frame[c].tolist() for c in frame.columns})
+    ledger = tmp_path / "ledger.sqlite"
+    subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", "ledger", "set-budget", "test-data",
+                    "--epsilon", "5", "--ledger", str(ledger)], check=True, capture_output=True)
+    released = run_release(spec, key_file=tmp_path / "k.key", ledger=str(ledger)).release_dir
+    html = write_report(released)[0].read_text()
+    widths = {}
+    for row in re.findall(r"<tr>(.*?)</tr>", html):
+        name = re.search(r"<td[^>]*>([^<]+)</td>", row)
+        line = re.search(r'<line x1="([0-9.]+)" y1="8" x2="([0-9.]+)"', row)
+        if name and line:
+            widths[name.group(1)] = float(line.group(2)) - float(line.group(1))
+    assert widths["pop.tract"] > 100 and widths["income_total"] > 100  # each kind's largest fills its bar
+    assert "Privacy loss per attribute and geography level" in html
+    assert re.search(r"geography level</td><td[^>]*>geo.county</td>", html)
+    ledger_block = html.split("<h2>Ledger</h2>")[1].split("<h2>")[0]
+    text = re.sub(r"<[^>]+>", " ", ledger_block)
+    assert "Lifetime budget" in text and "Rerun of committed release" in text and " no " in text
+    assert "None" not in text and "False" not in text and "lifetime_budget" not in text
+
+
 def test_report_shows_mismatches_and_exits_1(released):
     (released / "tables" / "pop.state.csv").write_text("tampered\n")
     result = subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", "report", str(released)],

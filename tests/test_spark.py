@@ -177,3 +177,36 @@ def test_column_types_spark_cannot_read_are_refused_before_any_reservation(case,
     with pytest.raises(InputSchemaError, match="b.parquet: column 'pid' is int32, the first file's is int64"):
         run_release(spec, engine="spark", ledger=book, key_file=tmp_path / "k.key", out_dir=tmp_path / "o")
     assert history(open_ledger(book), "test-data")[1] == [] and not (tmp_path / "k.key").exists()
+
+
+def test_python_api_runs_on_the_callers_session_and_leaves_it_running(demo, tmp_path):
+    """`Release.run(spark_dataframe)`: the spark engine on the caller's session (input validation included), which
+    is neither stopped nor left with the engine's settings."""
+    import dprelease
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master("local[2]").appName("a user's notebook")
+             .config("spark.sql.execution.arrow.maxRecordsPerBatch", "1000").getOrCreate())
+    try:
+        frame = spark.read.parquet(str(demo["data"]))
+        release = dprelease.Release.from_yaml(DEMO_SPEC)
+        with pytest.raises(dprelease.SpecError, match="a Spark DataFrame runs on the spark engine"):
+            release.run(frame, engine="embedded", ledger=None, out_dir=tmp_path)
+        with pytest.raises(dprelease.SpecError, match="spark_staging"):  # never inside the output directory
+            release.run(frame, ledger=None, out_dir=tmp_path, spark_staging=tmp_path / "staging")
+        (tmp_path.parent / "staging").mkdir(exist_ok=True)
+        result = release.run(frame, ledger=None, out_dir=tmp_path, spark_staging=tmp_path.parent / "staging",
+                             key_file=demo["root"] / "api.key", internal_dir=tmp_path.parent / "internal")
+        assert result.manifest["engine"] == "spark"
+        assert result.verify().ok
+        nation = result.table("population.nation")
+        assert abs(int(nation["count"].iloc[0]) - ROWS) < 0.01 * ROWS
+        assert spark.range(5).count() == 5  # still running
+        assert spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch") == "1000"
+        assert [p.name for p in tmp_path.iterdir()] == ["demo-2026"]
+        assert list((tmp_path.parent / "staging").iterdir()) == []  # the staged input copy is gone
+        with pytest.raises(SpecError, match="already runs a Spark session"):
+            run_release(DEMO_SPEC, input_path=str(demo["data"]), out_dir=tmp_path / "other", engine="spark",
+                        master="local[1]")
+    finally:
+        spark.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -12,6 +13,8 @@ from dprelease.accounting.errors import SpecError
 from dprelease.pipelines.spec import json_schema, parse_spec
 
 from .conftest import small_spec
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def errors_of(document) -> list[str]:
@@ -131,6 +134,33 @@ def test_schema_is_json_schema():
     schema = json_schema()
     assert schema["type"] == "object"
     assert "budget" in schema["properties"]
+
+
+SHIPPED_SPECS = sorted([*(REPO / "examples").glob("*/*.yaml"), *(REPO / "benchmarks").glob("*.yaml")])
+
+
+@pytest.mark.parametrize("path", SHIPPED_SPECS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_shipped_spec_is_valid_under_the_json_schema(path):
+    """What editors check against (`dprelease schema`) accepts what the parser accepts: budgets and weights
+    as numbers or fraction text, a delta YAML reads as text (1e-10), defaulted lists left out."""
+    from jsonschema import Draft202012Validator
+    from dprelease.pipelines.spec import SpecLoader
+
+    text = path.read_text().replace("{{MONTH}}", "2026-11")  # the scheduler's template, as it renders it
+    document = yaml.load(text, Loader=SpecLoader)
+    parse_spec(document)
+    errors = [f"{list(e.path)}: {e.message}" for e in Draft202012Validator(json_schema()).iter_errors(document)]
+    assert errors == []
+
+
+@pytest.mark.parametrize("budget", [{"definition": "pure", "epsilon": -1}, {"definition": "pure", "epsilon": "a lot"},
+                                    {"definition": "zcdp", "rho": 1, "delta": 2}])
+def test_the_json_schema_still_rejects_bad_budgets(budget):
+    from jsonschema import Draft202012Validator
+
+    document = small_spec(budget=budget)
+    assert list(Draft202012Validator(json_schema()).iter_errors(document))
+    assert errors_of(document)
 
 
 def test_cli_exit_code_2_on_bad_spec(tmp_path):

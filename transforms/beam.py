@@ -88,6 +88,9 @@ class EncodeRecords(beam.PTransform):
 def _split_by_shard(table: pa.Table, shards: int, salt: int) -> Iterable[tuple[int, pa.Table]]:
     """(shard, rows of that shard), the shard a keyed hash of the unit (`unit_shards`).
     Each part is a compact copy (a slice would pickle its parent's whole buffers)."""
+    if UNIT not in table.column_names:
+        raise ValueError("BoundContributions: the encoded records carry no privacy unit (privacy_unit: null); "
+                         "build it with unit=False, or with BoundContributions.from_plan")
     shard = unit_shards(table.column(UNIT), shards, salt)
     order = np.argsort(shard, kind="stable")
     bounds = np.searchsorted(shard[order], np.arange(shards + 1))
@@ -111,18 +114,27 @@ class BoundContributions(beam.PTransform):
     Shards by a keyed hash of the unit (GroupByKey), so every unit's records meet in one shard; the k
     kept records are chosen by the keyed PRF of the bounding kernel, independent of the sharding."""
 
-    def __init__(self, k: int, subkey: bytes, sizes: dict[str, int], shards: int = 16, salt: int = 0):
+    def __init__(self, k: int, subkey: bytes, sizes: dict[str, int], shards: int = 16, salt: int = 0,
+                 unit: bool = True):
+        """`unit=False` (a spec with `privacy_unit: null`): every record is its own unit, k must be 1, and the
+        records pass unchanged (there is nothing to bound)."""
         super().__init__()
-        self.k, self.subkey, self.shards, self.salt = k, subkey, shards, salt
+        if not unit and k != 1:
+            raise ValueError(f"BoundContributions: k = {k} without a privacy unit; each record is its own unit, "
+                             "so k must be 1")
+        self.k, self.subkey, self.shards, self.salt, self.unit = k, subkey, shards, salt, unit
         self.columns = sorted(sizes)
         self.sizes = [sizes[c] for c in self.columns]
 
     @classmethod
     def from_plan(cls, plan, key: ReleaseKey, shards: int = 16) -> "BoundContributions":
         sizes = {c: plan.domains[c].size for c in plan.encoded_columns()}
-        return cls(plan.bounds.max_records_per_unit, key.derive("dprelease/bound"), sizes, shards, shard_salt(key))
+        return cls(plan.bounds.max_records_per_unit, key.derive("dprelease/bound"), sizes, shards, shard_salt(key),
+                   unit=plan.spec.privacy_unit is not None)
 
     def expand(self, encoded):
+        if not self.unit:
+            return encoded
         shards, columns, sizes, k, subkey = self.shards, self.columns, self.sizes, self.k, self.subkey
         return (encoded
                 | "ShardByUnit" >> beam.FlatMap(_split_by_shard, shards, self.salt).with_output_types(tuple[int, Any])

@@ -56,6 +56,9 @@ class Engine(ABC):
         counts, then post-processing of the noisy values only."""
         raise NotImplementedError(f"the {self.name} engine post-processes on the driver")
 
+    def close(self) -> None:
+        """Release what the engine started for this run (a run calls it once, whatever the outcome)."""
+
     def check_input_schema(self, source: InputSource) -> None:
         """Refuse (InputSchemaError, exit 2) input column types this engine cannot read; called before any
         budget is reserved. Privacy: looks at file schemas only (public), never at values."""

@@ -197,6 +197,33 @@ def _shuffle_partitions(spark, groups: int) -> int:
     return max(1, min(groups, 4 * spark.sparkContext.defaultParallelism))
 
 
+ARROW_SETTINGS = {"spark.sql.execution.arrow.pyspark.enabled": "true",
+                  "spark.sql.execution.arrow.maxRecordsPerBatch": str(ARROW_BATCH_ROWS)}
+"""Session settings the jobs need (runtime SQL settings: set on a caller's session for the job, then restored)."""
+
+
+def _set_arrow_settings(spark) -> dict[str, str | None]:
+    """Set ARROW_SETTINGS on a session; returns the values they replace (None: unset)."""
+    previous = {name: spark.conf.get(name, None) for name in ARROW_SETTINGS}
+    for name, value in ARROW_SETTINGS.items():
+        spark.conf.set(name, value)
+    return previous
+
+
+@contextlib.contextmanager
+def _arrow_settings(spark):
+    """ARROW_SETTINGS for one job; the session's own values are put back afterwards."""
+    previous = _set_arrow_settings(spark)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                spark.conf.unset(name)
+            else:
+                spark.conf.set(name, value)
+
+
 def _stage_partitions(groups: int) -> int:
     """Partitions of a post-processing stage: one per group (a group is up to `--group-work` cells, so a
     task sorts and holds one group's rows, whatever the release's size)."""
@@ -210,21 +237,39 @@ class SparkEngine(Engine):
     name = "spark"
     writes_parts = True
 
-    def __init__(self, master: str | None = None, app_name: str = "dprelease"):
+    def __init__(self, master: str | None = None, app_name: str = "dprelease", session=None):
+        """`session`: a caller's SparkSession to run on (the Python API's); it is never stopped. Without one,
+        the engine runs on the active session if there is one (never stopped either), else starts its own
+        and stops it after each job."""
         _import_pyspark()  # a missing extra is a public spec error, before any key is drawn or budget reserved
+        if session is not None and master:
+            raise SpecError(f"--master = {master!r}: the release runs on the given Spark session; its master is "
+                            "the session's")
         self.master = master
         self.app_name = app_name
+        self.given_session = session
+        self.started_session = None
+        """The session this engine started (stopped after each job), if any."""
 
     def session(self):
+        if self.given_session is not None:
+            return self.given_session
+        if self.started_session is not None:
+            return self.started_session
         SparkSession = _import_pyspark()
+        active = SparkSession.getActiveSession()
+        if active is not None:
+            if self.master and active.sparkContext.master != self.master:
+                raise SpecError(f"--master = {self.master!r}: this process already runs a Spark session on "
+                                f"{active.sparkContext.master!r} (one per process); pass no master to run on it")
+            return active
         builder = SparkSession.builder.appName(self.app_name)
         if self.master:
             builder = builder.master(self.master)
         elif "PYSPARK_GATEWAY_PORT" not in os.environ:  # not under spark-submit, which sets the master
             builder = builder.master("local[*]")
-        return (builder.config("spark.sql.execution.arrow.pyspark.enabled", "true")
-                .config("spark.sql.execution.arrow.maxRecordsPerBatch", str(ARROW_BATCH_ROWS))
-                .getOrCreate())
+        self.started_session = builder.getOrCreate()
+        return self.started_session
 
     def check_input_schema(self, source: InputSource) -> None:
         """Spark reads every Parquet file with one schema (the dataset's), converted to Spark types: a
@@ -273,19 +318,32 @@ class SparkEngine(Engine):
 
         from ..validation import ValidationOutcome
 
-        frame = self._read(self.session(), source)
-        for name in plan.used_columns():
-            if isinstance(plan.domains[name], IntegerDomain):
-                number = F.expr(f"try_cast(`{name}` as double)")
-                frame = frame.withColumn(name, F.when(number == F.floor(number), number))
-            else:
-                frame = frame.withColumn(name, F.col(name).cast("string"))
-        outcome = ValidationOutcome(runner.expectations)
+        spark = self.session()
         try:
-            outcome.add(runner.validate(frame, "value"))
+            with _arrow_settings(spark):
+                frame = self._read(spark, source)
+                for name in plan.used_columns():
+                    if isinstance(plan.domains[name], IntegerDomain):
+                        number = F.expr(f"try_cast(`{name}` as double)")
+                        frame = frame.withColumn(name, F.when(number == F.floor(number), number))
+                    else:
+                        frame = frame.withColumn(name, F.col(name).cast("string"))
+                outcome = ValidationOutcome(runner.expectations)
+                outcome.add(runner.validate(frame, "value"))
         except Exception as error:
+            self._stop_started(spark)  # the release job will not follow
             raise DPReleaseError(f"input validation on Spark failed: {type(error).__name__}") from error
         return outcome
+
+    def close(self) -> None:
+        if self.started_session is not None:
+            self._stop_started(self.started_session)
+
+    def _stop_started(self, spark) -> None:
+        """Stop `spark` if this engine started it (a caller's or an already active session is never stopped)."""
+        if spark is self.started_session:
+            spark.stop()
+            self.started_session = None
 
     def noisy_measurements(self, plan: Plan, source: InputSource, key: ReleaseKey,
                            progress: ProgressHook = no_progress) -> dict[str, np.ndarray]:
@@ -304,13 +362,14 @@ class SparkEngine(Engine):
         (Spark wraps executor errors, whose text could quote data)."""
         spark = self.session()
         try:
-            yield spark
+            with _arrow_settings(spark):
+                yield spark
         except Exception as error:
             if isinstance(error, DPReleaseError):
                 raise
             raise DPReleaseError(f"the Spark job failed: {type(error).__name__}") from error
         finally:
-            spark.stop()
+            self._stop_started(spark)
 
     def _ranged_counts(self, spark, plan: Plan, source: InputSource, key: ReleaseKey, steps: list[int]):
         """The input read, bounded and counted in executors, grouped by (table, noise range) with a marker

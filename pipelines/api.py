@@ -1,0 +1,324 @@
+"""The Python API: `dprelease.Release` (a spec, its plan and its runs) and `ReleaseResult` (a published release).
+
+The same checks, messages, ledger and exit-code classes as the CLI (every error is a `DPReleaseError`; its
+`exit_code` is the CLI's). The ledger is on by default, exactly as in `dprelease run`: pass `ledger=None` to run
+without one. Data held in memory (pandas, Polars, a pyarrow Table or Dataset) is written once to a private
+temporary Parquet file (mode 0700 directory, removed after the run) and read from there like any input, so the
+key is bound to its bytes and every path of the release is the file path's; a Spark DataFrame runs on the spark
+engine in the caller's session (never stopped), written by the executors to `spark_staging` first.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from dprelease.accounting.errors import DPReleaseError, SpecError
+
+from .engines.base import ProgressHook, no_progress
+from .housekeeping import input_copy_prefix, terminate_as_exit
+from .layout import Layout
+from .plan import Plan, build_plan
+from .run import RunResult, run_release_spec
+from .spec import ReleaseSpec, load_spec, parse_spec
+
+DEFAULT_LEDGER = "default"
+"""`ledger=` value meaning the CLI's default: $DPRELEASE_LEDGER, else ledger.sqlite in the user data directory."""
+
+
+def _ledger_location(ledger: str | Path | None) -> str | Path | None:
+    if ledger is None:
+        return None
+    if isinstance(ledger, str) and ledger == DEFAULT_LEDGER:
+        from dprelease.accounting.ledger import default_ledger_location
+
+        return os.environ.get("DPRELEASE_LEDGER") or default_ledger_location()
+    return ledger
+
+
+class Release:
+    """A release spec, ready to plan and run. Build one with `from_yaml`, `from_dict` or `from_spec`."""
+
+    def __init__(self, spec: ReleaseSpec, base_dir: str | Path = "."):
+        """`base_dir`: where the spec's relative paths (input, domain files, output) start."""
+        if not isinstance(spec, ReleaseSpec):
+            raise SpecError(f"spec: a ReleaseSpec (use Release.from_yaml or Release.from_dict), got "
+                            f"{type(spec).__name__}")
+        self.spec = spec
+        self.base_dir = Path(base_dir).resolve()
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "Release":
+        """The spec in a YAML file; its relative paths start from the file's directory."""
+        spec, base = load_spec(path)
+        return cls(spec, base)
+
+    @classmethod
+    def from_dict(cls, document: Mapping[str, Any], base_dir: str | Path = ".") -> "Release":
+        """A spec as a mapping (what the YAML file would hold), validated like a file (SpecError, exit code 2)."""
+        if not isinstance(document, Mapping):
+            raise SpecError(f"spec: a mapping of the spec's fields, got {type(document).__name__}")
+        return cls(parse_spec(dict(document)), base_dir)
+
+    @classmethod
+    def from_spec(cls, spec: ReleaseSpec, base_dir: str | Path = ".") -> "Release":
+        return cls(spec, base_dir)
+
+    @property
+    def release_id(self) -> str:
+        return self.spec.release_id
+
+    def build_plan(self) -> Plan:
+        """The plan (reads the domain files, never the data)."""
+        return build_plan(self.spec, self.base_dir)
+
+    def plan(self):
+        """Per table: cells, sensitivity, budget, mechanism, noise std, 95% margin and the largest GLS std of the
+        count tables, as a pandas DataFrame (as `dprelease plan --json`; reads no data)."""
+        import pandas as pd
+
+        from .plan_table import PLAN_COLUMNS, plan_records
+        from .postprocessing import estimate_variances
+
+        plan = self.build_plan()
+        records = plan_records(plan, estimate_variances(plan))
+        return pd.DataFrame.from_records(records, columns=[*PLAN_COLUMNS, "quantiles"])
+
+    def run(self, data: Any = None, *, ledger: str | Path | None = DEFAULT_LEDGER, out_dir: str | Path | None = None,
+            key_file: str | Path | None = None, engine: str | None = None, workers: int | None = None,
+            overwrite: bool = False, internal_dir: str | Path | None = None, strict: bool = False,
+            sign_key: str | Path | None = None, max_cells: int | None = None, layout: Layout | None = None,
+            spark_staging: str | Path | None = None, progress: ProgressHook = no_progress) -> "ReleaseResult":
+        """Run the release and publish it; returns the published release.
+
+        `data`: None (the spec's input.path), a path, a pandas or Polars DataFrame, a pyarrow Table or Dataset,
+        or a Spark DataFrame (then the spark engine runs on its session). `ledger`: a SQLite file or SQLAlchemy
+        URL, the default ledger (as the CLI), or None for no budget accounting. Every other option is the CLI's.
+        """
+        options = dict(ledger=_ledger_location(ledger), out_dir=_path(out_dir), key_file=_path(key_file),
+                       engine=engine, workers=workers, overwrite=overwrite, internal_dir=_path(internal_dir),
+                       strict=strict, sign_key=_path(sign_key), max_cells=max_cells, layout=layout, progress=progress,
+                       command_line=["python:dprelease.Release.run", self.release_id])
+        if out_dir is None:
+            options["out_dir"] = self.base_dir / self.spec.output.dir
+        with terminate_as_exit(), public_errors(options["internal_dir"]), \
+                _input_of(data, engine, spark_staging, self.release_id, options["out_dir"]) as (input_path, session):
+            if session is not None:
+                options.update(engine="spark", spark_session=session)
+            result = run_release_spec(self.spec, self.base_dir, input_path=input_path, **options)
+        return ReleaseResult.open(result.release_dir, run=result)
+
+
+@contextlib.contextmanager
+def public_errors(internal_dir: Path | None):
+    """Around work that reads confidential data (as the CLI's run): a DPReleaseError passes with its public
+    message and without its cause (an engine's error text can quote values); any other exception becomes a
+    DPReleaseError naming only its type, its traceback written to a 0600 file in `internal_dir` when given."""
+    try:
+        yield
+    except DPReleaseError as error:
+        error.__cause__, error.__suppress_context__ = None, True
+        raise error
+    except Exception as error:  # noqa: BLE001 - nothing unvetted reaches the caller
+        where = _write_failure(internal_dir, error) if internal_dir else None
+        detail = f"details in {where}" if where else "pass internal_dir= to keep the details (confidential)"
+        raise DPReleaseError(f"the run failed ({type(error).__name__}); its message may quote confidential values "
+                             f"and is not shown; {detail}") from None
+
+
+def _write_failure(internal_dir: Path, error: BaseException) -> Path | None:
+    import traceback
+
+    try:
+        internal_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = internal_dir / f"failure-api-run-{os.getpid()}.txt"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write("".join(traceback.format_exception(error)))
+        return path
+    except OSError:
+        return None
+
+
+def _path(value: str | Path | None) -> Path | None:
+    return None if value is None else Path(value)
+
+
+class _input_of:
+    """The input path a run reads for `data` (and the Spark session to run on); a private temporary copy of data
+    held in memory, removed on exit."""
+
+    def __init__(self, data: Any, engine: str | None, spark_staging: str | Path | None, release_id: str,
+                 out_dir: Path):
+        self.data, self.engine, self.spark_staging = data, engine, spark_staging
+        self.release_id, self.out_dir = release_id, Path(out_dir)
+        self.temporary: Path | None = None
+
+    def __enter__(self) -> tuple[str | None, Any]:
+        try:
+            return self._stage()
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def _stage(self) -> tuple[str | None, Any]:
+        data = self.data
+        if data is None or isinstance(data, (str, Path)):
+            return (None if data is None else str(data)), None
+        if _is_spark_frame(data):
+            if self.engine not in (None, "spark"):
+                raise SpecError(f"engine = {self.engine!r}: a Spark DataFrame runs on the spark engine")
+            self._check_spark_staging(data.sparkSession)
+            target = self._directory(self.spark_staging) / "input"
+            data.write.parquet(str(target))
+            return str(target), data.sparkSession
+        table = _arrow_of(data)
+        target = self._directory(None) / "input.parquet" if isinstance(table, pa.Table) else None
+        if isinstance(table, pa.Table):
+            pq.write_table(table, target)
+        else:
+            target = self._directory(None) / "input"
+            ds.write_dataset(table, target, format="parquet")
+        return str(target), None
+
+    def _check_spark_staging(self, session) -> None:
+        """The executors write the frame under `spark_staging`, which the driver then lists: on a cluster it must
+        be storage they share (asked for, never guessed), and never inside the output directory (published)."""
+        if self.spark_staging is None:
+            if not session.sparkContext.master.startswith("local"):
+                raise SpecError(f"spark_staging: needed on a cluster (master {session.sparkContext.master!r}): a "
+                                "directory every executor and the driver share, outside the output directory")
+            return
+        staging = Path(self.spark_staging).resolve()
+        if staging.is_relative_to(self.out_dir.resolve()):
+            raise SpecError(f"spark_staging = {str(self.spark_staging)!r}: must not be inside the output directory "
+                            f"{self.out_dir} (the input copy is confidential)")
+
+    def _directory(self, parent: str | Path | None) -> Path:
+        """A private (0700) directory for the copy, named so a later run removes it if this process dies."""
+        from .housekeeping import leftover_tag
+
+        prefix = input_copy_prefix(self.release_id) + leftover_tag()
+        self.temporary = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        return self.temporary
+
+    def __exit__(self, *exc) -> None:
+        if self.temporary is not None:
+            shutil.rmtree(self.temporary, ignore_errors=True)
+
+
+def _is_spark_frame(data: Any) -> bool:
+    return type(data).__module__.startswith("pyspark.") and hasattr(data, "sparkSession")
+
+
+def _arrow_of(data: Any) -> pa.Table | ds.Dataset:
+    """A pyarrow Table (or Dataset, streamed) of an in-memory frame; the index of a pandas frame is not a column."""
+    if isinstance(data, (pa.Table, ds.Dataset)):
+        return data
+    if isinstance(data, pa.RecordBatch):
+        return pa.Table.from_batches([data])
+    module = type(data).__module__
+    if module.startswith("pandas."):
+        return pa.Table.from_pandas(_objects_as_text(data), preserve_index=False)
+    if module.startswith("polars.") and hasattr(data, "to_arrow"):
+        return data.to_arrow()
+    raise SpecError(f"data: a path, a pandas or Polars DataFrame, a pyarrow Table or Dataset or a Spark DataFrame; "
+                    f"got {type(data).__module__}.{type(data).__name__}")
+
+
+def _objects_as_text(frame):
+    """A pandas frame whose object columns (mixed or Python values) are text, each value as str and missing values
+    null: no value can make the conversion fail (or an error quote it); the encoder applies each column's policy."""
+    import pandas as pd
+
+    objects = [name for name, kind in frame.dtypes.items() if kind == object]
+    if not objects:
+        return frame
+    frame = frame.copy(deep=False)
+    for name in objects:
+        frame[name] = pd.array([None if _missing(v) else str(v) for v in frame[name].tolist()], dtype="string")
+    return frame
+
+
+def _missing(value) -> bool:
+    import pandas as pd
+
+    return value is None or value is pd.NA or value is pd.NaT or (isinstance(value, float) and value != value)
+
+
+@dataclass
+class ReleaseResult:
+    """A published release: its directory, manifest and tables (each a pandas DataFrame with its error columns)."""
+
+    directory: Path
+    manifest: dict
+    key_file: Path | None = None
+    key_reused: bool | None = None
+    _tables: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, directory: str | Path, run: RunResult | None = None) -> "ReleaseResult":
+        """A published release directory (its manifest parsed; tables read when asked for)."""
+        directory = Path(directory)
+        try:
+            manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise DPReleaseError(f"{directory}: not a published release (manifest.json: {type(error).__name__})") \
+                from None
+        return cls(directory, manifest, run.key_file if run else None, run.key_reused if run else None)
+
+    @property
+    def release_id(self) -> str:
+        return self.manifest["release_id"]
+
+    @property
+    def table_names(self) -> list[str]:
+        return [t["name"] for t in self.manifest["tables"]]
+
+    def table(self, name: str):
+        """Table `name` as a pandas DataFrame with its error columns: count tables `gls_variance` and `std` (of the
+        least-squares estimate); sums `std` and `margin_95` (of the noise); means `std` (delta method from the
+        published sum and count: an approximation, stated in the column name `std_approx`)."""
+        if name not in self._tables:
+            self._tables[name] = self._read_table(name)
+        return self._tables[name]
+
+    @property
+    def tables(self) -> dict:
+        """Every published table and mean, by name."""
+        return {name: self.table(name) for name in self.table_names + self.mean_names}
+
+    def _read_table(self, name: str):
+        from .error_columns import with_error_columns
+
+        allowed = self.table_names + self.mean_names
+        if name not in allowed:
+            raise SpecError(f"table = {name!r}: allowed: {', '.join(allowed)}")
+        return with_error_columns(self.directory, self.manifest, name)
+
+    @property
+    def mean_names(self) -> list[str]:
+        """The means (each the ratio of a sum table and a count table of the release)."""
+        return [m["table"] for m in self.manifest.get("means") or []]
+
+    def verify(self, public_key: str | Path | None = None, ledger: str | Path | None = None,
+               recompute: bool = False):
+        """`dprelease verify` on this release: the report, or VerificationError (exit code 1) naming every problem."""
+        from dprelease.accounting.errors import VerificationError
+
+        from .verify import verify_release
+
+        report = verify_release(self.directory, _path(public_key), ledger=None if ledger is None else str(ledger),
+                                recompute=recompute)
+        if not report.ok:
+            raise VerificationError(f"{self.directory}: " + "; ".join(report.problems))
+        return report

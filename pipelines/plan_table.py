@@ -1,0 +1,48 @@
+"""The plan as records: per table, its allocation and expected error, computed from the spec alone.
+
+One source for `dprelease plan` (a rich table, or JSON with --json) and the Python API's
+`Release.plan()` (a DataFrame). Public: nothing here reads data.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .manifest import rank_margin_95
+from .plan import Plan
+
+PLAN_COLUMNS = ("table", "statistic", "cells", "l1", "l2", "budget", "mechanism", "noise", "noise_std", "margin_95",
+                "gls_std")
+"""The fields of every record, in order. `budget` is epsilon (pure) or rho (zcdp, approx); `noise` is the
+mechanism's parameter as text (DLap b=, DGauss s2=, EM eps= per selection x selections); `margin_95` is in
+the table's units (quantiles: in ranks); `gls_std` is the largest per-cell standard deviation of the count tables'
+least-squares estimate (None for other tables)."""
+
+
+def plan_records(plan: Plan, estimate) -> list[dict[str, Any]]:
+    """One record per table of `plan`; `estimate`: its GLS variances (`postprocessing.estimate_variances`)."""
+    records = []
+    for t in plan.tables:
+        statistic = f"{t.statistic}({t.measure.column})" if t.measure else t.statistic
+        record = dict.fromkeys(PLAN_COLUMNS)
+        record.update(table=t.name, statistic=statistic, cells=t.n_cells)
+        if t.invariant:
+            record.update(budget=0.0, mechanism="invariant", noise="exact (invariant)", noise_std=0.0, margin_95=0,
+                          gls_std=0.0)
+            records.append(record)
+            continue
+        m = t.event.mechanism
+        sens = t.event.sensitivity
+        record.update(l1=sens.l1, budget=float(t.event.allocated))
+        if m.kind == "exponential":
+            record.update(mechanism="exponential", noise=f"EM eps={float(m.epsilon):.4g} x {m.selections}",
+                          margin_95=rank_margin_95(t), quantiles=len(t.quantiles))
+            records.append(record)
+            continue
+        noise = f"DLap b={m.scale}" if m.kind == "discrete_laplace" else f"DGauss s2={m.sigma2}"
+        record.update(l2=sens.l2_squared ** 0.5, mechanism=m.kind, noise=noise, noise_std=m.variance() ** 0.5,
+                      margin_95=m.margin_95())
+        if t.name in estimate.per_cell:
+            record["gls_std"] = estimate.largest(t.name) ** 0.5
+        records.append(record)
+    return records
+

@@ -1,0 +1,157 @@
+"""One composite Beam PTransform for a whole release inside a user's pipeline: `PublishedTables`.
+
+    records (Arrow tables / record batches, or dicts)
+      -> RecordsToBatches     dicts batched into Arrow tables (Arrow passes through)
+      -> EncodeRecords        public-domain codes, invalid values by policy
+      -> BoundContributions   at most k records per unit (records pass through without a privacy unit)
+      -> CountCells           sparse counts, sums, unit counts, quantile buckets per table
+      -> AddNoise             exact integer noise / exponential-mechanism selections per public cell range
+      -> post-processing      the release's consistency step, as `dprelease run` applies it
+      -> (table name, pa.Table)  every published table (counts with `gls_variance`), means included
+
+Privacy: the noise is a pure function of the key bound to (dataset, release, plan fingerprint, input binding).
+By default each application of the transform draws a fresh key, never stored, bound to "beam-pipeline-input"
+(nothing can be re-run, nothing is reused); a key you pass must come with the input fingerprint it is bound
+to, and must never be applied to other data under the same release id. Post-processing touches
+noisy values only. Budget accounting, the manifest and `verify` belong to the launcher path
+(`dprelease run --engine beam`, or `dprelease.Release.run`), which also post-processes per geographic unit
+in the workers; this transform gathers the noisy tables on one worker for post-processing, so it is for
+releases that fit one worker's memory (`max_cells`, default the embedded engine's cell limit, is checked
+when the transform is built).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+
+from .beam import AddNoise, BoundContributions, CountCells, EncodeRecords
+from .csprng import ReleaseKey
+
+PIPELINE_INPUT = "beam-pipeline-input"
+"""What the key is bound to in place of the input's fingerprint (a PCollection has no bytes to hash)."""
+
+
+class RecordsToBatches(beam.PTransform):
+    """Elements that are dicts (one record each) -> Arrow tables of up to `batch_size` records; Arrow tables
+    and record batches pass through as tables. Column batches are what every later step works on."""
+
+    def __init__(self, columns: list[str], batch_size: int = 65_536):
+        """`columns`: the fields taken from each dict (a missing one is null: an invalid value, handled by the
+        column's policy, never an error)."""
+        super().__init__()
+        self.columns, self.batch_size = list(columns), batch_size
+
+    def expand(self, records):
+        def split(element) -> Iterable[tuple[str, Any]]:
+            if isinstance(element, pa.Table):
+                yield "arrow", element
+            elif isinstance(element, pa.RecordBatch):
+                yield "arrow", pa.Table.from_batches([element])
+            elif isinstance(element, dict):
+                yield "dict", element
+            else:
+                raise TypeError(f"PublishedTables: elements must be dicts or Arrow tables/record batches, "
+                                f"not {type(element).__name__}")
+
+        tagged = records | "Tag" >> beam.FlatMap(split)
+        arrow = tagged | "Arrow" >> beam.Filter(lambda e: e[0] == "arrow") | "Tables" >> beam.Map(lambda e: e[1])
+        batched = (tagged | "Dicts" >> beam.Filter(lambda e: e[0] == "dict") | "Records" >> beam.Map(lambda e: e[1])
+                   | "Batch" >> beam.BatchElements(min_batch_size=1, max_batch_size=self.batch_size)
+                   | "ToArrow" >> beam.Map(_table_of_records, self.columns))
+        return (arrow, batched) | "AllBatches" >> beam.Flatten()
+
+
+def _table_of_records(records: list[dict], columns: list[str]) -> pa.Table:
+    """Records -> a table of `columns`. A column whose values Arrow cannot hold in one type is taken as text
+    (each value as str, None stays null): the encoder then applies the column's policy to what is invalid, so
+    no value can make the pipeline fail (or an error quote it)."""
+    arrays = {}
+    for name in columns:
+        values = [record.get(name) for record in records]
+        try:
+            array = pa.array(values)
+            if pa.types.is_nested(array.type) or pa.types.is_binary(array.type):
+                raise TypeError("not a scalar column")
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            array = pa.array([None if v is None else str(v) for v in values], type=pa.string())
+        arrays[name] = array
+    return pa.table(arrays)
+
+
+class PublishedTables(beam.PTransform):
+    """Records -> (table name, pa.Table) for every published table of a release spec (see the module's
+    docstring for the steps and the privacy contract)."""
+
+    def __init__(self, plan, key: ReleaseKey | None = None, max_cells: int | None = None,
+                 input_fingerprint: str | None = None):
+        """`key`: None (the default) draws a fresh key, never stored, each time the transform is applied, so no
+        two applications (to the same or other data) share noise. A key you pass is bound here to the dataset,
+        release, plan and `input_fingerprint`, which must then be given: what `dprelease run` binds to the
+        input's keyed fingerprint (with it the tables equal the launcher's on the same files). Never apply a
+        passed key to other data under the same release id and fingerprint: the noise would be the same."""
+        super().__init__()
+        from dprelease.pipelines.limits import check_plan_limits
+
+        check_plan_limits(plan, max_cells, "embedded")
+        if key is not None and not input_fingerprint:
+            raise ValueError("PublishedTables: a key you pass needs input_fingerprint (what it is bound to); "
+                             "pass no key for a fresh one per application")
+        self.plan = plan
+        self.key = None if key is None else _bound(plan, key, input_fingerprint)
+
+    @classmethod
+    def from_spec(cls, spec, key: ReleaseKey | None = None, max_cells: int | None = None) -> "PublishedTables":
+        """From a spec file path or a `dprelease.Release`."""
+        from dprelease.pipelines.api import Release
+
+        release = spec if isinstance(spec, Release) else Release.from_yaml(spec)
+        return cls(release.build_plan(), key, max_cells)
+
+    def expand(self, records):
+        plan = self.plan
+        key = self.key or _bound(plan, ReleaseKey.generate(), PIPELINE_INPUT)  # fresh for this application
+        columns = plan.used_columns() + ([plan.spec.privacy_unit] if plan.spec.privacy_unit else [])
+        encoded = (records | "Batches" >> RecordsToBatches(columns)
+                   | "Columns" >> beam.Map(_columns, columns)
+                   | "Encode" >> EncodeRecords.from_plan(plan)
+                   | "Bound" >> BoundContributions.from_plan(plan, key))
+        noisy = (encoded | "Count" >> CountCells([t.layout for t in plan.tables])
+                 | "AddNoise" >> AddNoise.from_plan(plan, key))
+        return (noisy | "Gather" >> beam.combiners.ToList()
+                | "PostProcess" >> beam.FlatMap(_published_tables, plan))
+
+
+def _bound(plan, key: ReleaseKey, input_fingerprint: str) -> ReleaseKey:
+    from dprelease.pipelines.manifest import plan_fingerprint
+
+    spec = plan.spec
+    return key.bind(spec.dataset_id, spec.release_id, plan_fingerprint(plan), input_fingerprint)
+
+
+def _columns(table: pa.Table, names: list[str]) -> pa.Table:
+    missing = [n for n in names if n not in table.column_names]
+    if missing:
+        raise ValueError(f"PublishedTables: records lack column(s) {missing} of the spec")
+    return table.select(names)
+
+
+def _published_tables(ranges: list, plan) -> Iterable[tuple[str, pa.Table]]:
+    """Every noisy range -> every published table: post-processing (estimate, integer step) exactly as the
+    launcher applies it, then the tables as `dprelease run` writes them (labels, value, `gls_variance`)."""
+    from dprelease.pipelines.postprocessing import estimate_variances, post_process
+    from dprelease.pipelines.release import mean_column, rows_frame, table_frame
+
+    noisy = {t.name: np.zeros(t.n_outputs, dtype=np.int64) for t in plan.tables}
+    for name, start, values in ranges:
+        noisy[name][start:start + values.size] = values
+    published = post_process(plan, noisy)
+    estimate = estimate_variances(plan)
+    for table in plan.tables:
+        variance = estimate.cells(table.name, 0, table.n_outputs) if table.name in estimate.per_cell else None
+        yield table.name, table_frame(plan, table, published[table.name], table.value_name, variance)
+    for mean in plan.means:
+        dims = plan.table(mean.sum_table).dims
+        yield mean.name, rows_frame(plan, dims, (), 0, plan.table(mean.sum_table).n_outputs, mean_column(mean, noisy))

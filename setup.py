@@ -55,7 +55,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=7.4", "scipy>=1.11", "dp-accounting>=0.4", "opendp>=0.12", "jsonschema>=4",
-                 "psycopg[binary]>=3.1"],
+                 "psycopg[binary]>=3.1", "moto[server]>=5",
+                 "polars>=1"],
         "spark": ["pyspark>=4.0", "pandas>=2.2,<3"],
         "beam": ["apache-beam>=2.60"],
         # pandas 3 is not yet what the suite is tested on (CI installs every extra: pandas < 3 via spark)
@@ -64,5 +65,5 @@ setup(
     },
     ext_modules=[Extension("dprelease.transforms._exact", ["transforms/_exact.c"], extra_compile_args=["-O3"]),
                  Extension("dprelease.transforms._segments", ["transforms/_segments.c"], extra_compile_args=["-O3"])],
-    entry_points={"console_scripts": ["dprelease=dprelease.pipelines.cli:main"]},
+    entry_points={"console_scripts": ["dprelease=dprelease.pipelines.cli:entry"]},
 )

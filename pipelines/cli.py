@@ -634,5 +634,17 @@ def demo_data(rows: int, out: Path, seed: int, dirty_rate: float, states, counti
                   soft_wrap=True)
 
 
+def entry() -> None:
+    """The `dprelease` command: `main`, then a garbage collection while Arrow is still whole, so that no Parquet
+    reader's native threads are torn down with the interpreter (apache/arrow#34314: an intermittent
+    'terminate called without an active exception', exit -6, after the work is done)."""
+    import gc
+
+    try:
+        main()
+    finally:
+        gc.collect()
+
+
 if __name__ == "__main__":
-    main()
+    entry()

@@ -2,7 +2,8 @@
 
 Built from the manifest after `verify` has re-checked it: the verification result, the budget
 split (an inline SVG chart), each table's expected error (standard deviation and 95% margin, drawn
-as error bars), the post-processing steps, the invariants (unprotected), the ledger (the manifest's
+as error bars, one scale per kind of value), the loss per attribute and geography level, the published
+values of small tables with their 95% intervals (read from the verified files), the post-processing steps, the invariants (unprotected), the ledger (the manifest's
 block, and the dataset's history when a ledger is given), the signature status and the file hashes.
 Written beside the release directory, never inside it (the release stays exactly as published).
 """
@@ -11,8 +12,9 @@ from __future__ import annotations
 import math
 
 import json
-
 from html import escape
+
+import numpy as np
 from pathlib import Path
 
 from .outputs import check_output_file, write_atomically
@@ -108,6 +110,52 @@ def _loss_rows(implied: dict, unit: str) -> str:
     if not rows:
         return "<p>Not recorded in this manifest.</p>"
     return _rows(["of", "name", unit, "epsilon at the release's delta"], rows, {2, 3})
+
+
+PLOTTED_CELLS = 60
+"""Tables of at most this many cells get a plot of their published values with 95% intervals."""
+
+
+def _value_plots(report: VerifyReport) -> str:
+    """Per small table (count, sum), its published values with their 95% intervals (counts: 1.96 x the GLS std of
+    the cell; sums: the noise's 95% margin), read from the verified release's own files (public)."""
+    from .error_columns import with_error_columns
+
+    if not report.ok:
+        return "<p>Not drawn: the release did not verify.</p>"
+    manifest = report.manifest
+    plots = []
+    for t in manifest.get("tables", []):
+        if t["cells"] > PLOTTED_CELLS or t.get("invariant") or t["mechanism"]["kind"] == "exponential":
+            continue
+        frame = with_error_columns(report.release_dir, manifest, t["name"])
+        value = "count" if "count" in frame.columns else "sum"
+        if value not in frame.columns:
+            continue
+        labels = frame.columns[:list(frame.columns).index(value)]
+        half = 1.96 * frame["std"] if "gls_variance" in frame.columns else frame.get("margin_95", 0 * frame[value])
+        plots.append(f"<h3>{escape(t['name'])}</h3>" + _dot_plot(
+            [" ".join(str(v) for v in row) for row in frame[list(labels)].itertuples(index=False)],
+            frame[value].to_numpy(float), np.asarray(half, dtype=float)))
+    return "".join(plots) or f"<p>No table has at most {PLOTTED_CELLS} cells.</p>"
+
+
+def _dot_plot(labels: list[str], values, half) -> str:
+    width, row = 420, 16
+    high = float(max(np.max(values + half), 1.0)) if len(values) else 1.0
+    low = float(min(np.min(values - half), 0.0)) if len(values) else 0.0
+    scale = width / (high - low)
+    parts = [f'<svg role="img" aria-label="values with 95% intervals" width="{width + 330}" '
+             f'height="{len(values) * row + 8}" xmlns="http://www.w3.org/2000/svg">']
+    for i, (label, v, h) in enumerate(zip(labels, values, half)):
+        y = 4 + i * row + row / 2
+        x0, x1, x = (200 + (a - low) * scale for a in (v - h, v + h, v))
+        parts.append(f'<text x="0" y="{y + 4:.1f}" font-size="11">{escape(label[:32])}</text>'
+                     f'<line x1="{x0:.1f}" y1="{y:.1f}" x2="{x1:.1f}" y2="{y:.1f}" stroke="#b35c00" stroke-width="2"/>'
+                     f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="#3b6ea5"/>'
+                     f'<text x="{210 + width:.1f}" y="{y + 4:.1f}" font-size="11">{v:,.0f} ± {h:,.1f}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
 
 
 def _conforms(manifest: dict | None) -> bool:
@@ -210,6 +258,10 @@ def render(report: VerifyReport, ledger_history: list | None = None) -> str:
         "<p>GLS std dev: the standard deviation of a cell's generalised least-squares estimate from all count "
         "measurements together, before the nonnegative integer step (min–max over the table's cells; per cell in "
         "the table's <code>gls_variance</code> column); an upper bound where marked.</p>",
+        "<h2>Published values with 95% intervals</h2>",
+        "<p>Tables of at most " + str(PLOTTED_CELLS) + " cells: each cell's published value (dot) and its 95% "
+        "interval (counts: ±1.96 standard deviations of the least-squares estimate; sums: the noise's margin).</p>",
+        _value_plots(report),
         "<h2>Post-processing</h2>",
         "<ol>" + "".join(f"<li><b>{escape(s['query'])}</b>: {escape(s['step'])}</li>"
                           for s in manifest.get("post_processing", [])) + "</ol>",

@@ -11,7 +11,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dprelease.accounting.errors import PublishError, SpecError
+from dprelease.accounting.errors import DPReleaseError, PublishError, SpecError
 from dprelease.accounting.ledger import LeaseKeeper, abort, commit, open_ledger, reserve
 from dprelease.accounting.signing import load_private_key
 from dprelease.transforms.csprng import ReleaseKey
@@ -80,6 +80,16 @@ def bind_release_key(key: ReleaseKey, plan: Plan, source: InputSource) -> tuple[
     spec = plan.spec
     fingerprint = source.fingerprint(key)
     return key.bind(spec.dataset_id, spec.release_id, plan_fingerprint(plan), fingerprint), fingerprint
+
+
+def check_input_unchanged(source: InputSource, before: list) -> None:
+    """Refuse to publish when an input file changed (size or modification time) between the fingerprint and the
+    end of the engine's read: the key was bound to other bytes than the noise was drawn over (a file rewritten in
+    place, common on object stores). Names the files only."""
+    changed = [path for path, (a, b) in zip(source.files(), zip(before, source.stamps())) if a != b]
+    if changed:
+        raise DPReleaseError(f"input file(s) {', '.join(changed[:5])} changed while the release ran; nothing was "
+                             "published or charged: run it again on an input that is not being written")
 
 
 def _abort_quietly(book, reservation) -> None:
@@ -241,6 +251,7 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
         key_path = Path(key_file) if key_file else default_key_path(spec_dir, spec.release_id, created_at)
         check_key_location(key_path, root)
         key, reused = load_or_generate(key_path)
+        stamps = source.stamps()
         release_key, input_fingerprint = bind_release_key(key, plan, source)
         clean_leftovers(root, spec.release_id)
         book, reservation = _reserve(ledger, plan, key, input_fingerprint, final_dir)
@@ -252,6 +263,7 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                 staged = _release_and_stage(plan, engine_, source, validation, created_at, key, key_path, reused,
                                             release_key, final_dir, progress, command_line, reservation, signer, layout)
                 try:
+                    check_input_unchanged(source, stamps)
                     if reservation:
                         commit(book, reservation, staged.manifest_sha256)
                     committed = True

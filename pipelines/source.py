@@ -19,12 +19,14 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from dprelease.accounting.errors import InputSchemaError, SpecError
+from dprelease.accounting.errors import DPReleaseError, InputSchemaError, SpecError
 from dprelease.transforms.encode import is_text
 
 from .plan import Plan
+from .storage import Store, is_uri, list_files, local_path, open_store, stamps
 
 LOG = logging.getLogger("dprelease")
 BATCH_ROWS = 1 << 20
@@ -45,14 +47,16 @@ def csv_convert_options(columns: list[str], include: bool) -> pacsv.ConvertOptio
                                 include_columns=columns if include else None)
 
 
-def read_batches(path: str, fmt: str, columns: list[str]) -> Iterator[pa.RecordBatch]:
-    """Record batches of `columns` of one Parquet or CSV file. CSV values are read as text and
-    malformed rows skipped (by policy, never an error)."""
+def read_batches(path: str, fmt: str, columns: list[str], filesystem=None) -> Iterator[pa.RecordBatch]:
+    """Record batches of `columns` of one Parquet or CSV file (a local path, or a path of `filesystem`). CSV
+    values are read as text and malformed rows skipped (by policy, never an error)."""
     if fmt == "parquet":
-        yield from pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS, columns=columns)
+        handle = filesystem.open_input_file(path) if filesystem else path
+        yield from pq.ParquetFile(handle).iter_batches(batch_size=BATCH_ROWS, columns=columns)
         return
     reader = pacsv.open_csv(
-        path, read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES),
+        filesystem.open_input_stream(path) if filesystem else path,
+        read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES),
         parse_options=CSV_PARSE_OPTIONS,
         convert_options=csv_convert_options(columns, include=True),
     )
@@ -62,12 +66,29 @@ def read_batches(path: str, fmt: str, columns: list[str]) -> Iterator[pa.RecordB
 FINGERPRINT_BLOCK = 8 << 20
 
 
-def _file_chunks(paths: list[str]) -> Iterator[bytes]:
+def _file_chunks(paths: list[str], store: Store | None = None) -> Iterator[bytes]:
+    """Every file's length and bytes, in order. A store's files are read through it in full: pyarrow exposes no
+    content checksum (an S3 ETag or GCS CRC32C) to stand in for the bytes, and a size and modification time
+    would bind a key to two different contents written within one clock tick."""
     yield len(paths).to_bytes(8, "big")
     for path in paths:
-        with open(path, "rb") as handle:
-            yield os.fstat(handle.fileno()).st_size.to_bytes(8, "big")
-            yield from iter(lambda: handle.read(FINGERPRINT_BLOCK), b"")
+        if store is None:
+            with open(path, "rb") as handle:
+                yield os.fstat(handle.fileno()).st_size.to_bytes(8, "big")
+                yield from iter(lambda: handle.read(FINGERPRINT_BLOCK), b"")
+            continue
+        located = store.path(path)
+        info = store.filesystem.get_file_info(located)
+        if info.type != pafs.FileType.File:
+            raise DPReleaseError(f"input file {path}: disappeared while the run was starting; nothing was charged")
+        yield info.size.to_bytes(8, "big")
+        read = 0
+        with store.filesystem.open_input_stream(located) as handle:
+            for block in iter(lambda: handle.read(FINGERPRINT_BLOCK), b""):
+                read += len(block)
+                yield block
+        if read != info.size:
+            raise DPReleaseError(f"input file {path}: changed while it was read; nothing was charged")
 
 
 @dataclass
@@ -80,23 +101,44 @@ class InputSource:
     format: str
     file_schemas: dict[str, pa.Schema]
     """Each file's schema, read (and checked) once by `open_input`."""
+    store: Store | None = None
+    """Where the files are when the input is a URI (`files()` are then URIs); None: local files."""
 
     def files(self) -> list[str]:
-        return list(self.dataset.files)
+        files = list(self.dataset.files)
+        return [self.store.uri(f) for f in files] if self.store else files
 
     def batches(self, path: str) -> Iterator[pa.RecordBatch]:
         """Record batches of one input file, streamed: memory holds one row group / CSV block at a time."""
+        if self.store:
+            return read_batches(self.store.path(path), self.format, self.columns, self.store.filesystem)
         return read_batches(path, self.format, self.columns)
 
     def fingerprint(self, key) -> str:
         """A keyed fingerprint of the input's bytes (every file, in order, with its length): binds a
         key to this input in the ledger and in the noise. Internal: never published or logged."""
-        return key.fingerprint(_file_chunks(sorted(self.files())))
+        return key.fingerprint(_file_chunks(sorted(self.files()), self.store))
+
+    def stamps(self) -> list:
+        """(file, size, modification time) of every input file: equal before the fingerprint and after the engine's
+        read, or the run aborts before anything is charged or published (`run.check_input_unchanged`)."""
+        if self.store:
+            return stamps(self.store, self.files())
+        found = []
+        for path in self.files():
+            try:
+                status = os.stat(path)
+                found.append((path, status.st_size, status.st_mtime_ns))
+            except OSError:
+                found.append((path, None, None))
+        return found
 
     def estimated_rows(self) -> int:
         """Rows (Parquet metadata) or bytes / 40 (CSV): sizing of internal spill partitions only."""
         if self.format == "parquet":
             return int(self.dataset.count_rows())
+        if self.store:
+            return sum(self.store.filesystem.get_file_info(f).size for f in self.dataset.files) // 40
         return sum(Path(f).stat().st_size for f in self.files()) // 40
 
 
@@ -193,11 +235,12 @@ ALLOWED_TYPES = {
 }
 
 
-def _file_schema(path: str, fmt: str, columns: list[str]) -> pa.Schema:
+def _file_schema(path: str, fmt: str, columns: list[str], filesystem=None) -> pa.Schema:
     """The schema of one input file (Parquet footer, or the CSV header with every column as text)."""
     if fmt == "parquet":
-        return pq.read_schema(path)
-    with pacsv.open_csv(path, read_options=pacsv.ReadOptions(block_size=1 << 16), parse_options=CSV_PARSE_OPTIONS,
+        return pq.read_schema(path, filesystem=filesystem)
+    source = filesystem.open_input_stream(path) if filesystem else path
+    with pacsv.open_csv(source, read_options=pacsv.ReadOptions(block_size=1 << 16), parse_options=CSV_PARSE_OPTIONS,
                         convert_options=csv_convert_options(columns, include=False)) as reader:
         return reader.schema
 
@@ -253,15 +296,17 @@ def _unmatchable_values(path: str, name: str, kind: pa.DataType, values: list) -
             "values as the data codes them (for example [0, 1]) or recode the column"]
 
 
-def check_every_file(files: list[str], fmt: str, plan: Plan, columns: list[str]) -> dict[str, pa.Schema]:
+def check_every_file(files: list[str], fmt: str, plan: Plan, columns: list[str],
+                     store: Store | None = None) -> dict[str, pa.Schema]:
     """Schema-level checks of every file of the input (not only the first, which is all a dataset
     infers from): raises InputSchemaError (exit 2) naming each file and column, never a value.
-    Returns each file's schema."""
+    Returns each file's schema (keyed by its URI when the input is in a store)."""
     problems = []
     schemas = {}
-    for path in files:
+    for located in files:
+        path = store.uri(located) if store else located
         try:
-            schemas[path] = _file_schema(path, fmt, columns)
+            schemas[path] = _file_schema(located, fmt, columns, store.filesystem if store else None)
         except (pa.ArrowException, OSError, ValueError) as error:
             problems.append(f"input file {path}: cannot be read as {fmt} ({type(error).__name__})")
             continue
@@ -274,10 +319,17 @@ def check_every_file(files: list[str], fmt: str, plan: Plan, columns: list[str])
 def open_input(plan: Plan, base_dir: Path, override: str | None = None) -> InputSource:
     """Open the spec's input (or `override`) and check the schema of every file against the plan."""
     spec = plan.spec
-    path = Path(override) if override else (base_dir / spec.input.path)
-    if not path.exists():
-        raise SpecError(f"input.path = {str(path)!r}: no such file or directory")
-    found = discover_files(path)
+    text = local_path(override or spec.input.path)
+    store = None
+    if is_uri(text):
+        store, root = open_store(text, "input.path")
+        path = text
+        found = _store_files(store, root)
+    else:
+        path = Path(text) if override else base_dir / text  # --input is relative to the working directory
+        if not path.exists():
+            raise SpecError(f"input.path = {str(path)!r}: no such file or directory")
+        found = discover_files(path)
     if found.skipped:
         LOG.warning("input: skipped %d marker file(s) that hold no records: %s", len(found.skipped),
                     ", ".join(found.skipped[:10]) + (" ..." if len(found.skipped) > 10 else ""))
@@ -292,9 +344,17 @@ def open_input(plan: Plan, base_dir: Path, override: str | None = None) -> Input
         file_format = ds.ParquetFileFormat()
     if not found.data:
         raise SpecError(f"input.path = {str(path)!r}: contains no {fmt} files")
-    schemas = check_every_file(found.data, fmt, plan, columns)  # each file named in its own problems
+    schemas = check_every_file(found.data, fmt, plan, columns, store)  # each file named in its own problems
     try:
-        dataset = ds.dataset(found.data, format=file_format)
+        dataset = ds.dataset(found.data, format=file_format, filesystem=store.filesystem if store else None)
     except (pa.ArrowException, OSError) as error:
         raise InputSchemaError(f"input.path = {str(path)!r}: cannot be opened as {fmt} ({type(error).__name__})") from None
-    return InputSource(dataset, columns, spec.privacy_unit, fmt, schemas)
+    return InputSource(dataset, columns, spec.privacy_unit, fmt, schemas, store)
+
+
+def _store_files(store: Store, root: str) -> InputFiles:
+    """The files below a URI, markers skipped by name as for local directories (`discover_files`)."""
+    data, skipped = [], []
+    for path in list_files(store, root, "input.path"):
+        (skipped if is_marker(path.rsplit("/", 1)[-1]) else data).append(path)
+    return InputFiles(data, [store.uri(p) for p in skipped])

@@ -221,3 +221,11 @@ def test_mean_error_is_the_delta_method_at_the_ratio_of_the_noisy_measurements(t
         expected = np.sqrt(var_s + (sums / counts) ** 2 * var_c) / counts
     assert np.allclose(result.table("income_mean")["std_approx"], np.where(counts >= 1, expected, np.nan),
                        equal_nan=True)
+
+
+def test_polars_input(tmp_path):
+    polars = pytest.importorskip("polars")
+    write_case(tmp_path, small_spec())
+    frame = polars.from_pandas(persons())
+    result = dprelease.Release.from_dict(small_spec(), base_dir=tmp_path).run(frame, ledger=None)
+    assert abs(int(result.table("pop.nation")["count"].iloc[0]) - ROWS) < 60

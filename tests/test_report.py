@@ -59,6 +59,9 @@ def test_error_bars_compare_within_a_kind_and_losses_per_attribute_are_shown(tmp
             widths[name.group(1)] = float(line.group(2)) - float(line.group(1))
     assert widths["pop.tract"] > 100 and widths["income_total"] > 100  # each kind's largest fills its bar
     assert "Privacy loss per attribute and geography level" in html
+    plots = html.split("Published values with 95% intervals")[1].split("<h2>")[0]
+    assert "<h3>pop.state</h3>" in plots and "<h3>income_total</h3>" in plots and "<circle" in plots
+    assert "<h3>pop.tract</h3>" not in plots or len(re.findall("<circle", plots)) <= 60 * 10
     assert re.search(r"geography level</td><td[^>]*>geo.county</td>", html)
     ledger_block = html.split("<h2>Ledger</h2>")[1].split("<h2>")[0]
     text = re.sub(r"<[^>]+>", " ", ledger_block)

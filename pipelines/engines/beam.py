@@ -206,6 +206,13 @@ class BeamEngine(Engine):
         self.options = pipeline_options(runner, list(options or []), workers)
         self.workers = workers or os.cpu_count() or 1
 
+    def check_input_schema(self, source: InputSource) -> None:
+        """A URI input (`pipelines.storage`) is refused: Beam's own filesystems would need the store's settings as
+        pipeline options, which are not wired here (exit 2, before any budget is reserved)."""
+        if source.store is not None:
+            raise SpecError("input.path: a URI input is read by the embedded and spark engines; on Beam, copy it to "
+                            "a path the workers read, or use the embedded engine")
+
     def _runner(self):
         from apache_beam.options.pipeline_options import StandardOptions
 

@@ -197,6 +197,12 @@ def _shuffle_partitions(spark, groups: int) -> int:
     return max(1, min(groups, 4 * spark.sparkContext.defaultParallelism))
 
 
+def _hadoop_uri(path: str) -> str:
+    """An input URI as Spark's Hadoop filesystems name it: pyarrow's s3:// is Hadoop's s3a:// (the S3A connector,
+    `hadoop-aws` on the classpath); hdfs://, gs:// (the GCS connector) and local paths are the same."""
+    return "s3a://" + path[len("s3://"):] if path.startswith("s3://") else path
+
+
 ARROW_SETTINGS = {"spark.sql.execution.arrow.pyspark.enabled": "true",
                   "spark.sql.execution.arrow.maxRecordsPerBatch": str(ARROW_BATCH_ROWS)}
 """Session settings the jobs need (runtime SQL settings: set on a caller's session for the job, then restored)."""
@@ -298,7 +304,7 @@ class SparkEngine(Engine):
             raise InputSchemaError(problems)
 
     def _read(self, spark, source: InputSource):
-        files = source.files()
+        files = [_hadoop_uri(f) for f in source.files()]
         if source.format == "parquet":
             from pyspark.sql.pandas.types import from_arrow_schema
 

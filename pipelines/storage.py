@@ -1,0 +1,124 @@
+"""Where an input lives: a local path, or a URI read through pyarrow's filesystems (s3:// and S3-compatible
+stores, gs://, hdfs://, file://, where their client libraries are present).
+
+A URI is public (it is in the spec, which the manifest publishes, or on the command line, which provenance
+records): it must never carry credentials. Those come from the environment or the store's usual configuration
+(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, an instance role, GOOGLE_APPLICATION_CREDENTIALS, Kerberos).
+Connection settings that are not secret (`endpoint_override`, `scheme`, `region`) may be given as the URI's
+query, as pyarrow reads them: `s3://bucket/persons/?endpoint_override=minio.internal:9000&scheme=http`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from dprelease.accounting.errors import SpecError
+
+URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+PUBLIC_OPTIONS = {
+    "s3": frozenset({"region", "scheme", "endpoint_override", "allow_bucket_creation", "allow_bucket_deletion",
+                     "tls_ca_file_path", "connect_timeout", "request_timeout", "check_directory_existence_before_creation"}),
+    "gs": frozenset({"scheme", "endpoint_override", "retry_limit_seconds", "project_id"}),
+    "hdfs": frozenset({"replication", "buffer_size", "default_block_size", "user"}),
+}
+"""The stores an input URI may name, and the query options of each that are connection settings, not secrets.
+An allow-list: pyarrow passes other options on as credentials (s3 secret_key, gs access_token, Azure
+client_secret, SAS signatures) or, for HDFS, into Hadoop's configuration (hdfs_token), and a URI is published."""
+PUBLIC_OPTIONS["gcs"] = PUBLIC_OPTIONS["gs"]
+
+
+def is_uri(text: str) -> bool:
+    """A URI read through a store (file:// is a local path: `local_path`)."""
+    return bool(URI.match(text)) and not text.startswith("file://")
+
+
+def local_path(text: str) -> str:
+    """A file:// URI as the local path it names (read like any local path, links checked); other text unchanged."""
+    if not text.startswith("file://"):
+        return text
+    parts = urlsplit(text)
+    if parts.netloc not in ("", "localhost") or parts.query:
+        raise SpecError(f"input.path = {_shown(text)!r}: a file:// URI names a local path (file:///path), "
+                        "without host or options")
+    return unquote(parts.path)
+
+
+@dataclass(frozen=True)
+class Store:
+    """A filesystem and the text that turns one of its paths back into the URI a user reads (`prefix` + path)."""
+
+    filesystem: pafs.FileSystem
+    prefix: str
+
+    def uri(self, path: str) -> str:
+        return self.prefix + path
+
+    def path(self, uri: str) -> str:
+        return uri[len(self.prefix):] if uri.startswith(self.prefix) else uri
+
+
+def open_store(uri: str, field: str) -> tuple[Store, str]:
+    """(the store, the path of `uri` in it). SpecError (exit 2) naming `field` for a URI with credentials in it,
+    a scheme no installed filesystem reads, or a store that cannot be reached."""
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
+    if scheme not in PUBLIC_OPTIONS:
+        raise SpecError(f"{field} = {_shown(uri)!r}: allowed: a local path, or an s3://, gs:// or hdfs:// URI")
+    unknown = sorted({name for name, _ in parse_qsl(parts.query, keep_blank_values=True)} - PUBLIC_OPTIONS[scheme])
+    if unknown or parts.password or (parts.username and parts.username != "anonymous"):
+        what = f"options {unknown}" if unknown else "user info"
+        raise SpecError(f"{field}: the URI holds {what}, which could be credentials; a URI is published with the "
+                        f"release: give credentials through the environment or the store's configuration (allowed "
+                        f"options for {scheme}://: {', '.join(sorted(PUBLIC_OPTIONS[scheme]))})")
+    try:
+        filesystem, path = pafs.FileSystem.from_uri(uri)
+    except (pa.ArrowException, OSError, ValueError) as error:
+        raise SpecError(f"{field} = {_shown(uri)!r}: cannot be opened ({type(error).__name__}: no installed "
+                        "filesystem reads it, or its store cannot be reached)") from None
+    bucket_first = scheme in ("s3", "gs", "gcs")  # their paths start with the bucket
+    return Store(filesystem, f"{scheme}://" if bucket_first else f"{scheme}://{parts.netloc}"), path
+
+
+def _shown(uri: str) -> str:
+    """A URI without its query (connection settings) for messages."""
+    return uri.split("?", 1)[0]
+
+
+def file_info(store: Store, path: str, field: str) -> pafs.FileInfo:
+    try:
+        info = store.filesystem.get_file_info(path)
+    except (pa.ArrowException, OSError) as error:
+        raise SpecError(f"{field} = {store.uri(path)!r}: cannot be read ({type(error).__name__})") from None
+    if info.type == pafs.FileType.NotFound:
+        raise SpecError(f"{field} = {store.uri(path)!r}: no such file or directory")
+    return info
+
+
+def list_files(store: Store, path: str, field: str) -> list[str]:
+    """Every file at or below `path` in the store, sorted (object stores have no links: each object once). An
+    object that is also a prefix of other objects is refused (which one was meant cannot be told)."""
+    path = path.rstrip("/")
+    info = file_info(store, path, field)
+    try:
+        below = store.filesystem.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)) \
+            if info.type == pafs.FileType.Directory or store.prefix.endswith("://") else []
+    except (pa.ArrowException, OSError):
+        below = []  # a plain object: nothing below it
+    files = sorted(f.path for f in below if f.type == pafs.FileType.File)
+    if info.type == pafs.FileType.File:
+        if files:
+            raise SpecError(f"{field} = {store.uri(path)!r}: is an object and the prefix of {len(files)} other "
+                            "objects; name one of them or remove the ambiguity")
+        return [info.path]
+    return files
+
+
+def stamps(store: Store, paths: list[str]) -> list[tuple[str, int | None, int | None]]:
+    """(path, size, modification time) of each file: taken before the fingerprint and after the engine's read,
+    so that a file changed in between (same key, other bytes) aborts the run before anything is published."""
+    infos = store.filesystem.get_file_info([store.path(p) for p in paths])
+    return [(p, i.size if i.type == pafs.FileType.File else None, i.mtime_ns) for p, i in zip(paths, infos)]

@@ -81,6 +81,14 @@ class Release:
         """The plan (reads the domain files, never the data)."""
         return build_plan(self.spec, self.base_dir)
 
+    def with_budget(self, **budget) -> "Release":
+        """The same release at another budget, to compare expected errors before spending any (reads no data):
+        `release.with_budget(rho="1/4").plan()`. `budget`: fields of the spec's budget (epsilon, rho, delta) to change,
+        or a whole new budget (with `definition`), validated like a spec file."""
+        document = self.spec.model_dump(mode="json", exclude_unset=True)
+        document["budget"] = dict(budget) if "definition" in budget else {**document["budget"], **budget}
+        return Release(parse_spec(document), self.base_dir)
+
     def plan(self):
         """Per table: cells, sensitivity, budget, mechanism, noise std, 95% margin and the largest GLS std of the
         count tables, as a pandas DataFrame (as `dprelease plan --json`; reads no data)."""

@@ -229,3 +229,26 @@ def test_polars_input(tmp_path):
     frame = polars.from_pandas(persons())
     result = dprelease.Release.from_dict(small_spec(), base_dir=tmp_path).run(frame, ledger=None)
     assert abs(int(result.table("pop.nation")["count"].iloc[0]) - ROWS) < 60
+
+
+def test_with_budget_compares_expected_errors_before_spending(tmp_path):
+    """Utility before budget: the same plan at several budgets; errors shrink as the budget grows (zCDP: std
+    scales as 1/sqrt(rho)); the original release is unchanged; an invalid budget is a spec error."""
+    document = small_spec(budget={"definition": "zcdp", "rho": 1})
+    write_case(tmp_path, document)
+    release = dprelease.Release.from_dict(document, base_dir=tmp_path)
+    stds = {rho: release.with_budget(rho=rho).plan().set_index("table")["noise_std"] for rho in ("1/4", "1", "4")}
+    assert (stds["1/4"] > stds["1"]).all() and (stds["1"] > stds["4"]).all()
+    assert np.allclose(stds["1/4"] / stds["4"], 4.0, rtol=0.02)
+    assert release.spec.budget.rho == "1"
+    with pytest.raises(dprelease.SpecError, match="budget.rho"):
+        release.with_budget(rho=-1)
+
+
+def test_with_budget_keeps_every_other_field_and_can_switch_definitions(tmp_path):
+    for document in (small_spec(privacy_unit=None), small_spec()):
+        write_case(tmp_path, document)
+        release = dprelease.Release.from_dict(document, base_dir=tmp_path)
+        assert release.with_budget().spec == release.spec
+        switched = release.with_budget(definition="zcdp", rho="1/2")
+        assert switched.spec.budget.definition == "zcdp" and switched.spec.queries == release.spec.queries

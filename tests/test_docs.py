@@ -1,6 +1,7 @@
 """The documentation runs: every Python block of docs/quickstart.md, in order, in one namespace."""
 from __future__ import annotations
 
+import json
 import re
 
 from .conftest import REPO
@@ -32,3 +33,16 @@ def test_api_reference_names_what_exists():
         assert hasattr(dprelease.Release, member) or member in ("spec",), member
     for member in set(re.findall(r"`(table_names|mean_names|table|tables|verify|directory|manifest)`", text)):
         assert hasattr(dprelease.ReleaseResult, member) or member in dprelease.ReleaseResult.__dataclass_fields__
+
+
+def test_the_notebook_is_the_quickstart():
+    """docs/quickstart.ipynb holds exactly the quickstart's prose and code (rebuild: python docs/make_notebook.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_notebook", REPO / "docs" / "make_notebook.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    built = module.render((REPO / "docs" / "quickstart.md").read_text(encoding="utf-8"))
+    assert (REPO / "docs" / "quickstart.ipynb").read_text(encoding="utf-8") == built
+    code = ["".join(c["source"]) for c in json.loads(built)["cells"] if c["cell_type"] == "code"]
+    assert [c.strip() for c in code] == [b.strip() for b in python_blocks(REPO / "docs" / "quickstart.md")]

@@ -91,7 +91,8 @@ class Release:
 
     def plan(self):
         """Per table: cells, sensitivity, budget, mechanism, noise std, 95% margin and the largest GLS std of the
-        count tables, as a pandas DataFrame (as `dprelease plan --json`; reads no data)."""
+        count tables, as a pandas DataFrame (as `dprelease plan --json`; reads no data). A mean's row has
+        `mean_std_at_n`: its standard deviation at n records in a cell is at most that / n."""
         import pandas as pd
 
         from .plan_table import PLAN_COLUMNS, plan_records
@@ -99,7 +100,7 @@ class Release:
 
         plan = self.build_plan()
         records = plan_records(plan, estimate_variances(plan))
-        return pd.DataFrame.from_records(records, columns=[*PLAN_COLUMNS, "quantiles"])
+        return pd.DataFrame.from_records(records, columns=[*PLAN_COLUMNS, "quantiles", "mean_std_at_n"])
 
     def run(self, data: Any = None, *, ledger: str | Path | None = DEFAULT_LEDGER, out_dir: str | Path | None = None,
             key_file: str | Path | None = None, engine: str | None = None, workers: int | None = None,

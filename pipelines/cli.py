@@ -144,7 +144,8 @@ def _plan_table(plan, estimate=None) -> Table:
     table = Table(title=f"Plan of release {plan.spec.release_id} ({plan.definition})",
                   caption="L1/L2: sensitivity (quantiles: of the scores); noise: DLap scale b, DGauss variance s2 or "
                           "exponential mechanism (EM) epsilon per selection; std and 95% margin per cell (quantiles: "
-                          "rank error in records); GLS std: largest over the cells of the count tables' least-squares "
+                          "rank error in records; a mean: at most X/n at n records in the cell, from its sum's and "
+                          "count's budgets); GLS std: largest over the cells of the count tables' least-squares "
                           f"estimate from all measurements, before rounding ({'exact' if estimate.exact else 'upper bound'})")
     headers = ("table", "statistic", "cells", "L1", "L2", unit, "noise", "std", "95%", "GLS std")
     for header in headers:
@@ -160,6 +161,9 @@ def _plan_table(plan, estimate=None) -> Table:
 
 
 def _plan_row(r: dict) -> tuple[str, ...]:
+    if r["mechanism"] == "ratio":  # a mean: its error at n records in the cell
+        return (r["table"], r["statistic"], f"{r['cells']:,}", "-", "-", "-", r["noise"],
+                f"≤{r['mean_std_at_n']:.4g}/n", "-", "-")
     cells = f"{r['cells']:,}" + (f" x {r['quantiles']} q" if r.get("quantiles") else "")
     margin = (f"±{r['margin_95']} ranks" if r["mechanism"] == "exponential" else f"±{r['margin_95']}")
     return (r["table"], r["statistic"], cells, _dash(r["l1"], str), _dash(r["l2"], "{:.3g}".format),

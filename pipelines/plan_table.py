@@ -15,7 +15,8 @@ PLAN_COLUMNS = ("table", "statistic", "cells", "l1", "l2", "budget", "mechanism"
 """The fields of every record, in order. `budget` is epsilon (pure) or rho (zcdp, approx); `noise` is the
 mechanism's parameter as text (DLap b=, DGauss s2=, EM eps= per selection x selections); `margin_95` is in
 the table's units (quantiles: in ranks); `gls_std` is the largest per-cell standard deviation of the count tables'
-least-squares estimate (None for other tables)."""
+least-squares estimate (None for other tables). A mean's record (mechanism "ratio") has `mean_std_at_n`: its
+standard deviation at n records in a cell is at most mean_std_at_n / n."""
 
 
 def plan_records(plan: Plan, estimate) -> list[dict[str, Any]]:
@@ -44,5 +45,19 @@ def plan_records(plan: Plan, estimate) -> list[dict[str, Any]]:
         if t.name in estimate.per_cell:
             record["gls_std"] = estimate.largest(t.name) ** 0.5
         records.append(record)
-    return records
+    return records + [_mean_record(plan, mean) for mean in plan.means]
+
+
+def _mean_record(plan: Plan, mean) -> dict[str, Any]:
+    """A mean S/C per cell: its error depends on the cell's count n (data), so the plan states the bound it obeys
+    at n records: std <= sqrt(Var S + M^2 Var C) / n (delta method, M = max(|lo|, |hi|)), as `mean_std_at_n`
+    (the numerator; divide by n). Its budget is its sum's and count's (None here: nothing more is spent)."""
+    total, count = plan.table(mean.sum_table), plan.table(mean.count_table)
+    largest = max(abs(mean.measure.lower), abs(mean.measure.upper))
+    variances = total.event.mechanism.variance(), count.event.mechanism.variance()
+    record = dict.fromkeys(PLAN_COLUMNS)
+    record.update(table=mean.name, statistic=f"mean({mean.measure.column})", cells=total.n_cells, mechanism="ratio",
+                  noise=f"{mean.sum_table} / {mean.count_table}",
+                  mean_std_at_n=(variances[0] + largest * largest * variances[1]) ** 0.5)
+    return record
 

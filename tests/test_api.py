@@ -52,7 +52,8 @@ def test_plan_is_a_dataframe_of_the_cli_plans_records(tmp_path):
                          capture_output=True, text=True, check=True)
     records = json.loads(cli.stdout)["tables"]
     assert list(frame["table"]) == [r["table"] for r in records]
-    assert np.allclose(frame["noise_std"].astype(float), [r["noise_std"] for r in records], equal_nan=True)
+    assert np.allclose(frame["noise_std"].astype(float), [np.nan if r["noise_std"] is None else r["noise_std"]
+                                                          for r in records], equal_nan=True)
     counts = frame[frame["statistic"] == "count"]
     assert (counts["gls_std"] > 0).all() and (counts["gls_std"] <= counts["noise_std"] + 1e-12).all()
 
@@ -252,3 +253,17 @@ def test_with_budget_keeps_every_other_field_and_can_switch_definitions(tmp_path
         assert release.with_budget().spec == release.spec
         switched = release.with_budget(definition="zcdp", rho="1/2")
         assert switched.spec.budget.definition == "zcdp" and switched.spec.queries == release.spec.queries
+
+
+def test_the_plan_states_a_means_own_error_at_n_records(tmp_path):
+    """A mean's error depends on its cell's count; the plan states the public bound sqrt(Var S + M^2 Var C) / n
+    and spends nothing more on it."""
+    write_case(tmp_path, spec_with_means())
+    plan = dprelease.Release.from_dict(spec_with_means(), base_dir=tmp_path).plan().set_index("table")
+    mean = plan.loc["income_mean"]
+    var_s, var_c = plan.loc["income_mean.sum", "noise_std"] ** 2, plan.loc["income_mean.count", "noise_std"] ** 2
+    assert mean["mechanism"] == "ratio" and mean["budget"] is None or np.isnan(mean["budget"])
+    assert np.isclose(mean["mean_std_at_n"], np.sqrt(var_s + 999 ** 2 * var_c))
+    cli = subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", "plan", str(tmp_path / "spec.yaml")],
+                         capture_output=True, text=True, check=True)
+    assert f"≤{mean['mean_std_at_n']:.4g}/n" in cli.stdout

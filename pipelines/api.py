@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from dprelease.accounting.errors import DPReleaseError, SpecError
 
 from .engines.base import ProgressHook, no_progress
-from .housekeeping import input_copy_prefix, terminate_as_exit
+from .housekeeping import input_copy_prefix, leftover_tag, terminate_as_exit, write_failure
 from .layout import Layout
 from .plan import Plan, build_plan
 from .run import RunResult, run_release_spec
@@ -138,24 +138,10 @@ def public_errors(internal_dir: Path | None):
         error.__cause__, error.__suppress_context__ = None, True
         raise error
     except Exception as error:  # noqa: BLE001 - nothing unvetted reaches the caller
-        where = _write_failure(internal_dir, error) if internal_dir else None
+        where = write_failure(internal_dir, "api run") if internal_dir else None
         detail = f"details in {where}" if where else "pass internal_dir= to keep the details (confidential)"
         raise DPReleaseError(f"the run failed ({type(error).__name__}); its message may quote confidential values "
                              f"and is not shown; {detail}") from None
-
-
-def _write_failure(internal_dir: Path, error: BaseException) -> Path | None:
-    import traceback
-
-    try:
-        internal_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path = internal_dir / f"failure-api-run-{os.getpid()}.txt"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write("".join(traceback.format_exception(error)))
-        return path
-    except OSError:
-        return None
 
 
 def _path(value: str | Path | None) -> Path | None:
@@ -191,8 +177,8 @@ class _input_of:
             data.write.parquet(str(target))
             return str(target), data.sparkSession
         table = _arrow_of(data)
-        target = self._directory(None) / "input.parquet" if isinstance(table, pa.Table) else None
         if isinstance(table, pa.Table):
+            target = self._directory(None) / "input.parquet"
             pq.write_table(table, target)
         else:
             target = self._directory(None) / "input"
@@ -214,8 +200,6 @@ class _input_of:
 
     def _directory(self, parent: str | Path | None) -> Path:
         """A private (0700) directory for the copy, named so a later run removes it if this process dies."""
-        from .housekeeping import leftover_tag
-
         prefix = input_copy_prefix(self.release_id) + leftover_tag()
         self.temporary = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
         return self.temporary
@@ -295,8 +279,8 @@ class ReleaseResult:
 
     def table(self, name: str):
         """Table `name` as a pandas DataFrame with its error columns: count tables `gls_variance` and `std` (of the
-        least-squares estimate); sums `std` and `margin_95` (of the noise); means `std` (delta method from the
-        published sum and count: an approximation, stated in the column name `std_approx`)."""
+        least-squares estimate); sums `std` and `margin_95` (of the noise); quantiles `rank_margin_95`; means
+        `std_approx` (see `error_columns`)."""
         if name not in self._tables:
             self._tables[name] = self._read_table(name)
         return self._tables[name]

@@ -8,13 +8,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import click
-from rich.console import Console
+from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
 from dprelease.accounting.errors import DPReleaseError
+
+from .housekeeping import write_failure
 
 console = Console(width=None if sys.stdout.isatty() else 200, markup=False, highlight=False)
 """On a terminal: its width (plan tables fold their cells to fit); piped or redirected: 200 columns, nothing folded."""
@@ -73,27 +74,11 @@ def _confidential(internal_dir: Path | None, stage: str):
     except DPReleaseError as error:
         _fail(error)
     except Exception as error:  # noqa: BLE001 - the whole point: nothing unvetted reaches the console
-        where = _write_failure(internal_dir, stage) if internal_dir else None
+        where = write_failure(internal_dir, stage) if internal_dir else None
         detail = f"details in {where}" if where else "pass --internal-dir to keep the details (confidential)"
         errors.print(styled("error:", "bold red", f" {stage} failed ({type(error).__name__}); its message may quote "
                             f"confidential values and is not shown; {printable(detail)}"), soft_wrap=True)
         sys.exit(1)
-
-
-def _write_failure(internal_dir: Path, stage: str) -> Path | None:
-    """Write the current exception's traceback to a 0600 file in the internal directory."""
-    import os
-    import traceback
-
-    try:
-        internal_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path = internal_dir / f"failure-{stage.replace(' ', '-')}-{os.getpid()}.txt"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(traceback.format_exc())
-        return path
-    except OSError:
-        return None
 
 
 MAX_CELLS_OPTION = click.option(

@@ -1,4 +1,5 @@
-"""Which process owns a run's leftovers, and removing those of runs that died.
+"""Which process owns a run's leftovers, removing those of runs that died, and the private files a run
+leaves for its operator (validation reports, failure details).
 
 A run names its staging and spill directories (and its ledger reservation) after its process: host,
 pid and the process's start time, so a reused pid is never taken for the dead run. A later run of the
@@ -105,3 +106,26 @@ def terminate_as_exit():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file readable by its owner only (0600, also when it existed before with a wider mode), never
+    through a link: what it holds is confidential (counts, sample values, tracebacks that may quote values)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def write_failure(internal_dir: Path, stage: str) -> Path | None:
+    """The exception being handled, its traceback in a private file of the internal directory
+    (failure-<stage>-<pid>.txt); None when it cannot be written."""
+    import traceback
+
+    try:
+        internal_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = internal_dir / f"failure-{stage.replace(' ', '-')}-{os.getpid()}.txt"
+        write_private(path, traceback.format_exc())
+        return path
+    except OSError:
+        return None

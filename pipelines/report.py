@@ -3,19 +3,19 @@
 Built from the manifest after `verify` has re-checked it: the verification result, the budget
 split (an inline SVG chart), each table's expected error (standard deviation and 95% margin, drawn
 as error bars, one scale per kind of value), the loss per attribute and geography level, the published
-values of small tables with their 95% intervals (read from the verified files), the post-processing steps, the invariants (unprotected), the ledger (the manifest's
-block, and the dataset's history when a ledger is given), the signature status and the file hashes.
+values of small tables with their 95% intervals (read from the verified files), the post-processing steps,
+the invariants (unprotected), the ledger (the manifest's block, and the dataset's history when a ledger is
+given), the signature status and the file hashes.
 Written beside the release directory, never inside it (the release stays exactly as published).
 """
 from __future__ import annotations
 
-import math
-
 import json
+import math
 from html import escape
+from pathlib import Path
 
 import numpy as np
-from pathlib import Path
 
 from .outputs import check_output_file, write_atomically
 from .verify import VerifyReport, verify_release

@@ -86,7 +86,7 @@ def check_input_unchanged(source: InputSource, before: list) -> None:
     """Refuse to publish when an input file changed (size or modification time) between the fingerprint and the
     end of the engine's read: the key was bound to other bytes than the noise was drawn over (a file rewritten in
     place, common on object stores). Names the files only."""
-    changed = [path for path, (a, b) in zip(source.files(), zip(before, source.stamps())) if a != b]
+    changed = [stamp[0] for stamp, now in zip(before, source.stamps()) if stamp != now]
     if changed:
         raise DPReleaseError(f"input file(s) {', '.join(changed[:5])} changed while the release ran; nothing was "
                              "published or charged: run it again on an input that is not being written")
@@ -192,10 +192,13 @@ def validate_only(spec_path: Path, internal_dir: Path, *, input_path: str | None
     spec, spec_dir = load_spec(spec_path)
     plan = build_plan(spec, spec_dir)
     engine_ = make_engine(engine or spec.engine, None, master)
-    source = open_input(plan, spec_dir, input_path)
-    engine_.check_input_schema(source)
-    validation = check_input_schema(plan, source, internal_dir, strict=False)
-    return _value_report(plan, engine_, source, validation, created_at)[1]
+    try:
+        source = open_input(plan, spec_dir, input_path)
+        engine_.check_input_schema(source)
+        validation = check_input_schema(plan, source, internal_dir, strict=False)
+        return _value_report(plan, engine_, source, validation, created_at)[1]
+    finally:
+        engine_.close()
 
 
 def run_release(spec_path: Path, **options) -> RunResult:

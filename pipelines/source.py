@@ -292,8 +292,8 @@ def _unmatchable_values(path: str, name: str, kind: pa.DataType, values: list) -
         return []
     shown = [str(v) for v in values[:5]] + (["..."] if len(values) > 5 else [])
     return [f"input file {path}: columns.{name}: input column type is {kind}, but none of the spec's values "
-            f"{shown} is a number as the column writes it, so no record could match one (every record would be (other)); write the "
-            "values as the data codes them (for example [0, 1]) or recode the column"]
+            f"{shown} is a number as the column writes it, so no record could match one (every record would be "
+            "(other)); write the values as the data codes them (for example [0, 1]) or recode the column"]
 
 
 def check_every_file(files: list[str], fmt: str, plan: Plan, columns: list[str],

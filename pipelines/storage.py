@@ -21,7 +21,8 @@ from dprelease.accounting.errors import SpecError
 URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 PUBLIC_OPTIONS = {
     "s3": frozenset({"region", "scheme", "endpoint_override", "allow_bucket_creation", "allow_bucket_deletion",
-                     "tls_ca_file_path", "connect_timeout", "request_timeout", "check_directory_existence_before_creation"}),
+                     "tls_ca_file_path", "connect_timeout", "request_timeout",
+                     "check_directory_existence_before_creation"}),
     "gs": frozenset({"scheme", "endpoint_override", "retry_limit_seconds", "project_id"}),
     "hdfs": frozenset({"replication", "buffer_size", "default_block_size", "user"}),
 }
@@ -59,6 +60,12 @@ class Store:
 
     def path(self, uri: str) -> str:
         return uri[len(self.prefix):] if uri.startswith(self.prefix) else uri
+
+    @property
+    def holds_objects(self) -> bool:
+        """An object store (s3, gs: paths start with the bucket), where one name can be both an object and the
+        prefix of other objects; a file system (hdfs) cannot have both."""
+        return self.prefix.endswith("://")
 
 
 def open_store(uri: str, field: str) -> tuple[Store, str]:
@@ -105,7 +112,7 @@ def list_files(store: Store, path: str, field: str) -> list[str]:
     info = file_info(store, path, field)
     try:
         below = store.filesystem.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)) \
-            if info.type == pafs.FileType.Directory or store.prefix.endswith("://") else []
+            if info.type == pafs.FileType.Directory or store.holds_objects else []
     except (pa.ArrowException, OSError):
         below = []  # a plain object: nothing below it
     files = sorted(f.path for f in below if f.type == pafs.FileType.File)

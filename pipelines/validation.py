@@ -33,6 +33,7 @@ from dprelease.transforms.domains import CategoricalDomain, GeographyDomain, Int
 from dprelease.transforms.encode import (_as_text, _integer_values, dictionary_encoded, dictionary_values, is_text,
                                          text_as_bytes)
 
+from .housekeeping import write_private
 from .manifest import file_stamp
 from .plan import Plan
 from .source import value_type
@@ -289,18 +290,9 @@ def write_internal_report(directory: Path, plan: Plan, runner: SuiteRunner, sche
         "expectations": entries,
     }
     path = directory / f"{plan.spec.release_id}-{file_stamp(created_at)}-validation.json"
-    _write_private(path, json.dumps(report, indent=2) + "\n")
-    _write_private(directory / f"{plan.spec.release_id}-suite.json", json.dumps(runner.suite_json(), indent=2) + "\n")
+    write_private(path, json.dumps(report, indent=2) + "\n")
+    write_private(directory / f"{plan.spec.release_id}-suite.json", json.dumps(runner.suite_json(), indent=2) + "\n")
     return path
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write a file readable by its owner only (0600, also when it existed before with a wider mode):
-    the report holds confidential counts and sample values."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    os.fchmod(fd, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(text)
 
 
 class StrictValidationError(DPReleaseError):

@@ -208,18 +208,12 @@ ARROW_SETTINGS = {"spark.sql.execution.arrow.pyspark.enabled": "true",
 """Session settings the jobs need (runtime SQL settings: set on a caller's session for the job, then restored)."""
 
 
-def _set_arrow_settings(spark) -> dict[str, str | None]:
-    """Set ARROW_SETTINGS on a session; returns the values they replace (None: unset)."""
+@contextlib.contextmanager
+def _arrow_settings(spark):
+    """ARROW_SETTINGS for one job; the session's own values are put back afterwards (unset where it had none)."""
     previous = {name: spark.conf.get(name, None) for name in ARROW_SETTINGS}
     for name, value in ARROW_SETTINGS.items():
         spark.conf.set(name, value)
-    return previous
-
-
-@contextlib.contextmanager
-def _arrow_settings(spark):
-    """ARROW_SETTINGS for one job; the session's own values are put back afterwards."""
-    previous = _set_arrow_settings(spark)
     try:
         yield
     finally:
@@ -336,18 +330,16 @@ class SparkEngine(Engine):
                         frame = frame.withColumn(name, F.col(name).cast("string"))
                 outcome = ValidationOutcome(runner.expectations)
                 outcome.add(runner.validate(frame, "value"))
-        except Exception as error:
-            self._stop_started(spark)  # the release job will not follow
+        except Exception as error:  # the run's `close` stops a session the engine started
             raise DPReleaseError(f"input validation on Spark failed: {type(error).__name__}") from error
         return outcome
 
     def close(self) -> None:
-        if self.started_session is not None:
-            self._stop_started(self.started_session)
+        self._stop_started(self.started_session)
 
     def _stop_started(self, spark) -> None:
         """Stop `spark` if this engine started it (a caller's or an already active session is never stopped)."""
-        if spark is self.started_session:
+        if spark is not None and spark is self.started_session:
             spark.stop()
             self.started_session = None
 

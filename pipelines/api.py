@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -124,7 +125,10 @@ class Release:
             if session is not None:
                 options.update(engine="spark", spark_session=session)
             result = run_release_spec(self.spec, self.base_dir, input_path=input_path, **options)
-        return ReleaseResult.open(result.release_dir, run=result)
+        published = ReleaseResult.open(result.release_dir, run=result)
+        for warning in published.coding_warnings:
+            warnings.warn(warning, UserWarning, stacklevel=2)
+        return published
 
 
 @contextlib.contextmanager
@@ -302,6 +306,14 @@ class ReleaseResult:
     def mean_names(self) -> list[str]:
         """The means (each the ratio of a sum table and a count table of the release)."""
         return [m["table"] for m in self.manifest.get("means") or []]
+
+    @property
+    def coding_warnings(self) -> list[str]:
+        """Dimensions whose `(other)` cells hold a large share of a published count table (a category spelled
+        otherwise than the data codes it): read from the published tables only, so safe to print."""
+        from .coding_check import other_shares
+
+        return [share.message() for share in other_shares(self.directory, self.manifest)]
 
     def verify(self, public_key: str | Path | None = None, ledger: str | Path | None = None,
                recompute: bool = False):

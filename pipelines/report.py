@@ -116,6 +116,35 @@ PLOTTED_CELLS = 60
 """Tables of at most this many cells get a plot of their published values with 95% intervals."""
 
 
+def _mean_rows(manifest: dict) -> list[list[str]]:
+    """A row per mean: its error at n records from its sum's and count's noise (no budget of its own)."""
+    by_name = {t["name"]: t for t in manifest.get("tables", [])}
+    rows = []
+    for mean in manifest.get("means") or []:
+        total, count = by_name.get(mean.get("sum_table")), by_name.get(mean.get("count_table"))
+        if not total or not count:
+            continue
+        largest = max(abs(float(b)) for b in mean["measure"]["clamp"])
+        numerator = math.sqrt(total["expected_error"]["variance"] + largest ** 2 * count["expected_error"]["variance"])
+        rows.append([escape(mean["table"]), f"{total['cells']:,}",
+                     f"ratio {escape(mean['sum_table'])} / {escape(mean['count_table'])} (no budget of its own)",
+                     f"≤ {numerator:,.1f} / n", f"≤ ±{1.96 * numerator:,.1f} / n", "-", ""])
+    return rows
+
+
+def _coding_check(report: VerifyReport) -> str:
+    """Dimensions whose (other) cells hold a large share of a published count table (public files only)."""
+    from .coding_check import OTHER_SHARE_LIMIT, other_shares
+
+    if not report.ok:
+        return "<p>Not run: the release did not verify.</p>"
+    found = other_shares(report.release_dir, report.manifest)
+    if not found:
+        return (f"<p>No column or geography level has more than {OTHER_SHARE_LIMIT:.0%} of a published count "
+                "table's total in its (other) cells.</p>")
+    return '<ul class="bad">' + "".join(f"<li>{escape(share.message())}</li>" for share in found) + "</ul>"
+
+
 def _value_plots(report: VerifyReport) -> str:
     """Per small table (count, sum), its published values with their 95% intervals (counts: 1.96 x the GLS std of
     the cell; sums: the noise's 95% margin), read from the verified release's own files (public)."""
@@ -234,6 +263,7 @@ def render(report: VerifyReport, ledger_history: list | None = None) -> str:
                            f"{t['expected_error']['std']:.3f}", f"±{t['expected_error']['margin_95']}",
                            _estimate_text(t.get("estimate")),
                            _error_bar(t["expected_error"]["margin_95"], scales.get(_bar_group(t), 1.0))])
+    error_rows += _mean_rows(manifest)
     privacy = manifest.get("privacy", {})
     sections = [
         f"<h1>Release {escape(manifest.get('release_id', '?'))}</h1>",
@@ -258,6 +288,10 @@ def render(report: VerifyReport, ledger_history: list | None = None) -> str:
         "<p>GLS std dev: the standard deviation of a cell's generalised least-squares estimate from all count "
         "measurements together, before the nonnegative integer step (min–max over the table's cells; per cell in "
         "the table's <code>gls_variance</code> column); an upper bound where marked.</p>",
+        "<p>Means: the ratio of a sum and a count table; at n records in a cell the standard deviation is at most "
+        "the numerator shown divided by n (delta method: sqrt(Var S + M<sup>2</sup> Var C) / n, M the larger bound "
+        "of the clamp); per cell in the API's <code>std_approx</code> column.</p>" if manifest.get("means") else "",
+        "<h2>Coding check</h2>", _coding_check(report),
         "<h2>Published values with 95% intervals</h2>",
         "<p>Tables of at most " + str(PLOTTED_CELLS) + " cells: each cell's published value (dot) and its 95% "
         "interval (counts: ±1.96 standard deviations of the least-squares estimate; sums: the noise's margin).</p>",

@@ -67,6 +67,16 @@ def test_error_bars_compare_within_a_kind_and_losses_per_attribute_are_shown(tmp
     text = re.sub(r"<[^>]+>", " ", ledger_block)
     assert "Lifetime budget" in text and "Rerun of committed release" in text and " no " in text
     assert "None" not in text and "False" not in text and "lifetime_budget" not in text
+    mean_row = next(r for r in re.findall(r"<tr>(.*?)</tr>", html) if ">income_mean<" in r)
+    numerator = float(re.search(r"≤ ([0-9,.]+) / n", mean_row).group(1).replace(",", ""))
+    plan = {r["table"]: r for r in dprelease_plan(spec)}
+    assert numerator == pytest.approx(plan["income_mean"]["mean_std_at_n"], rel=1e-3)
+
+
+def dprelease_plan(spec) -> list[dict]:
+    import dprelease
+
+    return dprelease.Release.from_yaml(spec).plan().to_dict("records")
 
 
 def test_report_shows_mismatches_and_exits_1(released):

@@ -1,0 +1,79 @@
+"""A check for mis-coded categories, computed from the published release only.
+
+A spec whose `values` do not match the data's codes (`[Female, Male]` over data coded `F`/`M`) sends every
+record to the `(other)` cell, and the release is published without complaint. This check reads the published
+(noisy, post-processed) count tables and says when a column's or a geography level's `(other)` cells hold a
+large share of the total.
+
+Privacy: it reads public files of the release only, so it is post-processing of the noisy measurements and
+spends no budget; its warnings may be printed, logged and published (the report shows them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dprelease.transforms.domains import OTHER_LABEL
+
+from .error_columns import table_files
+
+OTHER_SHARE_LIMIT = 0.25
+"""A dimension whose `(other)` cells hold more than this share of a published count table's total is named."""
+
+
+@dataclass(frozen=True)
+class OtherShare:
+    """The share of a published count table's total that falls in one dimension's `(other)` cells."""
+
+    dimension: str
+    table: str
+    share: float
+
+    def message(self) -> str:
+        return (f"{self.share:.0%} of the published total of {self.table} is in {self.dimension} = {OTHER_LABEL}: "
+                f"check that the spec's values for {self.dimension} are spelled as the data codes them")
+
+
+def _label_column(dimension: dict) -> str:
+    """The column of a published table that holds a dimension's labels (a geography level's name, or the
+    attribute's column)."""
+    return dimension.get("level") or dimension["column"]
+
+
+def _count_tables_by_dimension(manifest: dict) -> dict[str, dict]:
+    """For each dimension label column, the published count table with the fewest cells that has it."""
+    smallest: dict[str, dict] = {}
+    for table in manifest.get("tables", []):
+        if table.get("statistic") not in (None, "count") or table.get("kind") == "quantile":
+            continue
+        for dimension in table.get("dimensions", []):
+            name = _label_column(dimension)
+            if name not in smallest or table["cells"] < smallest[name]["cells"]:
+                smallest[name] = table
+    return smallest
+
+
+def _other_share(directory: Path, manifest: dict, table: str, column: str) -> float | None:
+    """The share of the table's published total in rows labelled (other) in `column`; None: no such rows or a
+    zero total."""
+    total = other = 0
+    for path in table_files(manifest, table):
+        part = pq.read_table(Path(directory) / path, columns=[column, "count"])
+        total += int(pc.sum(part["count"]).as_py() or 0)
+        labelled_other = pc.equal(part[column], OTHER_LABEL)
+        other += int(pc.sum(pc.filter(part["count"], labelled_other)).as_py() or 0)
+    return other / total if total > 0 and other > 0 else None
+
+
+def other_shares(directory: Path, manifest: dict) -> list[OtherShare]:
+    """Every dimension whose (other) cells hold more than OTHER_SHARE_LIMIT of the total of the smallest
+    published count table that has it (post-processing of the published tables only)."""
+    found = []
+    for column, table in sorted(_count_tables_by_dimension(manifest).items()):
+        share = _other_share(directory, manifest, table["name"], column)
+        if share is not None and share > OTHER_SHARE_LIMIT:
+            found.append(OtherShare(column, table["name"], share))
+    return found

@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -31,6 +32,7 @@ from .layout import Layout
 from .plan import Plan, build_plan
 from .run import RunResult, run_release_spec
 from .spec import ReleaseSpec, load_spec, parse_spec
+from .storage import is_uri
 
 DEFAULT_LEDGER = "default"
 """`ledger=` value meaning the CLI's default: $DPRELEASE_LEDGER, else ledger.sqlite in the user data directory."""
@@ -114,12 +116,12 @@ class Release:
         or a Spark DataFrame (then the spark engine runs on its session). `ledger`: a SQLite file or SQLAlchemy
         URL, the default ledger (as the CLI), or None for no budget accounting. Every other option is the CLI's.
         """
-        options = dict(ledger=_ledger_location(ledger), out_dir=_path(out_dir), key_file=_path(key_file),
+        options = dict(ledger=_ledger_location(ledger), out_dir=_location(out_dir), key_file=_path(key_file),
                        engine=engine, workers=workers, overwrite=overwrite, internal_dir=_path(internal_dir),
                        strict=strict, sign_key=_path(sign_key), max_cells=max_cells, layout=layout, progress=progress,
                        command_line=["python:dprelease.Release.run", self.release_id])
         if out_dir is None:
-            options["out_dir"] = self.base_dir / self.spec.output.dir
+            options["out_dir"] = _location(self.spec.output.dir, self.base_dir)
         with terminate_as_exit(), public_errors(options["internal_dir"]), \
                 _input_of(data, engine, spark_staging, self.release_id, options["out_dir"]) as (input_path, session):
             if session is not None:
@@ -152,6 +154,13 @@ def _path(value: str | Path | None) -> Path | None:
     return None if value is None else Path(value)
 
 
+def _location(value: str | Path | None, base: Path | None = None) -> str | Path | None:
+    """An output directory: an object-store URI as given (`pipelines.remote`), else a path (from `base`)."""
+    if value is None or (isinstance(value, str) and is_uri(value)):
+        return value
+    return base / value if base is not None else Path(value)
+
+
 class _input_of:
     """The input path a run reads for `data` (and the Spark session to run on); a private temporary copy of data
     held in memory, removed on exit."""
@@ -159,7 +168,7 @@ class _input_of:
     def __init__(self, data: Any, engine: str | None, spark_staging: str | Path | None, release_id: str,
                  out_dir: Path):
         self.data, self.engine, self.spark_staging = data, engine, spark_staging
-        self.release_id, self.out_dir = release_id, Path(out_dir)
+        self.release_id, self.out_dir = release_id, out_dir
         self.temporary: Path | None = None
 
     def __enter__(self) -> tuple[str | None, Any]:
@@ -198,7 +207,7 @@ class _input_of:
                                 "directory every executor and the driver share, outside the output directory")
             return
         staging = Path(self.spark_staging).resolve()
-        if staging.is_relative_to(self.out_dir.resolve()):
+        if isinstance(self.out_dir, Path) and staging.is_relative_to(self.out_dir.resolve()):
             raise SpecError(f"spark_staging = {str(self.spark_staging)!r}: must not be inside the output directory "
                             f"{self.out_dir} (the input copy is confidential)")
 
@@ -260,11 +269,16 @@ class ReleaseResult:
     manifest: dict
     key_file: Path | None = None
     key_reused: bool | None = None
+    location: str | None = None
+    """The release's object-store URI when it was read from one (`directory` is then a temporary copy)."""
     _tables: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, directory: str | Path, run: RunResult | None = None) -> "ReleaseResult":
-        """A published release directory (its manifest parsed; tables read when asked for)."""
+        """A published release directory (its manifest parsed; tables read when asked for), or an object-store
+        URI (downloaded to a private temporary copy, removed with this object; `location` is the URI)."""
+        if isinstance(directory, str) and is_uri(directory):
+            return cls._open_remote(directory, run)
         directory = Path(directory)
         try:
             manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
@@ -272,6 +286,20 @@ class ReleaseResult:
             raise DPReleaseError(f"{directory}: not a published release (manifest.json: {type(error).__name__})") \
                 from None
         return cls(directory, manifest, run.key_file if run else None, run.key_reused if run else None)
+
+    @classmethod
+    def _open_remote(cls, uri: str, run: RunResult | None) -> "ReleaseResult":
+        from .remote import downloaded
+
+        copy = contextlib.ExitStack()
+        try:
+            result = cls.open(copy.enter_context(downloaded(uri, "directory")), run)
+        except BaseException:
+            copy.close()
+            raise
+        result.location = uri
+        weakref.finalize(result, copy.close)
+        return result
 
     @property
     def release_id(self) -> str:

@@ -248,8 +248,9 @@ def plan(spec: Path, max_cells: int | None, engine: str | None, as_json: bool) -
                    "owned by you, mode 0600/0400 and outside the output directory; with a ledger it re-runs only "
                    "the release, spec and input it was first used for (free), anything else is refused. "
                    "Default: a fresh key in <spec dir>/keys/.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Publish under this directory instead of the spec's output.dir.")
+@click.option("--out", "out_dir", type=str,
+              help="Publish under this directory (or object-store URI: s3://bucket/releases/) instead of the spec's "
+                   "output.dir.")
 @click.option("--input", "input_path", help="Read this input instead of the spec's input.path.")
 @click.option("--engine", type=click.Choice(ENGINES),
               help="Engine (default: the spec's, embedded).")
@@ -308,7 +309,7 @@ def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_
                 tasks[stage] = progress.add_task(STAGES.get(stage, stage), total=total)
             progress.update(tasks[stage], completed=done, total=total)
 
-        result = run_release(spec, key_file=key_file, out_dir=out_dir, input_path=input_path, engine=engine,
+        result = run_release(spec, key_file=key_file, out_dir=_location(out_dir), input_path=input_path, engine=engine,
                              workers=workers, overwrite=overwrite, master=master, ledger=ledger, sign_key=sign_key,
                              progress=hook, command_line=sys.argv, internal_dir=internal_dir, strict=strict,
                              runner=runner, beam_options=list(pipeline_options), max_cells=max_cells, layout=layout)
@@ -323,7 +324,8 @@ def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_
     console.print(Text.assemble(f"Key ({state}): {printable(result.key_file)}  ", ("keep it secret; never publish it",
                                                                                   "dim")), soft_wrap=True)
     console.print(f"Check it: dprelease verify {result.release_dir}", soft_wrap=True)
-    _print_coding_warnings(result.release_dir)
+    with _local_release(str(result.release_dir)) as local:
+        _print_coding_warnings(local)
 
 
 def _print_coding_warnings(release_dir: Path) -> None:
@@ -356,7 +358,7 @@ def validate(spec: Path, internal_dir: Path, input_path, engine, master) -> None
 
 
 @main.command()
-@click.argument("release_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("release_dir", type=str)
 @click.option("--public-key", type=click.Path(dir_okay=False, path_type=Path),
               help="Check the manifest's Ed25519 signature against this public key (PEM).")
 @click.option("--ledger", "ledger_location",
@@ -365,13 +367,15 @@ def validate(spec: Path, internal_dir: Path, input_path, engine, master) -> None
 @click.option("--recompute", is_flag=True,
               help="Re-run the post-processing from measurements/ and demand the published tables exactly (floating "
                    "point: a release made on another CPU or numpy build could differ in a rounding tie).")
-def verify(release_dir: Path, public_key, ledger_location, recompute: bool) -> None:
+def verify(release_dir: str, public_key, ledger_location, recompute: bool) -> None:
     """Recompute hashes, accounting, budget totals and every structural property of a release; exit 1 on
-    any mismatch. Reads only regular files inside the release directory."""
+    any mismatch. Reads only regular files inside the release directory. RELEASE_DIR may be an object-store
+    URI (s3://bucket/releases/ID): the release is downloaded to a private temporary copy first, each object
+    read at most to the size its manifest states."""
     from .verify import verify_release
 
-    with _handled():
-        report = verify_release(release_dir, public_key, ledger=ledger_location, recompute=recompute)
+    with _handled(), _local_release(release_dir) as local:
+        report = verify_release(local, public_key, ledger=ledger_location, recompute=recompute)
     manifest = report.manifest or {}
     software = manifest.get("software") if isinstance(manifest.get("software"), dict) else {}
     console.print(f"Release {printable(manifest.get('release_id', '?'))} of dataset "
@@ -426,6 +430,27 @@ def synthesize(release_dir: Path, out: Path | None, overwrite: bool, max_records
         console.print(f"Not reproduced (tables of other queries): {', '.join(synthetic.not_reproduced)}")
 
 
+def _is_uri(text: str) -> bool:
+    from .storage import is_uri
+
+    return is_uri(text)
+
+
+def _location(text: str | None) -> str | Path | None:
+    """A command-line directory: a URI as given (`pipelines.storage`), else a path."""
+    return text if text is None or _is_uri(text) else Path(text)
+
+
+def _local_release(text: str):
+    """A release named on the command line, as a local directory: an object store's is downloaded to a private
+    temporary copy for the command's duration (`pipelines.remote.downloaded`)."""
+    from contextlib import nullcontext
+
+    from .remote import downloaded
+
+    return downloaded(text, "RELEASE_DIR") if _is_uri(text) else nullcontext(Path(text))
+
+
 def _beside(release_dir: Path, suffix: str) -> Path:
     """<release dir><suffix> in the release's parent directory (the release dir resolved first, so that
     `dprelease report .` inside a release writes beside it, not into it)."""
@@ -434,20 +459,23 @@ def _beside(release_dir: Path, suffix: str) -> Path:
 
 
 @main.command()
-@click.argument("release_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("release_dir", type=str)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
-              help="HTML file to write (default: <release dir>.report.html beside the release; never inside one).")
+              help="HTML file to write (default: <release dir>.report.html beside the release, or "
+                   "<release id>.report.html in the current directory for a URI; never inside one).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out file (the default file is replaced).")
 @click.option("--public-key", type=click.Path(dir_okay=False, path_type=Path), help="Check the signature too.")
 @click.option("--ledger", envvar="DPRELEASE_LEDGER", help="Add the dataset's ledger history.")
-def report(release_dir: Path, out, overwrite: bool, public_key, ledger) -> None:
-    """Write a self-contained HTML report of a release for auditors (verifies it first)."""
+def report(release_dir: str, out, overwrite: bool, public_key, ledger) -> None:
+    """Write a self-contained HTML report of a release for auditors (verifies it first). RELEASE_DIR may be an
+    object-store URI, as for verify."""
     from .outputs import check_output_file
     from .report import write_report
 
-    with _handled():
-        target = check_output_file(out or _beside(release_dir, ".report.html"), overwrite or out is None, "--out")
-        path, result = write_report(release_dir, target, public_key, ledger)
+    with _handled(), _local_release(release_dir) as local:
+        default = Path.cwd() / f"{local.name}.report.html" if _is_uri(release_dir) else _beside(local, ".report.html")
+        target = check_output_file(out or default, overwrite or out is None, "--out")
+        path, result = write_report(local, target, public_key, ledger)
     console.print(f"Report written to {printable(path)}" +
                   ("" if result.ok else f" ({len(result.problems)} mismatches shown)"), soft_wrap=True)
     if not result.ok:

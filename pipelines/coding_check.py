@@ -3,13 +3,14 @@
 A spec whose `values` do not match the data's codes (`[Female, Male]` over data coded `F`/`M`) sends every
 record to the `(other)` cell, and the release is published without complaint. This check reads the published
 (noisy, post-processed) count tables and says when a column's or a geography level's `(other)` cells hold a
-large share of the total.
+large share of the total (and more than noise could put there).
 
 Privacy: it reads public files of the release only, so it is post-processing of the noisy measurements and
 spends no budget; its warnings may be printed, logged and published (the report shows them).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,15 +58,23 @@ def _count_tables_by_dimension(manifest: dict) -> dict[str, dict]:
 
 
 def _other_share(directory: Path, manifest: dict, table: str, column: str) -> float | None:
-    """The share of the table's published total in rows labelled (other) in `column`; None: no such rows or a
-    zero total."""
+    """The share of the table's published total in rows labelled (other) in `column`; None: no such rows, a zero
+    total, or an (other) total within twice its own standard error (noise on a small table, not a coding
+    problem; the count tables' gls_variance of the (other) cells, summed, as if independent)."""
     total = other = 0
+    variance = 0.0
     for path in table_files(manifest, table):
-        part = pq.read_table(Path(directory) / path, columns=[column, "count"])
+        file = pq.ParquetFile(Path(directory) / path)
+        wanted = [c for c in (column, "count", "gls_variance") if c in file.schema_arrow.names]
+        part = file.read(columns=wanted)
         total += int(pc.sum(part["count"]).as_py() or 0)
         labelled_other = pc.equal(part[column], OTHER_LABEL)
         other += int(pc.sum(pc.filter(part["count"], labelled_other)).as_py() or 0)
-    return other / total if total > 0 and other > 0 else None
+        if "gls_variance" in part.column_names:
+            variance += float(pc.sum(pc.filter(part["gls_variance"], labelled_other)).as_py() or 0.0)
+    if total <= 0 or other <= 0 or other <= 2 * math.sqrt(variance):
+        return None
+    return other / total
 
 
 def other_shares(directory: Path, manifest: dict) -> list[OtherShare]:

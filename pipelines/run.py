@@ -27,7 +27,9 @@ from .layout import Layout
 from .postprocessing import estimation_path, post_process, unit_tree
 from .release import (StagedRelease, check_staged_files, check_target, finish_release, new_staging, publish,
                       replaced_prefix, stage_release, staging_prefix)
+from .remote import RemoteRelease, check_remote_target, release_under, upload_release
 from .source import InputSource, open_input
+from .storage import is_uri
 from .spec import ReleaseSpec, load_spec
 from .validation import (StrictValidationError, SuiteRunner, check_schema, expectations_from_spec, manifest_record,
                          write_internal_report)
@@ -39,7 +41,8 @@ LOG = logging.getLogger("dprelease")
 
 @dataclass(frozen=True)
 class RunResult:
-    release_dir: Path
+    release_dir: Path | str
+    """The published release: a local directory, or its URI in an object store (`pipelines.remote`)."""
     key_file: Path
     key_reused: bool
     plan: Plan
@@ -55,7 +58,7 @@ def creation_time() -> str:
 ENGINES = ("embedded", "spark", "beam")
 
 
-def _reserve(ledger: str | Path | None, plan: Plan, key: ReleaseKey, input_fingerprint: str, final_dir: Path):
+def _reserve(ledger: str | Path | None, plan: Plan, key: ReleaseKey, input_fingerprint: str, location: str):
     """Reserve the release's composed loss in the ledger (before any noise is drawn), if one is used;
     the reservation binds the key to this release, spec and input (see accounting.ledger)."""
     if ledger is None:
@@ -65,7 +68,7 @@ def _reserve(ledger: str | Path | None, plan: Plan, key: ReleaseKey, input_finge
     unit, spend = plan.ledger_spend()
     spec = plan.spec
     reservation = reserve(book, spec.dataset_id, spec.release_id, key.key_id(), spec.spec_hash(), unit, spend,
-                          spec.period, input_fingerprint=input_fingerprint, release_dir=str(final_dir.resolve()),
+                          spec.period, input_fingerprint=input_fingerprint, release_dir=location,
                           owner=owner(), plan_sha256=plan_fingerprint(plan))
     LOG.info("ledger: reserved %s %s of dataset %s", "nothing (re-run)" if reservation.rerun else spend, unit,
              spec.dataset_id)
@@ -238,14 +241,26 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
     check_plan_limits(plan, max_cells, engine or spec.engine)
     LOG.info("planned release %s: %d tables, %d cells, %s budget", spec.release_id, len(plan.tables),
              plan.n_cells, spec.budget.definition)
-    root = Path(out_dir) if out_dir else spec_dir / spec.output.dir
+    remote = _remote_target(spec, out_dir, overwrite)
+    root = Path(tempfile.mkdtemp(prefix="dprelease-publish-")) if remote else \
+        Path(out_dir) if out_dir else spec_dir / spec.output.dir
     final_dir = root / spec.release_id
-    if internal_dir is not None and Path(internal_dir).resolve().is_relative_to(root.resolve()):
-        raise SpecError(f"--internal-dir = {str(internal_dir)!r}: must not be inside the output directory {root} "
-                        "(the validation report is confidential)")
-    check_target(final_dir, overwrite)
-    engine_ = make_engine(engine or spec.engine, workers, master, runner, beam_options, spark_session)
+    if remote is None:
+        if internal_dir is not None and Path(internal_dir).resolve().is_relative_to(root.resolve()):
+            raise SpecError(f"--internal-dir = {str(internal_dir)!r}: must not be inside the output directory "
+                            f"{root} (the validation report is confidential)")
+        check_target(final_dir, overwrite)
     try:
+        engine_ = make_engine(engine or spec.engine, workers, master, runner, beam_options, spark_session)
+    except BaseException:
+        if remote:
+            shutil.rmtree(root, ignore_errors=True)
+        raise
+    try:
+        if remote and engine_.writes_parts and unit_tree(plan) is not None and not engine_.workers_share_driver_disk():
+            raise SpecError(f"output: {remote.uri}: a release for an object store is staged on the driver's disk "
+                            f"first, which the {engine_.name} engine's workers on a cluster cannot reach; publish "
+                            "to a shared file system, or run it with a local master/runner")
         signer = load_private_key(sign_key) if sign_key else None
         source = open_input(plan, spec_dir, input_path)
         engine_.check_input_schema(source)
@@ -257,7 +272,8 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
         stamps = source.stamps()
         release_key, input_fingerprint = bind_release_key(key, plan, source)
         clean_leftovers(root, spec.release_id)
-        book, reservation = _reserve(ledger, plan, key, input_fingerprint, final_dir)
+        book, reservation = _reserve(ledger, plan, key, input_fingerprint,
+                                     remote.uri if remote else str(final_dir.resolve()))
         LOG.info("key %s (%s)", key.key_id(), "reused" if reused else "new")
         committed = False
         lease = LeaseKeeper(book, reservation, warn=LOG.warning) if reservation else contextlib.nullcontext()
@@ -271,6 +287,8 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                         commit(book, reservation, staged.manifest_sha256)
                     committed = True
                     publish(staged, final_dir, overwrite)
+                    if remote:
+                        upload_release(final_dir, remote, overwrite)
                 except BaseException as error:
                     staged.discard()
                     if committed and reservation and isinstance(error, Exception):
@@ -283,10 +301,23 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
             if reservation and not committed:
                 _abort_quietly(book, reservation)
             raise
-        LOG.info("published %s", final_dir)
-        return RunResult(final_dir, key_path, reused, plan)
+        LOG.info("published %s", remote.uri if remote else final_dir)
+        return RunResult(remote.uri if remote else final_dir, key_path, reused, plan)
     finally:
         engine_.close()  # a session the engine started never outlives the run
+        if remote:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _remote_target(spec: ReleaseSpec, out_dir, overwrite: bool) -> RemoteRelease | None:
+    """The release's place in an object store when the output directory is a URI (`pipelines.remote`), checked
+    to be free (or `overwrite`); None for a local output directory."""
+    target, field = (str(out_dir), "--out") if out_dir is not None else (spec.output.dir, "output.dir")
+    if not is_uri(target):
+        return None
+    remote = release_under(target, spec.release_id, field)
+    check_remote_target(remote, overwrite)
+    return remote
 
 
 def _release_and_stage(plan: Plan, engine_: Engine, source: InputSource, validation, created_at: str, key,

@@ -26,7 +26,7 @@ from dprelease.accounting.errors import DPReleaseError, InputSchemaError, SpecEr
 from dprelease.transforms.encode import is_text
 
 from .plan import Plan
-from .storage import Store, is_uri, list_files, local_path, open_store, stamps
+from .storage import Store, content_tag, is_uri, list_files, local_path, open_store, stamps
 
 LOG = logging.getLogger("dprelease")
 BATCH_ROWS = 1 << 20
@@ -67,9 +67,11 @@ FINGERPRINT_BLOCK = 8 << 20
 
 
 def _file_chunks(paths: list[str], store: Store | None = None) -> Iterator[bytes]:
-    """Every file's length and bytes, in order. A store's files are read through it in full: pyarrow exposes no
-    content checksum (an S3 ETag or GCS CRC32C) to stand in for the bytes, and a size and modification time
-    would bind a key to two different contents written within one clock tick."""
+    """Every file's length and bytes, in order; for an object whose store gives a checksum without a read
+    (S3's ETag: `storage.content_tag`), its length and that checksum instead of its bytes (marked apart, so
+    the same bytes on disk and in S3 give two fingerprints: a key used on one is a new binding on the other,
+    which can only cost budget, never share noise). A size and modification time would not do: they bind a
+    key to two different contents written within one clock tick."""
     yield len(paths).to_bytes(8, "big")
     for path in paths:
         if store is None:
@@ -77,18 +79,28 @@ def _file_chunks(paths: list[str], store: Store | None = None) -> Iterator[bytes
                 yield os.fstat(handle.fileno()).st_size.to_bytes(8, "big")
                 yield from iter(lambda: handle.read(FINGERPRINT_BLOCK), b"")
             continue
-        located = store.path(path)
-        info = store.filesystem.get_file_info(located)
-        if info.type != pafs.FileType.File:
-            raise DPReleaseError(f"input file {path}: disappeared while the run was starting; nothing was charged")
-        yield info.size.to_bytes(8, "big")
-        read = 0
-        with store.filesystem.open_input_stream(located) as handle:
-            for block in iter(lambda: handle.read(FINGERPRINT_BLOCK), b""):
-                read += len(block)
-                yield block
-        if read != info.size:
-            raise DPReleaseError(f"input file {path}: changed while it was read; nothing was charged")
+        tagged = content_tag(store, path)
+        if tagged is not None:
+            size, tag = tagged
+            yield b"\x00checksum:s3-etag:" + size.to_bytes(8, "big") + len(tag).to_bytes(2, "big") + tag
+            continue
+        yield from _object_chunks(store, path)
+
+
+def _object_chunks(store: Store, path: str) -> Iterator[bytes]:
+    """An object's length and bytes, read through its store."""
+    located = store.path(path)
+    info = store.filesystem.get_file_info(located)
+    if info.type != pafs.FileType.File:
+        raise DPReleaseError(f"input file {path}: disappeared while the run was starting; nothing was charged")
+    yield info.size.to_bytes(8, "big")
+    read = 0
+    with store.filesystem.open_input_stream(located) as handle:
+        for block in iter(lambda: handle.read(FINGERPRINT_BLOCK), b""):
+            read += len(block)
+            yield block
+    if read != info.size:
+        raise DPReleaseError(f"input file {path}: changed while it was read; nothing was charged")
 
 
 @dataclass

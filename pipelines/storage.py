@@ -124,8 +124,26 @@ def list_files(store: Store, path: str, field: str) -> list[str]:
     return files
 
 
-def stamps(store: Store, paths: list[str]) -> list[tuple[str, int | None, int | None]]:
-    """(path, size, modification time) of each file: taken before the fingerprint and after the engine's read,
-    so that a file changed in between (same key, other bytes) aborts the run before anything is published."""
+def content_tag(store: Store, path: str) -> tuple[int, bytes] | None:
+    """(size, the store's checksum of the object) without reading the object, where the store gives one: S3's
+    ETag (the MD5 of a single-part upload's bytes, or of its parts' MD5s for a multipart upload; a new upload of
+    other bytes gets another ETag). None where the store gives none (GCS, HDFS: pyarrow exposes no checksum
+    of theirs), and the bytes are read instead."""
+    if not isinstance(store.filesystem, pafs.S3FileSystem):
+        return None
+    try:
+        with store.filesystem.open_input_file(store.path(path)) as handle:  # a HEAD request: no body is read
+            size, metadata = handle.size(), dict(handle.metadata())
+    except (pa.ArrowException, OSError):
+        return None
+    tag = metadata.get("ETag") or metadata.get(b"ETag")
+    return (size, tag.encode() if isinstance(tag, str) else bytes(tag)) if tag else None
+
+
+def stamps(store: Store, paths: list[str]) -> list[tuple]:
+    """(path, size, modification time, checksum) of each file: taken before the fingerprint and after the
+    engine's read, so that a file changed in between (same key, other bytes) aborts the run before anything is
+    published. S3 keeps modification times to the second; its ETag tells two writes within one second apart."""
     infos = store.filesystem.get_file_info([store.path(p) for p in paths])
-    return [(p, i.size if i.type == pafs.FileType.File else None, i.mtime_ns) for p, i in zip(paths, infos)]
+    return [(p, i.size if i.type == pafs.FileType.File else None, i.mtime_ns,
+             content_tag(store, p) if i.type == pafs.FileType.File else None) for p, i in zip(paths, infos)]

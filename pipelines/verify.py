@@ -599,11 +599,17 @@ def verify_release(release_dir: Path, public_key: Path | None = None, *, ledger:
 
 
 def published_manifest_sha256(row) -> str | None:
-    """For `ledger reconcile`: the SHA-256 of the manifest published at a ledger row's release directory
-    when it is that row's release (same dataset, release, key and spec), else None. Reads only a regular
+    """For `ledger reconcile`: the SHA-256 of the manifest published at a ledger row's release directory (or
+    object-store URI) when it is that row's release (same dataset, release, key and spec), else None. Reads only a regular
     file (never a link, FIFO or device), at most MAX_MANIFEST_BYTES."""
+    from .remote import read_manifest_bytes
+    from .storage import is_uri
+
     try:
-        data = read_regular(Path(row.release_dir) / MANIFEST, MAX_MANIFEST_BYTES)
+        data = read_manifest_bytes(row.release_dir) if is_uri(row.release_dir) else \
+            read_regular(Path(row.release_dir) / MANIFEST, MAX_MANIFEST_BYTES)
+        if data is None:
+            return None
         manifest = parse_json_bounded(data)
     except (UnsafeFile, ValueError, UnicodeDecodeError, OSError):
         return None

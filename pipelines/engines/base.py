@@ -47,6 +47,11 @@ class Engine(ABC):
     """Whether the engine runs the post-processing and writing stages of a tree of units in its workers
     (`release_parts`); else the driver post-processes the noisy vectors (`pipelines.postprocessing`)."""
 
+    def workers_share_driver_disk(self) -> bool:
+        """Whether the workers write where the driver's local disk is (one machine): a release published to an
+        object store is staged there first (`pipelines.remote`)."""
+        return True
+
     def release_parts(self, plan: Plan, source: InputSource, key: ReleaseKey, staging: Path, layout: "Layout",
                       progress: ProgressHook = no_progress) -> tuple[list[dict], dict]:
         """Noise, post-processing and every table part written into `staging` by the workers

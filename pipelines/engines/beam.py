@@ -213,6 +213,11 @@ class BeamEngine(Engine):
             raise SpecError("input.path: a URI input is read by the embedded and spark engines; on Beam, copy it to "
                             "a path the workers read, or use the embedded engine")
 
+    def workers_share_driver_disk(self) -> bool:
+        from apache_beam.options.pipeline_options import StandardOptions
+
+        return self.options.view_as(StandardOptions).runner == "DirectRunner"
+
     def _runner(self):
         from apache_beam.options.pipeline_options import StandardOptions
 

@@ -271,6 +271,9 @@ class SparkEngine(Engine):
         self.started_session = builder.getOrCreate()
         return self.started_session
 
+    def workers_share_driver_disk(self) -> bool:
+        return self.session().sparkContext.master.startswith("local")
+
     def check_input_schema(self, source: InputSource) -> None:
         """Spark reads every Parquet file with one schema (the dataset's), converted to Spark types: a
         column type Spark cannot hold (uint64) or a file whose column type differs from the first file's

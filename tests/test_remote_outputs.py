@@ -1,0 +1,149 @@
+"""Releases published to an object store (a real S3-compatible server on 127.0.0.1, as in test_storage): the
+manifest is uploaded last, so an interrupted upload leaves no release, is charged, and republishes free; verify,
+report and the Python API read a release by URI; tampering in the store is a mismatch."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import namedtuple
+from fractions import Fraction
+
+import pyarrow.fs as pafs
+import pytest
+
+import dprelease
+from dprelease.accounting.errors import PublishError, SpecError
+from dprelease.accounting.ledger import COMMITTED, open_ledger, set_budget
+from dprelease.pipelines import remote as remote_module
+from dprelease.pipelines.run import run_release
+from dprelease.pipelines.verify import published_manifest_sha256
+
+from .conftest import small_spec, write_case
+from .test_api import persons
+from .test_key_reuse import statuses
+from .test_storage import credentials, s3  # noqa: F401 - fixtures
+
+CLI = [sys.executable, "-m", "dprelease.pipelines.cli"]
+
+
+def store(endpoint: str) -> pafs.S3FileSystem:
+    return pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True)
+
+
+def bucket_uri(endpoint: str, bucket: str, path: str = "releases") -> str:
+    store(endpoint).create_dir(bucket)
+    return f"s3://{bucket}/{path}?endpoint_override={endpoint}&scheme=http"
+
+
+def objects(endpoint: str, prefix: str) -> list[str]:
+    infos = store(endpoint).get_file_info(pafs.FileSelector(prefix, recursive=True, allow_not_found=True))
+    return sorted(i.path[len(prefix) + 1:] for i in infos if i.type == pafs.FileType.File)
+
+
+def test_the_cli_publishes_to_s3_and_verifies_and_reports_from_it(s3, credentials, tmp_path, monkeypatch):
+    spec = write_case(tmp_path / "case", small_spec())
+    ledger = tmp_path / "ledger.sqlite"
+    subprocess.run([*CLI, "ledger", "set-budget", "test-data", "--epsilon", "5", "--ledger", str(ledger)],
+                   check=True, capture_output=True)
+    out = bucket_uri(s3, "published")
+    done = subprocess.run([*CLI, "run", str(spec), "--out", out, "--ledger", str(ledger)], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    assert "s3://published/releases/test-release" in done.stdout
+    names = objects(s3, "published/releases/test-release")
+    assert "manifest.json" in names and "tables/pop.nation.parquet" in names
+    release = f"s3://published/releases/test-release?endpoint_override={s3}&scheme=http"
+    checked = subprocess.run([*CLI, "verify", release, "--ledger", str(ledger)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "OK" in checked.stdout
+    monkeypatch.chdir(tmp_path)
+    reported = subprocess.run([*CLI, "report", release], capture_output=True, text=True)
+    assert reported.returncode == 0, reported.stderr
+    assert "Verified" in (tmp_path / "test-release.report.html").read_text(encoding="utf-8")
+    again = subprocess.run([*CLI, "run", str(spec), "--out", out, "--no-ledger"], capture_output=True, text=True)
+    assert again.returncode == 2 and "already exists" in again.stderr
+    with store(s3).open_output_stream("published/releases/test-release/tables/pop.nation.csv") as handle:
+        handle.write(b'"nation","count"\n"US",999999\n')
+    tampered = subprocess.run([*CLI, "verify", release], capture_output=True, text=True)
+    assert tampered.returncode == 1 and "MISMATCH" in tampered.stderr
+
+
+def test_an_interrupted_upload_leaves_no_release_stays_charged_and_republishes_free(s3, credentials, tmp_path,
+                                                                                   monkeypatch):
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "test-data", "epsilon", Fraction(10))
+    spec = write_case(tmp_path / "case", small_spec())
+    out = bucket_uri(s3, "interrupted")
+    copied = []
+    real_upload = remote_module._upload_file
+
+    def fail_on_the_third(local, filesystem, path):
+        if len(copied) == 2:
+            raise OSError("connection reset")
+        copied.append(path)
+        return real_upload(local, filesystem, path)
+
+    with monkeypatch.context() as patched:  # undone at its end (the credentials stay)
+        patched.setattr(remote_module, "_upload_file", fail_on_the_third)
+        with pytest.raises(PublishError, match="charged in the ledger but not published"):
+            run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=out)
+    left = objects(s3, "interrupted/releases/test-release")
+    assert len(left) == 2 and "manifest.json" not in left  # the manifest goes last: no release
+    assert statuses(book) == [COMMITTED]
+    with pytest.raises(dprelease.DPReleaseError, match="not a published release"):
+        dprelease.ReleaseResult.open(f"s3://interrupted/releases/test-release?endpoint_override={s3}&scheme=http")
+    again = run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=out)
+    result = dprelease.ReleaseResult.open(again.release_dir)
+    assert result.manifest["ledger"]["rerun_of_committed_release"] is True
+    assert result.manifest["ledger"]["charged_by_this_run"] == "0"
+    assert result.verify(ledger=book).ok and statuses(book) == [COMMITTED]
+
+
+def test_the_python_api_publishes_to_s3_and_reads_the_tables_back(s3, credentials, tmp_path):
+    write_case(tmp_path, small_spec())
+    release = dprelease.Release.from_dict(small_spec(), base_dir=tmp_path)
+    result = release.run(persons(400), ledger=None, out_dir=bucket_uri(s3, "api-out"))
+    assert result.location.startswith("s3://api-out/releases/test-release")
+    assert int(result.table("pop.nation")["count"].iloc[0]) > 0 and result.verify().ok
+    copy = result.directory
+    assert copy.exists()
+    del result
+    import gc
+
+    gc.collect()
+    assert not copy.exists()  # the temporary copy goes with the object
+
+
+def test_reconcile_finds_a_release_published_in_the_store(s3, credentials, tmp_path):
+    spec = write_case(tmp_path / "case", small_spec())
+    published = run_release(spec, out_dir=bucket_uri(s3, "reconciled"), key_file=tmp_path / "k.key")
+    manifest = dprelease.ReleaseResult.open(published.release_dir).manifest
+    Row = namedtuple("Row", "release_dir dataset_id release_id key_id spec_sha256")
+    row = Row(published.release_dir, "test-data", "test-release", manifest["key_id"], manifest["spec_sha256"])
+    assert published_manifest_sha256(row) is not None
+    assert published_manifest_sha256(row._replace(key_id="other")) is None
+    assert published_manifest_sha256(row._replace(release_dir=published.release_dir.replace(
+        "test-release", "never-published"))) is None
+
+
+def test_a_cluster_engine_cannot_publish_to_a_store_through_the_drivers_disk(s3, credentials, tmp_path):
+    """A plan whose tables form a tree of units is post-processed and written by the workers: on a runner that
+    is not on this machine they cannot reach the driver's staging directory; refused before anything runs."""
+    spec = write_case(tmp_path / "case", small_spec(queries=small_spec()["queries"][:2]))
+    with pytest.raises(SpecError, match="staged on the driver's disk"):
+        run_release(spec, out_dir=bucket_uri(s3, "cluster"), engine="beam", runner="PortableRunner",
+                    beam_options=["--job_endpoint=127.0.0.1:1"])
+    assert objects(s3, "cluster/releases") == []
+
+
+def test_a_downloaded_object_is_read_no_further_than_its_manifest_says(s3, credentials, tmp_path):
+    spec = write_case(tmp_path / "case", small_spec())
+    published = run_release(spec, out_dir=bucket_uri(s3, "bounded"), key_file=tmp_path / "k.key")
+    manifest = dprelease.ReleaseResult.open(published.release_dir).manifest
+    listed = {f["path"]: f["bytes"] for f in manifest["files"]}
+    with store(s3).open_output_stream("bounded/releases/test-release/tables/pop.nation.csv") as handle:
+        handle.write(b"x" * (1 << 22))
+    with remote_module.downloaded(published.release_dir) as copy:
+        assert (copy / "tables" / "pop.nation.csv").stat().st_size == listed["tables/pop.nation.csv"] + 1
+        assert not dprelease.pipelines.verify.verify_release(copy).ok

@@ -56,7 +56,8 @@ setup(
     extras_require={
         "test": ["pytest>=7.4", "scipy>=1.11", "dp-accounting>=0.4", "opendp>=0.12", "jsonschema>=4",
                  "psycopg[binary]>=3.1", "moto[server]>=5",
-                 "polars>=1"],
+                 "polars>=1", "nbclient>=0.10", "ipykernel>=6", "nbformat>=5.1",
+                 "mkdocs>=1.6", "mkdocstrings[python]>=0.26", "pymdown-extensions>=10"],
         "spark": ["pyspark>=4.0", "pandas>=2.2,<3"],
         "beam": ["apache-beam>=2.60"],
         # pandas 3 is not yet what the suite is tested on (CI installs every extra: pandas < 3 via spark)

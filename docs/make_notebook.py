@@ -1,4 +1,4 @@
-"""Build docs/quickstart.ipynb from docs/quickstart.md: its prose as markdown cells, its Python blocks as code
+"""Build examples/quickstart.ipynb from docs/quickstart.md: its prose as markdown cells, its Python blocks as code
 cells (the notebook is the quickstart, runnable in Jupyter; tests/test_docs.py checks the two agree).
 
     python docs/make_notebook.py
@@ -19,7 +19,8 @@ def notebook(markdown: str) -> dict:
         if not text:
             continue
         kind = "code" if i % 2 else "markdown"
-        cell = {"cell_type": kind, "metadata": {}, "source": text.splitlines(keepends=True)}
+        cell = {"cell_type": kind, "id": f"cell-{len(cells)}", "metadata": {},
+                "source": text.splitlines(keepends=True)}
         if kind == "code":
             cell.update(execution_count=None, outputs=[])
         cells.append(cell)
@@ -34,5 +35,5 @@ def render(markdown: str) -> str:
 
 
 if __name__ == "__main__":
-    (HERE / "quickstart.ipynb").write_text(render((HERE / "quickstart.md").read_text(encoding="utf-8")),
+    (HERE.parent / "examples" / "quickstart.ipynb").write_text(render((HERE / "quickstart.md").read_text(encoding="utf-8")),
                                            encoding="utf-8")

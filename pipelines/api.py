@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from dprelease.accounting.errors import DPReleaseError, SpecError
+from dprelease.accounting.errors import DPReleaseError, PublishError, SpecError
 
 from .engines.base import ProgressHook, no_progress
 from .housekeeping import input_copy_prefix, leftover_tag, terminate_as_exit, write_failure
@@ -127,10 +127,14 @@ class Release:
             if session is not None:
                 options.update(engine="spark", spark_session=session)
             result = run_release_spec(self.spec, self.base_dir, input_path=input_path, **options)
-        published = ReleaseResult.open(result.release_dir, run=result)
-        for warning in published.coding_warnings:
+        for warning in result.coding_warnings:
             warnings.warn(warning, UserWarning, stacklevel=2)
-        return published
+        try:
+            return ReleaseResult.open(result.release_dir, run=result)
+        except DPReleaseError as error:  # published and charged: say so, never as a failed run to repeat
+            raise PublishError(f"release {self.release_id}: published to {result.release_dir} and charged, but "
+                               f"reading it back failed ({error}); open it later with "
+                               "dprelease.ReleaseResult.open(...)") from None
 
 
 @contextlib.contextmanager

@@ -324,17 +324,8 @@ def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_
     console.print(Text.assemble(f"Key ({state}): {printable(result.key_file)}  ", ("keep it secret; never publish it",
                                                                                   "dim")), soft_wrap=True)
     console.print(f"Check it: dprelease verify {result.release_dir}", soft_wrap=True)
-    with _local_release(str(result.release_dir)) as local:
-        _print_coding_warnings(local)
-
-
-def _print_coding_warnings(release_dir: Path) -> None:
-    """Name dimensions whose (other) cells hold a large share of a published table (from public files only)."""
-    from .coding_check import other_shares
-
-    manifest = json.loads((Path(release_dir) / "manifest.json").read_text(encoding="utf-8"))
-    for share in other_shares(release_dir, manifest):
-        errors.print(Text.assemble(("Warning: ", "bold yellow"), share.message()), soft_wrap=True)
+    for warning in result.coding_warnings:  # from the published tables only (pipelines/coding_check.py)
+        errors.print(Text.assemble(("Warning: ", "bold yellow"), warning), soft_wrap=True)
 
 
 @main.command()

@@ -10,6 +10,7 @@ spends no budget; its warnings may be printed, logged and published (the report 
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,3 +87,13 @@ def other_shares(directory: Path, manifest: dict) -> list[OtherShare]:
         if share is not None and share > OTHER_SHARE_LIMIT:
             found.append(OtherShare(column, table["name"], share))
     return found
+
+
+def coding_warnings(release_dir: Path) -> list[str]:
+    """The messages of `other_shares` for a just-published release (its local copy). Never raises: the release is
+    published and charged by then, so a failure here is said, not turned into a failed run."""
+    try:
+        manifest = json.loads((Path(release_dir) / "manifest.json").read_text(encoding="utf-8"))
+        return [share.message() for share in other_shares(release_dir, manifest)]
+    except Exception as error:  # noqa: BLE001 - see the docstring
+        return [f"the coding check of the (other) cells could not run ({type(error).__name__})"]

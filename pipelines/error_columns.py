@@ -25,11 +25,17 @@ def table_files(manifest: dict, name: str, folder: str = "tables") -> list[str]:
     manifest."""
     single = f"{folder}/{name}.parquet"
     prefix = f"{folder}/{name}/"
-    paths = [f["path"] for f in manifest["files"]]
+    paths = [f["path"] for f in manifest["files"] if _inside(f.get("path"))]
     if single in paths:
         return [single]
     parts = [p for p in paths if p.startswith(prefix) and p.endswith(".parquet")]
     return sorted(parts, key=_part_number)
+
+
+def _inside(path) -> bool:
+    """A manifest path that names a file inside the release (no absolute path, no empty, '.' or '..' part): an
+    unverified manifest cannot point a reader outside the release."""
+    return isinstance(path, str) and bool(path) and all(p not in ("", ".", "..") for p in path.split("/"))
 
 
 def _part_number(path: str) -> tuple[int, str]:

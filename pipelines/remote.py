@@ -3,8 +3,9 @@
 An object store has no atomic rename, so a release is published there as it is written nowhere else: staged
 and committed on the driver's local disk as usual, then uploaded file by file with `manifest.json` last. A
 release exists in the store once its manifest does: readers (verify, report, `ReleaseResult.open`, `ledger
-reconcile`) start from the manifest, and objects under a release's prefix without one are the leftovers of an
-upload that failed (a rerun with the same key republishes at no further cost, replacing them).
+reconcile`) start from the manifest. Objects under a release's prefix without one (an upload that failed, or
+anything else) are never removed without `--overwrite`: a rerun with the same key and `--overwrite` replaces
+them and republishes at no further cost.
 
 Reading one back (verify, report) downloads it into a private temporary directory, each object read at most
 to the size its manifest states (plus one byte, so a longer object is a mismatch, not a long read); then the
@@ -75,19 +76,22 @@ def release_under(root_uri: str, release_id: str, field: str) -> RemoteRelease:
 
 
 def check_remote_target(release: RemoteRelease, overwrite: bool) -> None:
-    """Refuse to publish over a release already in the store without `overwrite` (public: the store's state)."""
+    """Refuse to publish where the store holds anything under the release's prefix (a release, the leftovers of
+    a failed upload, or other objects) without `overwrite`, as a local run refuses an existing directory."""
     try:
-        published = release.exists()
+        held = release.objects()
     except (pa.ArrowException, OSError) as error:
         raise SpecError(f"output: {release.uri}: cannot be reached ({type(error).__name__})") from None
-    if published and not overwrite:
-        raise SpecError(f"output: release {release.uri} already exists; pass --overwrite to replace it")
+    if held and not overwrite:
+        what = "a release" if MANIFEST in held else f"{len(held)} object(s) but no manifest (a failed upload?)"
+        raise SpecError(f"output: {release.uri.split('?', 1)[0]} already holds {what}; pass --overwrite to "
+                        "replace it")
 
 
 def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool) -> None:
-    """Publish the staged release at `local_dir` to the store: the old release (with `overwrite`) or an earlier
-    failed upload's leftovers are removed first (its manifest first, so it stops being a release), then every
-    file is copied, the manifest last: a reader never sees a manifest whose files are not all there."""
+    """Publish the staged release at `local_dir` to the store: with `overwrite`, what the prefix holds is removed
+    first (a manifest first, so it stops being a release); then every file is copied, the manifest last: a
+    reader never sees a manifest whose files are not all there."""
     check_remote_target(release, overwrite)
     filesystem = release.store.filesystem
     old = release.objects()
@@ -110,49 +114,88 @@ def _read_bounded(release: RemoteRelease, relative: str, limit: int) -> bytes:
         return handle.read(limit)
 
 
+def _copy_bounded(release: RemoteRelease, relative: str, limit: int, target: Path) -> None:
+    """At most `limit` bytes of an object into `target`, a block at a time."""
+    with release.store.filesystem.open_input_stream(release.object_path(relative)) as handle, \
+            open(target, "wb") as out:
+        while limit > 0:
+            block = handle.read(min(COPY_BLOCK, limit))
+            if not block:
+                break
+            out.write(block)
+            limit -= len(block)
+
+
+MAX_LISTED_BYTES = 1 << 50
+"""A manifest's claimed file size above this is not a size (verify reports the file as mismatched)."""
+MAX_UNLISTED_OBJECTS = 100
+"""Unlisted objects read (UNLISTED_READ bytes each) before the rest are named only (empty local files)."""
+
+
 def _listed_sizes(manifest_bytes: bytes) -> dict[str, int]:
     """The files the manifest lists and their sizes ({} for a manifest that does not parse: verify says why)."""
     try:
         manifest = json.loads(manifest_bytes)
-        return {f["path"]: int(f["bytes"]) for f in manifest["files"]
-                if isinstance(f.get("path"), str) and int(f["bytes"]) >= 0}
-    except (ValueError, TypeError, KeyError, AttributeError):
+        files = manifest["files"]
+    except (ValueError, TypeError, KeyError, RecursionError):
         return {}
+    sizes = {}
+    for entry in files if isinstance(files, list) else []:
+        if isinstance(entry, dict) and isinstance(entry.get("path"), str) and isinstance(entry.get("bytes"), int) \
+                and 0 <= entry["bytes"] <= MAX_LISTED_BYTES:
+            sizes[entry["path"]] = entry["bytes"]
+    return sizes
 
 
 def _safe_relative(relative: str) -> bool:
-    """An object name that stays inside the copy (no absolute path, no '..', no empty part)."""
-    parts = PurePosixPath(relative).parts
-    return bool(parts) and not PurePosixPath(relative).is_absolute() and all(p not in ("", ".", "..") for p in parts)
+    """An object name that stays inside the copy and that every store can open: no absolute path, no empty,
+    '.' or '..' part (so no '//' either)."""
+    parts = relative.split("/")
+    return bool(relative) and all(p not in ("", ".", "..") for p in parts)
 
 
 @contextlib.contextmanager
 def downloaded(uri: str, field: str = "RELEASE") -> Iterator[Path]:
-    """A local, private copy of the release at `uri`, removed afterwards. Each object is read at most to its
-    listed size plus one byte (unlisted ones to UNLISTED_READ), so a hostile store cannot make the reader fetch
-    more than the manifest claims; names that would leave the copy are skipped (verify reports them missing)."""
+    """A local, private copy of the release at `uri`, removed afterwards. Each object is read at most to the
+    smaller of its size and its listed size plus one byte (so a longer object is a mismatch, not a long read);
+    unlisted objects to UNLISTED_READ bytes, the first MAX_UNLISTED_OBJECTS of them (the rest named by empty
+    files); names that would leave the copy, or that a store cannot open, are skipped (verify reports listed
+    ones missing); an object that cannot be read is left out the same way."""
     release = open_release(uri, field)
+    shown = uri.split("?", 1)[0]
     try:
         objects = release.objects()
     except (pa.ArrowException, OSError) as error:
-        raise DPReleaseError(f"{field} = {uri.split('?', 1)[0]!r}: cannot be listed ({type(error).__name__})") \
-            from None
+        raise DPReleaseError(f"{field} = {shown!r}: cannot be listed ({type(error).__name__})") from None
     if MANIFEST not in objects:
-        raise DPReleaseError(f"{field} = {uri.split('?', 1)[0]!r}: no {MANIFEST} there: not a published release")
+        raise DPReleaseError(f"{field} = {shown!r}: no {MANIFEST} there: not a published release")
     holder = Path(tempfile.mkdtemp(prefix="dprelease-download-"))
     try:
         copy = holder / PurePosixPath(release.path).name
         copy.mkdir(mode=0o700)
-        manifest_bytes = _read_bounded(release, MANIFEST, MAX_MANIFEST_BYTES + 1)
+        try:
+            manifest_bytes = _read_bounded(release, MANIFEST, MAX_MANIFEST_BYTES + 1)
+        except (pa.ArrowException, OSError) as error:
+            raise DPReleaseError(f"{field} = {shown!r}: {MANIFEST} cannot be read ({type(error).__name__})") \
+                from None
+        (copy / MANIFEST).write_bytes(manifest_bytes)
         listed = _listed_sizes(manifest_bytes)
-        for relative in sorted(objects):
-            if not _safe_relative(relative):
+        unlisted = 0
+        for relative, size in sorted(objects.items()):
+            if relative == MANIFEST or not _safe_relative(relative):
                 continue
             target = copy / relative
-            target.parent.mkdir(parents=True, exist_ok=True)
-            data = manifest_bytes if relative == MANIFEST else \
-                _read_bounded(release, relative, listed[relative] + 1 if relative in listed else UNLISTED_READ)
-            target.write_bytes(data)
+            if relative in listed:
+                limit = min(size, listed[relative] + 1)
+            else:
+                unlisted += 1
+                limit = UNLISTED_READ if unlisted <= MAX_UNLISTED_OBJECTS else 0
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _copy_bounded(release, relative, limit, target)
+            except (pa.ArrowException, OSError):  # unreadable, or an object that is also a prefix
+                with contextlib.suppress(OSError):
+                    target.unlink(missing_ok=True)
         yield copy
     finally:
         shutil.rmtree(holder, ignore_errors=True)

@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dprelease.accounting.errors import DPReleaseError, PublishError, SpecError
@@ -27,6 +27,7 @@ from .layout import Layout
 from .postprocessing import estimation_path, post_process, unit_tree
 from .release import (StagedRelease, check_staged_files, check_target, finish_release, new_staging, publish,
                       replaced_prefix, stage_release, staging_prefix)
+from .coding_check import coding_warnings
 from .remote import RemoteRelease, check_remote_target, release_under, upload_release
 from .source import InputSource, open_input
 from .storage import is_uri
@@ -46,6 +47,8 @@ class RunResult:
     key_file: Path
     key_reused: bool
     plan: Plan
+    coding_warnings: list[str] = field(default_factory=list)
+    """Dimensions whose (other) cells hold a large share of a published table (`coding_check`; public)."""
 
 
 def creation_time() -> str:
@@ -295,14 +298,16 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                         raise PublishError(
                             f"release {spec.release_id}: charged in the ledger but not published "
                             f"({type(error).__name__}: {error}); re-run it with --key-file {key_path} and the same "
-                            "spec and input to publish it at no further cost") from error
+                            "spec and input" + (" and --overwrite (the failed upload left objects under the "
+                                                "release's prefix)" if remote else "") +
+                            " to publish it at no further cost") from error
                     raise
         except BaseException:
             if reservation and not committed:
                 _abort_quietly(book, reservation)
             raise
         LOG.info("published %s", remote.uri if remote else final_dir)
-        return RunResult(remote.uri if remote else final_dir, key_path, reused, plan)
+        return RunResult(remote.uri if remote else final_dir, key_path, reused, plan, coding_warnings(final_dir))
     finally:
         engine_.close()  # a session the engine started never outlives the run
         if remote:

@@ -26,7 +26,7 @@ from dprelease.accounting.errors import DPReleaseError, InputSchemaError, SpecEr
 from dprelease.transforms.encode import is_text
 
 from .plan import Plan
-from .storage import Store, content_tag, is_uri, list_files, local_path, open_store, stamps
+from .storage import Store, is_uri, list_files, local_path, open_store, stamps
 
 LOG = logging.getLogger("dprelease")
 BATCH_ROWS = 1 << 20
@@ -67,22 +67,18 @@ FINGERPRINT_BLOCK = 8 << 20
 
 
 def _file_chunks(paths: list[str], store: Store | None = None) -> Iterator[bytes]:
-    """Every file's length and bytes, in order; for an object whose store gives a checksum without a read
-    (S3's ETag: `storage.content_tag`), its length and that checksum instead of its bytes (marked apart, so
-    the same bytes on disk and in S3 give two fingerprints: a key used on one is a new binding on the other,
-    which can only cost budget, never share noise). A size and modification time would not do: they bind a
-    key to two different contents written within one clock tick."""
+    """Every file's length and bytes, in order, read in full (through its store for a URI). A store's checksum
+    cannot stand in for the bytes: S3's ETag is an MD5 (of the bytes, or of each part's), and MD5 collisions
+    are cheap, so two inputs differing in a record could share one ETag and so one fingerprint: the same key
+    binding, hence the same noise (their difference published exactly) and a free rerun. pyarrow exposes
+    no collision-resistant checksum (S3's x-amz-checksum-sha256, GCS's) to use instead. A size and
+    modification time would not do either: they bind a key to two contents written within one clock tick."""
     yield len(paths).to_bytes(8, "big")
     for path in paths:
         if store is None:
             with open(path, "rb") as handle:
                 yield os.fstat(handle.fileno()).st_size.to_bytes(8, "big")
                 yield from iter(lambda: handle.read(FINGERPRINT_BLOCK), b"")
-            continue
-        tagged = content_tag(store, path)
-        if tagged is not None:
-            size, tag = tagged
-            yield b"\x00checksum:s3-etag:" + size.to_bytes(8, "big") + len(tag).to_bytes(2, "big") + tag
             continue
         yield from _object_chunks(store, path)
 

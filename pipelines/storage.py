@@ -124,26 +124,27 @@ def list_files(store: Store, path: str, field: str) -> list[str]:
     return files
 
 
-def content_tag(store: Store, path: str) -> tuple[int, bytes] | None:
-    """(size, the store's checksum of the object) without reading the object, where the store gives one: S3's
-    ETag (the MD5 of a single-part upload's bytes, or of its parts' MD5s for a multipart upload; a new upload of
-    other bytes gets another ETag). None where the store gives none (GCS, HDFS: pyarrow exposes no checksum
-    of theirs), and the bytes are read instead."""
+def content_tag(store: Store, path: str) -> bytes | None:
+    """The store's checksum of an object, without reading it, where the store gives one: S3's ETag (a HEAD
+    request). Used only to notice a change (`stamps`), never to identify content: an ETag is an MD5, and MD5
+    collisions are cheap (the fingerprint reads the bytes: `source._file_chunks`). None elsewhere."""
     if not isinstance(store.filesystem, pafs.S3FileSystem):
         return None
     try:
-        with store.filesystem.open_input_file(store.path(path)) as handle:  # a HEAD request: no body is read
-            size, metadata = handle.size(), dict(handle.metadata())
+        with store.filesystem.open_input_file(store.path(path)) as handle:
+            metadata = dict(handle.metadata())
     except (pa.ArrowException, OSError):
         return None
     tag = metadata.get("ETag") or metadata.get(b"ETag")
-    return (size, tag.encode() if isinstance(tag, str) else bytes(tag)) if tag else None
+    return (tag.encode() if isinstance(tag, str) else bytes(tag)) if tag else None
 
 
 def stamps(store: Store, paths: list[str]) -> list[tuple]:
     """(path, size, modification time, checksum) of each file: taken before the fingerprint and after the
     engine's read, so that a file changed in between (same key, other bytes) aborts the run before anything is
-    published. S3 keeps modification times to the second; its ETag tells two writes within one second apart."""
+    published. S3 keeps modification times to the second; its ETag tells most writes within one second apart
+    (not a change undone within the same second, nor an MD5 collision: the engine's read is bracketed, not
+    hashed)."""
     infos = store.filesystem.get_file_info([store.path(p) for p in paths])
     return [(p, i.size if i.type == pafs.FileType.File else None, i.mtime_ns,
              content_tag(store, p) if i.type == pafs.FileType.File else None) for p, i in zip(paths, infos)]

@@ -89,3 +89,12 @@ def test_the_python_api_warns(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert dprelease.ReleaseResult.open(result.directory).coding_warnings == result.coding_warnings
+
+
+def test_manifest_paths_that_leave_the_release_are_never_read():
+    """An unverified manifest (ReleaseResult.open on someone's directory) cannot point a reader outside it."""
+    from dprelease.pipelines.error_columns import table_files
+
+    manifest = {"files": [{"path": "tables/t/../../../secret.parquet"}, {"path": "/etc/t.parquet"},
+                          {"path": "tables/t//part-00000.parquet"}, {"path": "tables/t/part-00001.parquet"}]}
+    assert table_files(manifest, "t") == ["tables/t/part-00001.parquet"]

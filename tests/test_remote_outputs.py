@@ -62,7 +62,7 @@ def test_the_cli_publishes_to_s3_and_verifies_and_reports_from_it(s3, credential
     assert reported.returncode == 0, reported.stderr
     assert "Verified" in (tmp_path / "test-release.report.html").read_text(encoding="utf-8")
     again = subprocess.run([*CLI, "run", str(spec), "--out", out, "--no-ledger"], capture_output=True, text=True)
-    assert again.returncode == 2 and "already exists" in again.stderr
+    assert again.returncode == 2 and "already holds a release" in again.stderr
     with store(s3).open_output_stream("published/releases/test-release/tables/pop.nation.csv") as handle:
         handle.write(b'"nation","count"\n"US",999999\n')
     tampered = subprocess.run([*CLI, "verify", release], capture_output=True, text=True)
@@ -93,7 +93,9 @@ def test_an_interrupted_upload_leaves_no_release_stays_charged_and_republishes_f
     assert statuses(book) == [COMMITTED]
     with pytest.raises(dprelease.DPReleaseError, match="not a published release"):
         dprelease.ReleaseResult.open(f"s3://interrupted/releases/test-release?endpoint_override={s3}&scheme=http")
-    again = run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=out)
+    with pytest.raises(SpecError, match="no manifest"):  # leftovers are never removed without --overwrite
+        run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=out)
+    again = run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=out, overwrite=True)
     result = dprelease.ReleaseResult.open(again.release_dir)
     assert result.manifest["ledger"]["rerun_of_committed_release"] is True
     assert result.manifest["ledger"]["charged_by_this_run"] == "0"
@@ -147,3 +149,40 @@ def test_a_downloaded_object_is_read_no_further_than_its_manifest_says(s3, crede
     with remote_module.downloaded(published.release_dir) as copy:
         assert (copy / "tables" / "pop.nation.csv").stat().st_size == listed["tables/pop.nation.csv"] + 1
         assert not dprelease.pipelines.verify.verify_release(copy).ok
+
+
+def test_objects_under_the_release_prefix_are_never_removed_without_overwrite(s3, credentials, tmp_path):
+    """A prefix that holds anything (here someone's notes) is refused, as a local run refuses an existing
+    directory; nothing is deleted (found by review: the leftovers rule deleted other objects)."""
+    out = bucket_uri(s3, "shared-prefix")
+    with store(s3).open_output_stream("shared-prefix/releases/test-release/notes.txt") as handle:
+        handle.write(b"someone else's")
+    spec = write_case(tmp_path / "case", small_spec())
+    with pytest.raises(SpecError, match="already holds 1 object"):
+        run_release(spec, out_dir=out, key_file=tmp_path / "k.key")
+    assert objects(s3, "shared-prefix/releases/test-release") == ["notes.txt"]
+
+
+def test_verify_by_uri_reports_odd_object_names_as_mismatches_not_tracebacks(s3, credentials, tmp_path):
+    spec = write_case(tmp_path / "case", small_spec())
+    published = run_release(spec, out_dir=bucket_uri(s3, "odd"), key_file=tmp_path / "k.key")
+    import boto3  # pyarrow refuses to write such a name; another client can
+
+    boto3.client("s3", endpoint_url=f"http://{s3}").put_object(
+        Bucket="odd", Key="releases/test-release/tables//pop.nation.csv", Body=b"x")
+    with store(s3).open_output_stream("odd/releases/test-release/extra.txt") as handle:
+        handle.write(b"x")
+    done = subprocess.run([*CLI, "verify", published.release_dir], capture_output=True, text=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "extra.txt" in done.stderr
+
+
+def test_a_published_release_whose_read_back_fails_says_it_is_published(s3, credentials, tmp_path, monkeypatch):
+    """After the upload the run is published and charged: a failure to read it back is never a failed run to
+    repeat (found by review); the coding check runs on the local copy before it is removed."""
+    write_case(tmp_path, small_spec())
+    release = dprelease.Release.from_dict(small_spec(), base_dir=tmp_path)
+    monkeypatch.setattr(remote_module, "_read_bounded", lambda *a: (_ for _ in ()).throw(OSError("denied")))
+    with pytest.raises(PublishError, match="published to s3://.* and charged, but reading it back failed"):
+        release.run(persons(300), ledger=None, out_dir=bucket_uri(s3, "write-only"))
+    assert "manifest.json" in objects(s3, "write-only/releases/test-release")

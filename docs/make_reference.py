@@ -73,12 +73,15 @@ def spec_reference() -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def _help_of(command: click.Command, path: list[str]) -> list[str]:
-    context = click.Context(command, info_name=" ".join(path), terminal_width=100, max_content_width=100)
+def _help_of(command: click.Command, path: list[str], parent: click.Context | None = None) -> list[str]:
+    """The command's --help as a terminal 100 columns wide shows it (its own and its parents' context settings,
+    such as -h, applied as when it runs)."""
+    context = command.make_context(path[-1], [], parent=parent, resilient_parsing=True, terminal_width=100,
+                                   max_content_width=100)
     lines = [f"## `{' '.join(path)}`", "", "```text", command.get_help(context).rstrip(), "```", ""]
     if isinstance(command, click.Group):
         for name in sorted(command.list_commands(context)):
-            lines += _help_of(command.get_command(context, name), [*path, name])
+            lines += _help_of(command.get_command(context, name), [*path, name], context)
     return lines
 
 

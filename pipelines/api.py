@@ -2,10 +2,11 @@
 
 The same checks, messages, ledger and exit-code classes as the CLI (every error is a `DPReleaseError`; its
 `exit_code` is the CLI's). The ledger is on by default, exactly as in `dprelease run`: pass `ledger=None` to run
-without one. Data held in memory (pandas, Polars, a pyarrow Table or Dataset) is written once to a private
-temporary Parquet file (mode 0700 directory, removed after the run) and read from there like any input, so the
-key is bound to its bytes and every path of the release is the file path's; a Spark DataFrame runs on the spark
-engine in the caller's session (never stopped), written by the executors to `spark_staging` first.
+without one. Data held in memory (pandas, Polars, a pyarrow Table) is read in place by the embedded engine
+(`source.MemorySource`: the key is bound to its Arrow bytes, every schema check applies); a pyarrow Dataset, or
+a frame on another engine, is written once to a private temporary Parquet file (mode 0700 directory, removed
+after the run) and read from there like any input; a Spark DataFrame runs on the spark engine in the caller's
+session (never stopped), written by the executors to `spark_staging` first.
 """
 from __future__ import annotations
 
@@ -123,9 +124,12 @@ class Release:
         if out_dir is None:
             options["out_dir"] = _location(self.spec.output.dir, self.base_dir)
         with terminate_as_exit(), public_errors(options["internal_dir"]), \
-                _input_of(data, engine, spark_staging, self.release_id, options["out_dir"]) as (input_path, session):
+                _input_of(data, engine, spark_staging, self.release_id, options["out_dir"], self.spec.engine) as (input_path, session):
             if session is not None:
                 options.update(engine="spark", spark_session=session)
+            if isinstance(input_path, pa.Table):
+                options.update(engine="embedded", input_table=input_path)
+                input_path = None
             result = run_release_spec(self.spec, self.base_dir, input_path=input_path, **options)
         for warning in result.coding_warnings:
             warnings.warn(warning, UserWarning, stacklevel=2)
@@ -170,8 +174,9 @@ class _input_of:
     held in memory, removed on exit."""
 
     def __init__(self, data: Any, engine: str | None, spark_staging: str | Path | None, release_id: str,
-                 out_dir: Path):
+                 out_dir: Path, spec_engine: str = "embedded"):
         self.data, self.engine, self.spark_staging = data, engine, spark_staging
+        self.spec_engine = spec_engine
         self.release_id, self.out_dir = release_id, out_dir
         self.temporary: Path | None = None
 
@@ -194,9 +199,12 @@ class _input_of:
             data.write.parquet(str(target))
             return str(target), data.sparkSession
         table = _arrow_of(data)
+        if isinstance(table, pa.Table) and (self.engine or self.spec_engine) == "embedded":
+            return table, None  # read where it is (run: input_table), never written
         if isinstance(table, pa.Table):
             target = self._directory(None) / "input.parquet"
-            pq.write_table(table, target)
+            # a scratch copy read once: uncompressed and without statistics, the cheapest Parquet to write
+            pq.write_table(table, target, compression="none", write_statistics=False)
         else:
             target = self._directory(None) / "input"
             ds.write_dataset(table, target, format="parquet")
@@ -236,10 +244,10 @@ def _arrow_of(data: Any) -> pa.Table | ds.Dataset:
         return data
     if isinstance(data, pa.RecordBatch):
         return pa.Table.from_batches([data])
-    module = type(data).__module__
-    if module.startswith("pandas."):
+    package = type(data).__module__.split(".", 1)[0]  # pandas 3 names its frame's module "pandas"
+    if package == "pandas":
         return pa.Table.from_pandas(_objects_as_text(data), preserve_index=False)
-    if module.startswith("polars.") and hasattr(data, "to_arrow"):
+    if package == "polars" and hasattr(data, "to_arrow"):
         return data.to_arrow()
     raise SpecError(f"data: a path, a pandas or Polars DataFrame, a pyarrow Table or Dataset or a Spark DataFrame; "
                     f"got {type(data).__module__}.{type(data).__name__}")

@@ -29,7 +29,7 @@ from .release import (StagedRelease, check_staged_files, check_target, finish_re
                       replaced_prefix, stage_release, staging_prefix)
 from .coding_check import coding_warnings
 from .remote import RemoteRelease, check_remote_target, release_under, upload_release
-from .source import InputSource, open_input
+from .source import InputSource, open_input, open_memory_input
 from .storage import is_uri
 from .spec import ReleaseSpec, load_spec
 from .validation import (StrictValidationError, SuiteRunner, check_schema, expectations_from_spec, manifest_record,
@@ -219,7 +219,7 @@ def run_release_spec(
     master: str | None = None, ledger: str | Path | None = None, sign_key: Path | None = None,
     progress: ProgressHook = no_progress, command_line: list[str] | None = None, internal_dir: Path | None = None,
     strict: bool = False, runner: str | None = None, beam_options: list[str] | None = None,
-    max_cells: int | None = None, layout: Layout | None = None, spark_session=None,
+    max_cells: int | None = None, layout: Layout | None = None, spark_session=None, input_table=None,
 ) -> RunResult:
     """Run a release end to end; relative paths of the spec start from `spec_dir`. Everything that can abort
     on public grounds (spec, cell limit, domain files, the schema of every input file, the release target, the
@@ -227,18 +227,19 @@ def run_release_spec(
     budget. The ledger charge is committed before the release is renamed into place: a published release is
     always charged. `ledger=None` runs without one (the CLI's --no-ledger). SIGTERM runs every clean-up (spill,
     staging, reservation) before the process exits. `spark_session`: run the spark engine on this session
-    (never stopped)."""
+    (never stopped). `input_table`: an in-memory pyarrow Table as the input (embedded engine only)."""
     with terminate_as_exit():
         return _run_release(spec, Path(spec_dir), key_file=key_file, out_dir=out_dir, input_path=input_path,
                             engine=engine, workers=workers, overwrite=overwrite, master=master, ledger=ledger,
                             sign_key=sign_key, progress=progress, command_line=command_line,
                             internal_dir=internal_dir, strict=strict, runner=runner, beam_options=beam_options,
-                            max_cells=max_cells, layout=layout or Layout(), spark_session=spark_session)
+                            max_cells=max_cells, layout=layout or Layout(), spark_session=spark_session,
+                            input_table=input_table)
 
 
 def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_path, engine, workers, overwrite,
                  master, ledger, sign_key, progress, command_line, internal_dir, strict, runner, beam_options,
-                 max_cells, layout, spark_session) -> RunResult:
+                 max_cells, layout, spark_session, input_table) -> RunResult:
     created_at = creation_time()
     plan = build_plan(spec, spec_dir)
     check_plan_limits(plan, max_cells, engine or spec.engine)
@@ -265,7 +266,11 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                             f"first, which the {engine_.name} engine's workers on a cluster cannot reach; publish "
                             "to a shared file system, or run it with a local master/runner")
         signer = load_private_key(sign_key) if sign_key else None
-        source = open_input(plan, spec_dir, input_path)
+        if input_table is not None and engine_.name != "embedded":
+            raise SpecError(f"engine = {engine_.name!r}: an in-memory table is read by the embedded engine; "
+                            "write it where the workers read it and pass its path")
+        source = open_memory_input(plan, input_table) if input_table is not None else \
+            open_input(plan, spec_dir, input_path)
         engine_.check_input_schema(source)
         LOG.info("input: %d %s file(s); engine %s", len(source.files()), source.format, engine_.name)
         validation = check_input_schema(plan, source, internal_dir, strict)

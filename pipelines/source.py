@@ -150,6 +150,62 @@ class InputSource:
         return sum(Path(f).stat().st_size for f in self.files()) // 40
 
 
+MEMORY_INPUT = "<in-memory table>"
+"""The one "file" of an in-memory input (`MemorySource`), as messages and progress name it."""
+
+
+@dataclass
+class MemorySource(InputSource):
+    """An in-memory pyarrow Table as the input (the Python API's DataFrames, on the embedded engine): read in
+    batches where it is, never written to disk. Fingerprinted from its Arrow IPC serialization (schema and every
+    batch of the columns the plan reads): the same bytes are the same data, so a key is never bound to two
+    different inputs; the same data chunked otherwise is a new binding (costs budget, never shares noise)."""
+
+    table: pa.Table | None = None
+
+    def files(self) -> list[str]:
+        return [MEMORY_INPUT]
+
+    def batches(self, path: str) -> Iterator[pa.RecordBatch]:
+        return iter(self.table.to_batches(max_chunksize=BATCH_ROWS))
+
+    def fingerprint(self, key) -> str:
+        return key.fingerprint(_table_chunks(self.table))
+
+    def stamps(self) -> list:
+        return []  # held by this process for the run
+
+    def estimated_rows(self) -> int:
+        return self.table.num_rows
+
+
+def _table_chunks(table: pa.Table) -> Iterator[bytes]:
+    """An Arrow table as bytes that determine it: a marker, the schema, then per batch and column the IPC message
+    of its array (a dictionary column's indices and its dictionary, as two), each after its length."""
+    yield b"\x00memory:arrow-ipc"
+    yield table.schema.serialize().to_pybytes()
+    for batch in table.to_batches(max_chunksize=BATCH_ROWS):
+        for column in batch.columns:
+            parts = [column.indices, column.dictionary] if pa.types.is_dictionary(column.type) else [column]
+            for array in parts:
+                message = pa.RecordBatch.from_arrays([array], ["v"]).serialize()
+                yield message.size.to_bytes(8, "big")
+                yield memoryview(message)
+
+
+def open_memory_input(plan: Plan, table: pa.Table) -> MemorySource:
+    """An in-memory table as the input, checked like a file (exit 2 naming the column, never a value); only
+    the columns the plan reads are kept."""
+    spec = plan.spec
+    columns = plan.used_columns() + ([spec.privacy_unit] if spec.privacy_unit else [])
+    problems = schema_problems(MEMORY_INPUT, table.schema, plan)
+    if problems:
+        raise InputSchemaError(problems)
+    selected = table.select(columns)
+    return MemorySource(ds.dataset(selected), columns, spec.privacy_unit, "parquet", {MEMORY_INPUT: selected.schema},
+                        table=selected)
+
+
 MARKER_FILES = frozenset({"_SUCCESS", "_metadata", "_common_metadata"})
 """Files that writers (Spark, Hadoop, Parquet tools) leave beside data and that hold no records; with `.crc`
 checksum files, the only names an input directory may hold that are not read (and each one is named)."""

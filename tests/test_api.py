@@ -127,7 +127,8 @@ def test_unknown_data_and_table_names_are_spec_errors(tmp_path):
 
 
 def test_temporary_copy_is_private(tmp_path, monkeypatch):
-    """Data held in memory is written once to a 0700 directory, which is gone after the run."""
+    """Data the embedded engine cannot read in place (a pyarrow Dataset; any frame on spark or beam) is written
+    once to a 0700 directory, which is gone after the run."""
     seen = []
     from dprelease.pipelines import api
 
@@ -140,9 +141,65 @@ def test_temporary_copy_is_private(tmp_path, monkeypatch):
 
     monkeypatch.setattr(api, "run_release_spec", spy)
     write_case(tmp_path, small_spec())
-    dprelease.Release.from_dict(small_spec(), base_dir=tmp_path).run(persons(), ledger=None)
+    dataset = ds.dataset(pa.Table.from_pandas(persons(), preserve_index=False))
+    dprelease.Release.from_dict(small_spec(), base_dir=tmp_path).run(dataset, ledger=None)
     (folder, mode), = seen
     assert mode == 0o700 and not folder.exists()
+
+
+def test_a_frame_on_the_embedded_engine_is_read_in_place_never_written(tmp_path, monkeypatch):
+    from dprelease.pipelines import api
+
+    original, seen = api.run_release_spec, []
+
+    def spy(spec, base, *, input_path, **options):
+        seen.append((input_path, options.get("input_table")))
+        return original(spec, base, input_path=input_path, **options)
+
+    monkeypatch.setattr(api, "run_release_spec", spy)
+    monkeypatch.setattr(api._input_of, "_directory", lambda *a: pytest.fail("in-memory data was written"))
+    write_case(tmp_path, small_spec())
+    dprelease.Release.from_dict(small_spec(), base_dir=tmp_path).run(persons(), ledger=None)
+    (path, table), = seen
+    assert path is None and table.num_rows == ROWS
+
+
+def test_an_in_memory_input_binds_its_key_to_its_content(tmp_path):
+    """The ledger binds a key to the input's fingerprint: a rerun on the same frame is free and byte-identical;
+    a frame with one value changed under the same key is refused (its fingerprint is its Arrow bytes')."""
+    from dprelease.accounting.errors import KeyReuseError
+
+    ledger = tmp_path / "ledger.sqlite"
+    subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", "ledger", "set-budget", "test-data",
+                    "--epsilon", "5", "--ledger", str(ledger)], check=True, capture_output=True)
+    write_case(tmp_path, small_spec())
+    release = dprelease.Release.from_dict(small_spec(), base_dir=tmp_path)
+    frame = persons()
+    first = release.run(frame, ledger=ledger, key_file=tmp_path / "k.key", out_dir=tmp_path / "a")
+    again = release.run(frame.copy(), ledger=ledger, key_file=tmp_path / "k.key", out_dir=tmp_path / "b")
+    assert again.manifest["ledger"]["charged_by_this_run"] == "0"
+    for name in first.table_names:
+        assert first.table(name).equals(again.table(name)), name
+    changed = frame.copy()
+    changed.loc[0, "age"] = (changed.loc[0, "age"] + 50) % 100
+    with pytest.raises(KeyReuseError):
+        release.run(changed, ledger=ledger, key_file=tmp_path / "k.key", out_dir=tmp_path / "c")
+
+
+def test_the_fingerprint_of_a_table_tells_one_changed_value_apart():
+    from dprelease.pipelines.source import _table_chunks
+    from dprelease.transforms.csprng import ReleaseKey
+
+    key = ReleaseKey.generate()
+    table = pa.Table.from_pandas(persons(), preserve_index=False)
+    same = pa.Table.from_pandas(persons(), preserve_index=False)
+    values = table.column("sex").to_pylist()
+    values[7] = "M" if values[7] == "F" else "F"
+    other = table.set_column(table.column_names.index("sex"), "sex", pa.array(values))
+    assert key.fingerprint(_table_chunks(table)) == key.fingerprint(_table_chunks(same))
+    assert key.fingerprint(_table_chunks(table)) != key.fingerprint(_table_chunks(other))
+    nulled = table.set_column(table.column_names.index("sex"), "sex", pa.array(values[:7] + [None] + values[8:]))
+    assert key.fingerprint(_table_chunks(other)) != key.fingerprint(_table_chunks(nulled))
 
 
 def test_categories_that_no_numeric_value_can_match_are_refused_before_any_run(tmp_path):
@@ -267,3 +324,15 @@ def test_the_plan_states_a_means_own_error_at_n_records(tmp_path):
     cli = subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", "plan", str(tmp_path / "spec.yaml")],
                          capture_output=True, text=True, check=True)
     assert f"≤{mean['mean_std_at_n']:.4g}/n" in cli.stdout
+
+
+def test_a_frame_whose_module_is_the_pandas_package_is_a_pandas_frame(tmp_path):
+    """pandas 3 names its DataFrame's module "pandas" (pandas 2: "pandas.core.frame"); a fresh install without
+    the test extras gets pandas 3, and the quickstart refused its frame."""
+    class Frame(pd.DataFrame):
+        pass
+
+    Frame.__module__ = "pandas"
+    write_case(tmp_path, small_spec())
+    result = dprelease.Release.from_dict(small_spec(), base_dir=tmp_path).run(Frame(persons()), ledger=None)
+    assert int(result.table("pop.nation")["count"].iloc[0]) > 0

@@ -2,8 +2,9 @@
 
 The same checks, messages, ledger and exit-code classes as the CLI (every error is a `DPReleaseError`; its
 `exit_code` is the CLI's). The ledger is on by default, exactly as in `dprelease run`: pass `ledger=None` to run
-without one. Data held in memory (pandas, Polars, a pyarrow Table) is read in place by the embedded engine
-(`source.MemorySource`: the key is bound to its Arrow bytes, every schema check applies); a pyarrow Dataset, or
+without one. Data held in memory (pandas, Polars, a pyarrow Table) is copied once into an Arrow IPC buffer the
+run owns and read from there by the embedded engine (`source.MemorySource`: the key is bound to those bytes,
+every schema check applies); a pyarrow Dataset, or
 a frame on another engine, is written once to a private temporary Parquet file (mode 0700 directory, removed
 after the run) and read from there like any input; a Spark DataFrame runs on the spark engine in the caller's
 session (never stopped), written by the executors to `spark_staging` first.
@@ -200,7 +201,7 @@ class _input_of:
             return str(target), data.sparkSession
         table = _arrow_of(data)
         if isinstance(table, pa.Table) and (self.engine or self.spec_engine) == "embedded":
-            return table, None  # read where it is (run: input_table), never written
+            return table, None  # copied into a private buffer by run (input_table), never written to disk
         if isinstance(table, pa.Table):
             target = self._directory(None) / "input.parquet"
             # a scratch copy read once: uncompressed and without statistics, the cheapest Parquet to write

@@ -394,6 +394,32 @@ def verify(release_dir: str, public_key, ledger_location, recompute: bool) -> No
 
 @main.command()
 @click.argument("release_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--data", "data", required=True, help="The confidential input the release was made from.")
+@click.option("--internal-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Private directory for the result (confidential: it compares the release with the records).")
+@click.option("--max-units", type=click.IntRange(1), help="Attack at most this many units (default: every one).")
+@click.option("--time-limit", type=click.FloatRange(0.1), default=10.0, show_default=True,
+              help="Seconds per unit for each integer program (the best solution found by then is used).")
+def attack(release_dir: Path, data: str, internal_dir: Path, max_units, time_limit: float) -> None:
+    """Reconstruction-risk check: rebuild microdata from a release, score it against the confidential records.
+
+    Per unit of the finest geography level the count tables cross with attributes, an integer program finds
+    records whose tabulation is closest to the published tables; the share of confidential records matched
+    exactly (same unit, same attributes) is compared with a baseline given only one-way margins. The result
+    is confidential: it is written to --internal-dir only, and only its path is printed."""
+    from .attack import attack as reconstruct
+
+    with _confidential(internal_dir, "attack"), Progress(TextColumn("units"), BarColumn(), MofNCompleteColumn(),
+                                                        TimeElapsedColumn(), console=errors) as progress:
+        task = progress.add_task("units", total=None)
+        path = reconstruct(release_dir, data, internal_dir, max_units, time_limit,
+                           progress=lambda done, total: progress.update(task, completed=done, total=total))
+    console.print(f"Reconstruction result (confidential; never publish it) written to {printable(path)}",
+                  soft_wrap=True)
+
+
+@main.command()
+@click.argument("release_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="Parquet file to write (default: <release dir>.synthetic.parquet beside the release). Never inside "
                    "a release; an existing file only with --overwrite.")

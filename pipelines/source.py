@@ -156,12 +156,15 @@ MEMORY_INPUT = "<in-memory table>"
 
 @dataclass
 class MemorySource(InputSource):
-    """An in-memory pyarrow Table as the input (the Python API's DataFrames, on the embedded engine): read in
-    batches where it is, never written to disk. Fingerprinted from its Arrow IPC serialization (schema and every
-    batch of the columns the plan reads): the same bytes are the same data, so a key is never bound to two
-    different inputs; the same data chunked otherwise is a new binding (costs budget, never shares noise)."""
+    """An in-memory table as the input (the Python API's DataFrames, on the embedded engine), never written to
+    disk. `open_memory_input` serializes the columns the plan reads once, as an Arrow IPC stream into a buffer
+    this process owns; the fingerprint is of those bytes and the engine reads the table they hold. So what is
+    read is exactly what was fingerprinted, whatever happens meanwhile to the caller's frame (pandas and
+    memory-mapped Arrow tables share their memory), and the same bytes are the same data: a key is never bound
+    to two inputs. The same data chunked otherwise is a new binding (costs budget, never shares noise)."""
 
     table: pa.Table | None = None
+    serialized: pa.Buffer | None = None
 
     def files(self) -> list[str]:
         return [MEMORY_INPUT]
@@ -170,40 +173,37 @@ class MemorySource(InputSource):
         return iter(self.table.to_batches(max_chunksize=BATCH_ROWS))
 
     def fingerprint(self, key) -> str:
-        return key.fingerprint(_table_chunks(self.table))
+        return key.fingerprint(iter((b"\x00memory:arrow-ipc-stream", memoryview(self.serialized))))
 
     def stamps(self) -> list:
-        return []  # held by this process for the run
+        return []  # the serialized buffer is private to this process and never written to
 
     def estimated_rows(self) -> int:
         return self.table.num_rows
 
 
-def _table_chunks(table: pa.Table) -> Iterator[bytes]:
-    """An Arrow table as bytes that determine it: a marker, the schema, then per batch and column the IPC message
-    of its array (a dictionary column's indices and its dictionary, as two), each after its length."""
-    yield b"\x00memory:arrow-ipc"
-    yield table.schema.serialize().to_pybytes()
-    for batch in table.to_batches(max_chunksize=BATCH_ROWS):
-        for column in batch.columns:
-            parts = [column.indices, column.dictionary] if pa.types.is_dictionary(column.type) else [column]
-            for array in parts:
-                message = pa.RecordBatch.from_arrays([array], ["v"]).serialize()
-                yield message.size.to_bytes(8, "big")
-                yield memoryview(message)
+def serialized_copy(table: pa.Table) -> tuple[pa.Buffer, pa.Table]:
+    """The table as an Arrow IPC stream in a new buffer, and the table read back from it (zero-copy views of
+    that buffer). Schema metadata (pandas' versions and column list) is dropped first: it is not data."""
+    table = table.replace_schema_metadata(None)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=BATCH_ROWS)
+    buffer = sink.getvalue()
+    return buffer, pa.ipc.open_stream(buffer).read_all()
 
 
 def open_memory_input(plan: Plan, table: pa.Table) -> MemorySource:
     """An in-memory table as the input, checked like a file (exit 2 naming the column, never a value); only
-    the columns the plan reads are kept."""
+    the columns the plan reads are kept, copied once into a buffer of this process (`MemorySource`)."""
     spec = plan.spec
     columns = plan.used_columns() + ([spec.privacy_unit] if spec.privacy_unit else [])
     problems = schema_problems(MEMORY_INPUT, table.schema, plan)
     if problems:
         raise InputSchemaError(problems)
-    selected = table.select(columns)
-    return MemorySource(ds.dataset(selected), columns, spec.privacy_unit, "parquet", {MEMORY_INPUT: selected.schema},
-                        table=selected)
+    serialized, copy = serialized_copy(table.select(columns))
+    return MemorySource(ds.dataset(copy), columns, spec.privacy_unit, "parquet", {MEMORY_INPUT: copy.schema},
+                        table=copy, serialized=serialized)
 
 
 MARKER_FILES = frozenset({"_SUCCESS", "_metadata", "_common_metadata"})

@@ -35,16 +35,32 @@ def releases(tmp_path_factory):
     return root
 
 
-def test_reconstruction_beats_the_baseline_and_a_smaller_budget_rebuilds_less(releases, tmp_path):
+def test_reconstruction_against_the_true_tables_and_the_baselines(releases, tmp_path):
+    """A near-exact release gives an attacker about what the true tables give, far more than either baseline;
+    a small budget gives less; the verdict says so in words."""
     data = str(releases / "data" / "persons.parquet")
     exact = json.loads(attack(releases / "releases" / "attack-exact", data, tmp_path / "a", max_units=8).read_text())
     private = json.loads(attack(releases / "releases" / "attack-private", data, tmp_path / "b",
                                 max_units=8).read_text())
     assert exact["geography_level"] == "geo.county" and exact["attributes"] == ["age", "ethnicity", "race", "sex"]
     assert exact["units_attacked"] == 8 and exact["records"] == sum(u["records"] for u in exact["per_unit"])
-    assert exact["exact_match_rate"] > 2 * exact["baseline_one_way_rate"]
-    assert exact["exact_match_rate"] > private["exact_match_rate"] + 0.05
-    assert all(u["exact_matches"] <= u["records"] for u in exact["per_unit"])
+    rates = exact["exact_match_rates"]
+    assert rates["release"] > max(rates["national_guess"], rates["unit_prior"]) + 0.15
+    assert abs(rates["release"] - rates["true_tables"]) < 0.1
+    assert rates["release"] > private["exact_match_rates"]["release"] + 0.05
+    assert private["exact_match_rates"]["true_tables"] == pytest.approx(rates["true_tables"])  # same records
+    assert "does better than the baselines" in exact["verdict"]
+    for unit in exact["per_unit"]:
+        assert all(0 <= matches <= unit["records"] for matches in unit["exact_matches"].values())
+
+
+def test_the_verdict_says_when_a_release_does_no_better_than_the_baselines():
+    from dprelease.pipelines.attack import verdict
+
+    said = verdict({"release": 0.20, "true_tables": 0.7, "national_guess": 0.195, "unit_prior": 0.15})
+    assert "does no better than the baselines" in said and "20.0%" in said
+    worse = verdict({"release": 0.40, "true_tables": 0.6, "national_guess": 0.44, "unit_prior": 0.58})
+    assert "does no better than the baselines" in worse and "18.0% of the records fewer" in worse
 
 
 def test_the_cli_writes_the_result_only_to_the_internal_directory(releases, tmp_path):

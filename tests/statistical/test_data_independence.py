@@ -77,6 +77,9 @@ def _cli(spec_path, *extra: str) -> tuple[int, str]:
     # carry no data (workers see only encoded batches), so they are left out of the comparison
     text = "\n".join(line for line in text.splitlines()
                      if "apache_beam" not in line and not re.match(r"(INFO|WARNING):(__main__|root):", line))
+    # the coding check's warning is computed from the published (noisy) tables, like the release's files,
+    # which are not compared here either: post-processing, so it may differ between neighbouring inputs
+    text = re.sub(r"Warning: \d+% of the published total of .*?(\n|$)", "", text, flags=re.S)
     return result.returncode, re.sub(r"key [0-9a-f]{16}", "key <id>", text)
 
 

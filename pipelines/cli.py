@@ -430,21 +430,32 @@ def synthesize(release_dir: Path, out: Path | None, overwrite: bool, max_records
     """Write synthetic microdata consistent with a release's hierarchy and marginal tables.
 
     Post-processing only: records drawn from the integer joint table behind the marginals and split among
-    the finest hierarchy level's units by their published counts. The release is verified first."""
+    the finest hierarchy level's units by their published counts. The release is verified first. A utility
+    report (<out>.utility.json) gives, per table the records tabulate to, the L1 distance of their tabulation
+    to the release's noisy measurements and to its published table."""
     from .outputs import check_output_file, write_atomically
     from .synthesize import synthesize as draw
     from .synthesize import write_synthetic
 
     with _handled():
         target = check_output_file(out or _beside(release_dir, ".synthetic.parquet"), overwrite, "--out")
+        report = check_output_file(target.with_name(target.name + ".utility.json"), overwrite, "--out")
         synthetic = draw(release_dir, max_records=max_records)
         path = write_atomically(target, overwrite, lambda handle: write_synthetic(synthetic, handle))
+        utility = json.dumps({"release": str(release_dir), "synthetic": str(path), "tables": synthetic.utility},
+                             indent=2).encode("utf-8")
+        write_atomically(report, overwrite, lambda handle: handle.write(utility))
     records = synthetic.records
     console.print(f"Wrote {records.num_rows:,} synthetic records ({', '.join(records.column_names)}) to "
                   f"{printable(path)}", soft_wrap=True)
     console.print(f"Tabulating them reproduces exactly: {', '.join(synthetic.reproduced) or 'none'}")
     if synthetic.not_reproduced:
         console.print(f"Not reproduced (tables of other queries): {', '.join(synthetic.not_reproduced)}")
+    if synthetic.utility:
+        worst = max(synthetic.utility, key=lambda row: row["l1_to_measurements_per_record"])
+        console.print(f"Utility (L1 of the records' tabulation to the noisy measurements, per record): largest "
+                      f"{worst['l1_to_measurements_per_record']:.3f} ({worst['table']}); every table in "
+                      f"{printable(report)}", soft_wrap=True)
 
 
 def _is_uri(text: str) -> bool:

@@ -41,6 +41,9 @@ class Synthetic:
     records: pa.Table
     reproduced: list[str] = field(default_factory=list)
     not_reproduced: list[str] = field(default_factory=list)
+    utility: list[dict] = field(default_factory=list)
+    """Per count table the records tabulate to: the L1 distance of that tabulation to the release's own noisy
+    measurements, in records and per published record (public: both sides are published)."""
 
 
 def synthesize(release_dir: Path, max_records: int = 100_000_000) -> Synthetic:
@@ -70,7 +73,20 @@ def synthesize(release_dir: Path, max_records: int = 100_000_000) -> Synthetic:
         tabulated = _tabulate(t, codes, geo)
         fits = tabulated is not None and np.array_equal(tabulated, published[t.name])
         (synthetic.reproduced if fits else synthetic.not_reproduced).append(t.name)
+        if tabulated is not None:
+            synthetic.utility.append(utility_of(t.name, tabulated, noisy[t.name], published[t.name]))
     return synthetic
+
+
+def utility_of(name: str, tabulated: np.ndarray, measured: np.ndarray, published: np.ndarray) -> dict:
+    """The utility report's row for one table: L1 distance of the synthetic tabulation to the raw noisy
+    measurement (and to the published table), in records and per published record."""
+    total = max(int(published.sum()), 1)
+    to_measured = int(np.abs(tabulated.astype(np.int64) - measured.astype(np.int64)).sum())
+    to_published = int(np.abs(tabulated.astype(np.int64) - published.astype(np.int64)).sum())
+    return {"table": name, "cells": int(tabulated.size), "records": int(tabulated.sum()),
+            "l1_to_measurements": to_measured, "l1_to_measurements_per_record": to_measured / total,
+            "l1_to_published": to_published, "l1_to_published_per_record": to_published / total}
 
 
 def _one(queries: list, kind: str):

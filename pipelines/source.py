@@ -111,6 +111,8 @@ class InputSource:
     """Each file's schema, read (and checked) once by `open_input`."""
     store: Store | None = None
     """Where the files are when the input is a URI (`files()` are then URIs); None: local files."""
+    location: str | None = None
+    """The input's URI as given, connection options included (workers reopen the store from it)."""
 
     def files(self) -> list[str]:
         files = list(self.dataset.files)
@@ -413,7 +415,7 @@ def open_input(plan: Plan, base_dir: Path, override: str | None = None) -> Input
         dataset = ds.dataset(found.data, format=file_format, filesystem=store.filesystem if store else None)
     except (pa.ArrowException, OSError) as error:
         raise InputSchemaError(f"input.path = {str(path)!r}: cannot be opened as {fmt} ({type(error).__name__})") from None
-    return InputSource(dataset, columns, spec.privacy_unit, fmt, schemas, store)
+    return InputSource(dataset, columns, spec.privacy_unit, fmt, schemas, store, text if store else None)
 
 
 def _store_files(store: Store, root: str) -> InputFiles:

@@ -204,3 +204,25 @@ def test_an_object_rewritten_with_the_same_size_within_a_second_changes_the_stam
     after = source.stamps()
     assert [s[1] for s in before] == [s[1] for s in after]  # same size
     assert before != after
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv"])
+def test_the_beam_engine_reads_a_uri_and_publishes_the_embedded_release(s3, credentials, tmp_path, fmt):
+    """Beam's workers reopen the store from the input URI (credentials from their environment) and read the
+    files through pyarrow: the same records, the same key, the same release as the embedded engine."""
+    pytest.importorskip("apache_beam")
+    frame = persons(400)
+    if fmt == "csv":
+        data = {"part-0.csv": frame.iloc[:200].to_csv(index=False).encode(),
+                "part-1.csv": frame.iloc[200:].to_csv(index=False).encode()}
+    else:
+        data = {"part-0.parquet": parquet_bytes(frame.iloc[:200]), "part-1.parquet": parquet_bytes(frame.iloc[200:])}
+    upload(s3, f"beam-{fmt}", {f"persons/{name}": body for name, body in data.items()})
+    spec = write_case(tmp_path / "case", small_spec())
+    uri = f"s3://beam-{fmt}/persons/?endpoint_override={s3}&scheme=http"
+    key = tmp_path / "k.key"
+    embedded = run_release(spec, input_path=uri, out_dir=tmp_path / "embedded", key_file=key)
+    beam = run_release(spec, input_path=uri, out_dir=tmp_path / "beam", key_file=key, engine="beam", workers=2)
+    for folder in ("tables", "measurements"):
+        for path in sorted((embedded.release_dir / folder).iterdir()):
+            assert path.read_bytes() == (beam.release_dir / folder / path.name).read_bytes(), path.name

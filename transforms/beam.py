@@ -46,24 +46,33 @@ NOISE_RANGE_CELLS = 1 << 18
 
 
 class ReadInputBatches(beam.PTransform):
-    """File paths -> pa.Table batches of `columns` (Parquet: Beam's IO, one batch per row group)."""
+    """File paths -> pa.Table batches of `columns` (Parquet: Beam's IO, one batch per row group). With `store_uri`
+    (an input URI, `pipelines.storage`), the paths are URIs of that store, read through pyarrow's filesystem,
+    which each worker opens from the URI (credentials from the worker's environment, never the URI)."""
 
-    def __init__(self, columns: list[str], fmt: str = "parquet"):
+    def __init__(self, columns: list[str], fmt: str = "parquet", store_uri: str | None = None):
         super().__init__()
-        self.columns, self.fmt = list(columns), fmt
+        self.columns, self.fmt, self.store_uri = list(columns), fmt, store_uri
 
     def expand(self, paths):
-        if self.fmt == "parquet":
+        if self.fmt == "parquet" and self.store_uri is None:
             return paths | "ReadParquet" >> beam.io.ReadAllFromParquetBatched(columns=self.columns).with_output_types(Any)
-        columns = self.columns
+        columns, fmt, store_uri = self.columns, self.fmt, self.store_uri
 
-        def read_csv(path: str) -> Iterable[pa.Table]:
+        def read(path: str) -> Iterable[pa.Table]:
             from dprelease.pipelines.source import read_batches
 
-            for batch in read_batches(path, "csv", columns):
+            if store_uri is None:
+                batches = read_batches(path, fmt, columns)
+            else:
+                from dprelease.pipelines.storage import open_store
+
+                store, _ = open_store(store_uri, "input.path")
+                batches = read_batches(store.path(path), fmt, columns, store.filesystem)
+            for batch in batches:
                 yield pa.Table.from_batches([batch])
 
-        return paths | "ReadCsv" >> beam.FlatMap(read_csv).with_output_types(Any)
+        return paths | f"Read{fmt.capitalize()}" >> beam.FlatMap(read).with_output_types(Any)
 
 
 class EncodeRecords(beam.PTransform):

@@ -206,13 +206,6 @@ class BeamEngine(Engine):
         self.options = pipeline_options(runner, list(options or []), workers)
         self.workers = workers or os.cpu_count() or 1
 
-    def check_input_schema(self, source: InputSource) -> None:
-        """A URI input (`pipelines.storage`) is refused: Beam's own filesystems would need the store's settings as
-        pipeline options, which are not wired here (exit 2, before any budget is reserved)."""
-        if source.store is not None:
-            raise SpecError("input.path: a URI input is read by the embedded and spark engines; on Beam, copy it to "
-                            "a path the workers read, or use the embedded engine")
-
     def workers_share_driver_disk(self) -> bool:
         from apache_beam.options.pipeline_options import StandardOptions
 
@@ -241,7 +234,7 @@ class BeamEngine(Engine):
         columns = source.columns
         encoded = (pipeline
                    | "InputFiles" >> beam.Create(source.files())
-                   | "Read" >> ReadInputBatches(columns, source.format)
+                   | "Read" >> ReadInputBatches(columns, source.format, source.location)
                    | "Encode" >> EncodeRecords.from_plan(plan))
         if source.unit_column:
             shards = max(self.workers * SHARDS_PER_WORKER, -(-source.estimated_rows() // 1_000_000))
@@ -303,7 +296,7 @@ class BeamEngine(Engine):
         def build(pipeline, directory: str) -> None:
             (pipeline
              | "InputFiles" >> beam.Create(source.files())
-             | "Read" >> ReadInputBatches(source.columns, source.format)
+             | "Read" >> ReadInputBatches(source.columns, source.format, source.location)
              | "Validate" >> ValidateBatches(expectations, plan, f"{directory}/validation.json"))
 
         def read(directory: str) -> ValidationOutcome:

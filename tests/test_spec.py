@@ -177,3 +177,54 @@ def test_cli_schema_prints_json():
     result = subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", "schema"], capture_output=True, text=True)
     assert result.returncode == 0
     assert json.loads(result.stdout)["title"] == "ReleaseSpec"
+
+
+def _without(document: dict, field: str) -> dict:
+    return {k: v for k, v in document.items() if k != field}
+
+
+REFUSED_FIELD_BY_FIELD = {
+    "missing release_id": lambda: _without(small_spec(), "release_id"),
+    "unknown top-level field": lambda: small_spec(surprise=1),
+    "epsilon 0": lambda: small_spec(budget={"definition": "pure", "epsilon": 0}),
+    "epsilon text": lambda: small_spec(budget={"definition": "pure", "epsilon": "abc"}),
+    "epsilon boolean": lambda: small_spec(budget={"definition": "pure", "epsilon": True}),
+    "delta 1": lambda: small_spec(budget={"definition": "approx", "epsilon": 1, "delta": 1}),
+    "delta 1.5": lambda: small_spec(budget={"definition": "approx", "epsilon": 1, "delta": 1.5}),
+    "delta 0": lambda: small_spec(budget={"definition": "approx", "epsilon": 1, "delta": 0}),
+    "delta negative": lambda: small_spec(budget={"definition": "approx", "epsilon": 1, "delta": -0.1}),
+    "rho negative": lambda: small_spec(budget={"definition": "zcdp", "rho": -1, "delta": 1e-9}),
+    "unknown definition": lambda: small_spec(budget={"definition": "renyi", "epsilon": 1}),
+    "contribution 0": lambda: small_spec(contribution={"max_records_per_unit": 0}),
+    "contribution huge": lambda: small_spec(contribution={"max_records_per_unit": 10**9}),
+    "release id with a slash": lambda: small_spec(release_id="a/b"),
+    "unknown query kind": lambda: small_spec(queries=[{"name": "q", "kind": "median", "by": ["sex"]}]),
+}
+"""Specs the tests expect refused on one field's own value: the JSON Schema refuses them too. (Refusals that
+relate fields, such as a query naming an undeclared column or level, are the parser's: a schema cannot say
+them; docs/reference/spec.md says so.)"""
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_FIELD_BY_FIELD))
+def test_the_json_schema_refuses_what_the_parser_refuses_field_by_field(name):
+    from jsonschema import Draft202012Validator
+
+    document = REFUSED_FIELD_BY_FIELD[name]()
+    with pytest.raises(Exception):
+        parse_spec(document)
+    assert list(Draft202012Validator(json_schema()).iter_errors(document)), name
+
+
+def test_the_json_schema_accepts_the_specs_the_tests_run():
+    from jsonschema import Draft202012Validator
+
+    from .test_api import spec_with_means
+    from .test_dataflow import QUERIES
+    from .test_units import COLUMNS
+
+    columns = {**COLUMNS, "income": {"type": "integer", "min": 0, "max": 10**5, "clamp": [0, 1000]}}
+    for document in (small_spec(), spec_with_means(),
+                     small_spec(columns=columns, queries=QUERIES, budget={"definition": "zcdp", "rho": "1/3"}),
+                     small_spec(neighbouring="replace", invariants=["pop.state"])):
+        parse_spec(document)
+        assert list(Draft202012Validator(json_schema()).iter_errors(document)) == []

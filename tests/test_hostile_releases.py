@@ -382,7 +382,8 @@ def test_commands_run_inside_a_release_write_beside_it(release, command):
     assert ran.returncode in (0, 2), ran.stderr
     assert verify_release(release).ok
     assert {p.name for p in release.parent.iterdir()} <= {"test-release", "test-release.report.html",
-                                                         "test-release.synthetic.parquet"}
+                                                         "test-release.synthetic.parquet",
+                                                         "test-release.synthetic.parquet.utility.json"}
 
 
 def test_synthesize_refuses_more_records_than_the_cap(release, tmp_path):

@@ -34,7 +34,7 @@ from .layout import Layout
 from .plan import Plan, build_plan
 from .run import RunResult, run_release_spec
 from .spec import ReleaseSpec, load_spec, parse_spec
-from .storage import is_uri
+from .storage import as_location, is_uri
 
 DEFAULT_LEDGER = "default"
 """`ledger=` value meaning the CLI's default: $DPRELEASE_LEDGER, else ledger.sqlite in the user data directory."""
@@ -118,12 +118,12 @@ class Release:
         or a Spark DataFrame (then the spark engine runs on its session). `ledger`: a SQLite file or SQLAlchemy
         URL, the default ledger (as the CLI), or None for no budget accounting. Every other option is the CLI's.
         """
-        options = dict(ledger=_ledger_location(ledger), out_dir=_location(out_dir), key_file=_path(key_file),
+        options = dict(ledger=_ledger_location(ledger), out_dir=as_location(out_dir), key_file=_path(key_file),
                        engine=engine, workers=workers, overwrite=overwrite, internal_dir=_path(internal_dir),
                        strict=strict, sign_key=_path(sign_key), max_cells=max_cells, layout=layout, progress=progress,
                        command_line=["python:dprelease.Release.run", self.release_id])
         if out_dir is None:
-            options["out_dir"] = _location(self.spec.output.dir, self.base_dir)
+            options["out_dir"] = as_location(self.spec.output.dir, self.base_dir)
         with terminate_as_exit(), public_errors(options["internal_dir"]), \
                 _input_of(data, engine, spark_staging, self.release_id, options["out_dir"], self.spec.engine) as (input_path, session):
             if session is not None:
@@ -161,13 +161,6 @@ def public_errors(internal_dir: Path | None):
 
 def _path(value: str | Path | None) -> Path | None:
     return None if value is None else Path(value)
-
-
-def _location(value: str | Path | None, base: Path | None = None) -> str | Path | None:
-    """An output directory: an object-store URI as given (`pipelines.remote`), else a path (from `base`)."""
-    if value is None or (isinstance(value, str) and is_uri(value)):
-        return value
-    return base / value if base is not None else Path(value)
 
 
 class _input_of:

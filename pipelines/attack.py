@@ -58,10 +58,9 @@ def choose_target(plan: Plan) -> Target:
     """The finest geography level with count tables that cross it with attributes (and only with it), those
     attributes, and every count table over that level and a subset of them (a unit total included)."""
     geographies = [name for name, d in plan.domains.items() if isinstance(d, GeographyDomain)]
+    measured_counts = [t for t in plan.tables if t.statistic == "count" and t.event is not None]
     candidates = []
-    for table in plan.tables:
-        if table.statistic != "count" or table.event is None:
-            continue
+    for table in measured_counts:
         geo = [d for d in table.dims if d.column in geographies]
         if len(geo) == 1 and len(table.dims) > 1:
             candidates.append((geo[0].column, geo[0].level))
@@ -71,9 +70,7 @@ def choose_target(plan: Plan) -> Target:
     order = {(g, level): i for g in geographies for i, level in enumerate(plan.domains[g].level_names())}
     geography, level = max(set(candidates), key=lambda c: order[c])
     chosen = []
-    for table in plan.tables:
-        if table.statistic != "count" or table.event is None:
-            continue
+    for table in measured_counts:
         geo = [d for d in table.dims if d.column == geography]
         others = [d for d in table.dims if d.column != geography]
         if len(geo) == 1 and geo[0].level == level and all(d.level is None for d in others):

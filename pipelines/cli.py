@@ -293,6 +293,7 @@ def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_
 
     from .layout import Layout
     from .run import run_release
+    from .storage import as_location
 
     if no_ledger and ledger:
         raise click.UsageError("--no-ledger and --ledger (or DPRELEASE_LEDGER) exclude each other")
@@ -309,7 +310,7 @@ def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_
                 tasks[stage] = progress.add_task(STAGES.get(stage, stage), total=total)
             progress.update(tasks[stage], completed=done, total=total)
 
-        result = run_release(spec, key_file=key_file, out_dir=_location(out_dir), input_path=input_path, engine=engine,
+        result = run_release(spec, key_file=key_file, out_dir=as_location(out_dir), input_path=input_path, engine=engine,
                              workers=workers, overwrite=overwrite, master=master, ledger=ledger, sign_key=sign_key,
                              progress=hook, command_line=sys.argv, internal_dir=internal_dir, strict=strict,
                              runner=runner, beam_options=list(pipeline_options), max_cells=max_cells, layout=layout)
@@ -405,8 +406,9 @@ def attack(release_dir: Path, data: str, internal_dir: Path, max_units, time_lim
 
     Per unit of the finest geography level the count tables cross with attributes, an integer program finds
     records whose tabulation is closest to the published tables; the share of confidential records matched
-    exactly (same unit, same attributes) is compared with a baseline given only one-way margins. The result
-    is confidential: it is written to --internal-dir only, and only its path is printed."""
+    exactly (same unit, same attributes) is set beside the same attack on the true tables and two baselines (a
+    guess from national marginals; a per-unit prior), with a verdict in words. The result is confidential: it
+    is written to --internal-dir only, and only its path is printed."""
     from .attack import attack as reconstruct
 
     with _confidential(internal_dir, "attack"), Progress(TextColumn("units"), BarColumn(), MofNCompleteColumn(),
@@ -462,11 +464,6 @@ def _is_uri(text: str) -> bool:
     from .storage import is_uri
 
     return is_uri(text)
-
-
-def _location(text: str | None) -> str | Path | None:
-    """A command-line directory: a URI as given (`pipelines.storage`), else a path."""
-    return text if text is None or _is_uri(text) else Path(text)
 
 
 def _local_release(text: str):

@@ -19,23 +19,20 @@ import pyarrow.parquet as pq
 
 from dprelease.accounting.errors import DPReleaseError
 
+from .safe_files import safe_relative
+
 
 def table_files(manifest: dict, name: str, folder: str = "tables") -> list[str]:
     """The Parquet files of table `name` in a release's `folder` (one file, or its parts in order), from the
     manifest."""
     single = f"{folder}/{name}.parquet"
     prefix = f"{folder}/{name}/"
-    paths = [f["path"] for f in manifest["files"] if _inside(f.get("path"))]
+    # an unverified manifest cannot point a reader outside the release
+    paths = [f["path"] for f in manifest["files"] if safe_relative(f.get("path")) is not None]
     if single in paths:
         return [single]
     parts = [p for p in paths if p.startswith(prefix) and p.endswith(".parquet")]
     return sorted(parts, key=_part_number)
-
-
-def _inside(path) -> bool:
-    """A manifest path that names a file inside the release (no absolute path, no empty, '.' or '..' part): an
-    unverified manifest cannot point a reader outside the release."""
-    return isinstance(path, str) and bool(path) and all(p not in ("", ".", "..") for p in path.split("/"))
 
 
 def _part_number(path: str) -> tuple[int, str]:

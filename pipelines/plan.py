@@ -151,6 +151,11 @@ class Plan:
         """The input columns read (besides the privacy unit)."""
         return sorted({getattr(self.domains[c], "source", c) for c in self.encoded_columns()})
 
+    def input_columns(self) -> list[str]:
+        """Every input column a run reads: the used columns, then the privacy unit's (when there is one)."""
+        unit = self.spec.privacy_unit
+        return self.used_columns() + ([unit] if unit else [])
+
 
 MAX_DOMAIN_FILE_BYTES = 256 << 20
 """Largest geography domain file read (256 MiB: about 16 million 16-character codes)."""

@@ -26,10 +26,11 @@ import pyarrow.fs as pafs
 
 from dprelease.accounting.errors import DPReleaseError, SpecError
 
+from .outputs import MANIFEST
+from .safe_files import safe_relative
 from .storage import Store, is_uri, open_store
+from .verify import MAX_MANIFEST_BYTES
 
-MANIFEST = "manifest.json"
-MAX_MANIFEST_BYTES = 64 << 20
 UNLISTED_READ = 1 << 20
 """Bytes read of an object the manifest does not list (enough for verify to name it as unlisted)."""
 COPY_BLOCK = 8 << 20
@@ -147,13 +148,6 @@ def _listed_sizes(manifest_bytes: bytes) -> dict[str, int]:
     return sizes
 
 
-def _safe_relative(relative: str) -> bool:
-    """An object name that stays inside the copy and that every store can open: no absolute path, no empty,
-    '.' or '..' part (so no '//' either)."""
-    parts = relative.split("/")
-    return bool(relative) and all(p not in ("", ".", "..") for p in parts)
-
-
 @contextlib.contextmanager
 def downloaded(uri: str, field: str = "RELEASE") -> Iterator[Path]:
     """A local, private copy of the release at `uri`, removed afterwards. Each object is read at most to the
@@ -182,7 +176,7 @@ def downloaded(uri: str, field: str = "RELEASE") -> Iterator[Path]:
         listed = _listed_sizes(manifest_bytes)
         unlisted = 0
         for relative, size in sorted(objects.items()):
-            if relative == MANIFEST or not _safe_relative(relative):
+            if relative == MANIFEST or safe_relative(relative) is None:  # would leave the copy, or unopenable
                 continue
             target = copy / relative
             if relative in listed:

@@ -199,7 +199,7 @@ def open_memory_input(plan: Plan, table: pa.Table) -> MemorySource:
     """An in-memory table as the input, checked like a file (exit 2 naming the column, never a value); only
     the columns the plan reads are kept, copied once into a buffer of this process (`MemorySource`)."""
     spec = plan.spec
-    columns = plan.used_columns() + ([spec.privacy_unit] if spec.privacy_unit else [])
+    columns = plan.input_columns()
     problems = schema_problems(MEMORY_INPUT, table.schema, plan)
     if problems:
         raise InputSchemaError(problems)
@@ -400,7 +400,7 @@ def open_input(plan: Plan, base_dir: Path, override: str | None = None) -> Input
         LOG.warning("input: skipped %d marker file(s) that hold no records: %s", len(found.skipped),
                     ", ".join(found.skipped[:10]) + (" ..." if len(found.skipped) > 10 else ""))
     fmt = _format_of(found.data, spec.input.format)
-    columns = plan.used_columns() + ([spec.privacy_unit] if spec.privacy_unit else [])
+    columns = plan.input_columns()
     if fmt == "csv":
         file_format = ds.CsvFileFormat(
             parse_options=CSV_PARSE_OPTIONS,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import pyarrow as pa
@@ -35,6 +36,13 @@ PUBLIC_OPTIONS["gcs"] = PUBLIC_OPTIONS["gs"]
 def is_uri(text: str) -> bool:
     """A URI read through a store (file:// is a local path: `local_path`)."""
     return bool(URI.match(text)) and not text.startswith("file://")
+
+
+def as_location(value: str | Path | None, base: Path | None = None) -> str | Path | None:
+    """A directory named by a user: an object-store URI as given (text), else a path (from `base` when given)."""
+    if value is None or (isinstance(value, str) and is_uri(value)):
+        return value
+    return Path(base) / value if base is not None else Path(value)
 
 
 def local_path(text: str) -> str:

@@ -113,7 +113,7 @@ class PublishedTables(beam.PTransform):
     def expand(self, records):
         plan = self.plan
         key = self.key or _bound(plan, ReleaseKey.generate(), PIPELINE_INPUT)  # fresh for this application
-        columns = plan.used_columns() + ([plan.spec.privacy_unit] if plan.spec.privacy_unit else [])
+        columns = plan.input_columns()
         encoded = (records | "Batches" >> RecordsToBatches(columns)
                    | "Columns" >> beam.Map(_columns, columns)
                    | "Encode" >> EncodeRecords.from_plan(plan)

@@ -116,6 +116,31 @@ class TableRecord(Strict):
         None, description="Count tables of version-2 manifests: variance of the global least-squares estimate.")
 
 
+class PairTables(Strict):
+    mechanism: Mechanism
+    sensitivity: Sensitivity
+    allocated: Exact
+    loss: Exact
+    expected_error: ExpectedError
+
+
+class SelectionRecord(Strict):
+    """A `select: mst` query's selection: rounds of the exponential mechanism and the pairs they chose."""
+
+    name: str
+    query: str
+    method: Literal["mst"]
+    score: str
+    rounds: int
+    candidates: int
+    mechanism: Mechanism
+    sensitivity: Sensitivity
+    allocated: Exact
+    loss: Exact
+    chosen: list[list[str]] | None
+    pair_tables: PairTables
+
+
 class Totals(Strict):
     definition: Literal["pure", "approx", "zcdp"]
     allocated_sum: Exact
@@ -239,6 +264,8 @@ class Manifest(Strict):
     tables: list[TableRecord]
     totals: Totals
     implied_loss: ImpliedLoss
+    selections: list[SelectionRecord] | None = Field(
+        None, description="Tables chosen from the data (`select: mst`), in the order chosen (absent without one).")
     invariants: list[Invariant]
     post_processing: list[Step]
     means: list[MeanRecord] | None = Field(

@@ -125,3 +125,24 @@ def quantile_score_sensitivity(bounds: ContributionBounds, q: Fraction) -> Sensi
     return Sensitivity(l1=2 * k * step, l2_squared=0,
                        derivation=f"quantile {q} score, replace one unit of at most k={k} records: "
                                   f"2k*max(a, b-a) = {2 * k * step}, summed over cells")
+
+
+def mst_score_sensitivity(bounds: ContributionBounds) -> Sensitivity:
+    """Sensitivity of the MST selection score of a pair of attributes: the L1 distance sum_c |x_c - e_c|
+    between the pair's bounded count vector x and an estimate e made from already released measurements
+    (fixed while the selection runs: adaptive composition).
+
+    Privacy: by the triangle inequality the score moves by at most ||x - x'||_1, the count vector's L1
+    sensitivity: adding or removing a unit of at most k records moves it by at most k; replacing one (its
+    records moved to other cells: k cells down, k up) by at most 2k. A record replaced within its own cell
+    moves nothing. The exponential mechanism is invariant to adding one constant to every candidate's
+    score, so a score taken as (largest weight - weight) keeps this sensitivity.
+    """
+    k = bounds.max_records_per_unit
+    if bounds.neighbouring == "add_remove":
+        return Sensitivity(l1=k, l2_squared=0,
+                           derivation=f"MST score (L1 distance of a pair's counts to a fixed estimate), add/remove "
+                                      f"one unit of at most k={k} records: k = {k}")
+    return Sensitivity(l1=2 * k, l2_squared=0,
+                       derivation=f"MST score (L1 distance of a pair's counts to a fixed estimate), replace one unit "
+                                  f"of at most k={k} records (moved to other cells): 2k = {2 * k}")

@@ -149,8 +149,9 @@ def _plan_row(r: dict) -> tuple[str, ...]:
     if r["mechanism"] == "ratio":  # a mean: its error at n records in the cell
         return (r["table"], r["statistic"], f"{r['cells']:,}", "-", "-", "-", r["noise"],
                 f"≤{r['mean_std_at_n']:.4g}/n", "-", "-")
-    cells = f"{r['cells']:,}" + (f" x {r['quantiles']} q" if r.get("quantiles") else "")
-    margin = (f"±{r['margin_95']} ranks" if r["mechanism"] == "exponential" else f"±{r['margin_95']}")
+    cells = "-" if r["cells"] is None else f"{r['cells']:,}" + (f" x {r['quantiles']} q" if r.get("quantiles") else "")
+    margin = "-" if r["margin_95"] is None else \
+        (f"±{r['margin_95']} ranks" if r["mechanism"] == "exponential" else f"±{r['margin_95']}")
     return (r["table"], r["statistic"], cells, _dash(r["l1"], str), _dash(r["l2"], "{:.3g}".format),
             "0" if r["mechanism"] == "invariant" else f"{r['budget']:.4g}", r["noise"],
             _dash(r["noise_std"], "{:.3f}".format), margin, _dash(r["gls_std"], "{:.3f}".format))
@@ -179,14 +180,15 @@ def _path_lines(plan) -> list[str]:
     what = {"joint": "a joint table per unit, rounded (its margins are the published tables)",
             "fitted_tables": "a joint per unit fitted, each table rounded on its own (the joint is much larger "
                              "than the tables)",
-            "tables": "no joint (over the per-unit limit): each table rounded on its own"}
+            "tables": "no joint (over the per-unit limit): each table rounded on its own",
+            "tree": "the tree of the chosen 2-way tables (MST): tables that add up, no joint formed"}
     for q in plan.spec.queries:
         if isinstance(q, MarginalsQuery):
             units = plan.table(next(t.name for t in plan.tables if t.query == q.name)).dims[0].size if q.within else 1
             path = marginals_path(plan, q)
             lines.append(f"Marginals {q.name}: {what[path]}; {joint_size(plan, q) // units:,} joint cells per unit"
-                         + (f", {joint_size(plan, q):,} in all, fitted a chunk of units at a time" if path != "tables"
-                            else ""))
+                         + (f", {joint_size(plan, q):,} in all, fitted a chunk of units at a time"
+                            if path not in ("tables", "tree") else ""))
     return lines
 
 

@@ -21,7 +21,7 @@ from dprelease.accounting.composition import compose
 from dprelease.accounting.conversions import zcdp_to_epsilon
 from dprelease.accounting.manifest import exact, measurement_record, totals_record
 
-from .plan import Plan, TablePlan
+from .plan import SelectionPlan, Plan, TablePlan
 from .postprocessing import EstimateVariances, estimate_variances, steps_applied
 
 MANIFEST_VERSION = 3
@@ -210,13 +210,31 @@ def accounting_section(plan: Plan, estimate: EstimateVariances | None = None, la
         if estimate is not None and t.name in summaries:
             record["estimate"] = estimate_record(summaries[t.name], estimate.exact)
         tables.append(record)
-    totals = compose([t.event for t in plan.measured()], plan.definition, plan.delta)
-    return {
+    totals = compose(plan.events(), plan.definition, plan.delta)
+    section = {
         "allocation_budget": {"unit": "epsilon" if plan.definition == "pure" else "rho",
                               **exact(plan.allocation_budget)},
         "tables": tables,
         "totals": totals_record(totals),
         "implied_loss": implied_loss(plan),
+    }
+    if plan.selections:  # absent otherwise: manifests of releases without a selection keep their bytes
+        section["selections"] = [selection_record(s) for s in plan.selections]
+    return section
+
+
+def selection_record(selection: SelectionPlan) -> dict:
+    """A `select: mst` query's selection as the manifest states it: the rounds, each round's epsilon (and
+    what it is accounted as), the score and its sensitivity, the candidates, the pairs chosen in order
+    (null in a plan made before the data was read) and the mechanism every chosen pair's table got."""
+    return {
+        "name": selection.name, "query": selection.query, "method": "mst",
+        "score": "L1 distance between the pair's bounded counts and the product of the noisy 1-way tables "
+                 "made nonnegative and scaled to the unit's noisy total, rounded to integers per cell",
+        "rounds": selection.rounds, "candidates": len(selection.candidates),
+        **measurement_record(selection.event),
+        "chosen": None if selection.chosen is None else [list(pair) for pair in selection.chosen],
+        "pair_tables": measurement_record(selection.pair_event),
     }
 
 

@@ -18,7 +18,8 @@ from dprelease.accounting.errors import SpecError
 from dprelease.accounting.mechanisms import calibrate_gaussian, calibrate_laplace, calibrate_selection
 from dprelease.accounting.rationals import allocate
 from dprelease.accounting.sensitivity import (ContributionBounds, Sensitivity, count_sensitivity,
-                                              quantile_score_sensitivity, sum_sensitivity, unit_count_sensitivity)
+                                              mst_score_sensitivity, quantile_score_sensitivity, sum_sensitivity,
+                                              unit_count_sensitivity)
 from dprelease.transforms.aggregate import TableLayout
 from dprelease.transforms.domains import (NATION, CategoricalDomain, Dimension, Domain, GeographyDomain,
                                           IntegerDomain, MeasureDomain, dimension, measure_key)
@@ -107,6 +108,42 @@ class MeanOutput:
     measure: Measure
 
 
+Pair = tuple[str, str]
+"""Two attributes of a marginals query (spec references, in the query's order): one 2-way table."""
+
+
+@dataclass(frozen=True)
+class SelectionPlan:
+    """The adaptive part of a `select: mst` marginals query (MST, McKenna, Miklau and Sheldon 2021).
+
+    `rounds` = attributes - 1 exponential-mechanism selections, each among the candidate pairs that join two
+    components of the tree chosen so far, score: the L1 distance between a pair's bounded counts and the
+    estimate from the measured 1-way tables (integer; see `transforms.mst`), calibrated to `event`'s score
+    sensitivity; then each chosen pair's table is measured like any table, with `pair_event`'s mechanism
+    (every pair the same share). `chosen` is None until the run selects (the plan before data is read).
+
+    Privacy: the selections compose with the measurements (`Plan.events`): `event` accounts all `rounds`
+    (pure: rounds * epsilon; zCDP: rounds * epsilon^2 / 8, bounded range) and the pair measurements are
+    accounted at their planned share whichever pairs are chosen, so the total is known before any data is read.
+    """
+
+    query: str
+    candidates: tuple[Pair, ...]
+    rounds: int
+    event: MeasurementEvent
+    pair_event: MeasurementEvent
+    chosen: tuple[Pair, ...] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.event.table
+
+    def events(self) -> list[MeasurementEvent]:
+        """The selection and, while the pairs are still to be chosen, their measurements (once each)."""
+        pending = [self.pair_event] * self.rounds if self.chosen is None else []
+        return [self.event, *pending]
+
+
 @dataclass(frozen=True)
 class Plan:
     spec: ReleaseSpec
@@ -117,6 +154,17 @@ class Plan:
     tables: tuple[TablePlan, ...]
     totals: Totals
     means: tuple[MeanOutput, ...] = ()
+    selections: tuple[SelectionPlan, ...] = ()
+
+    def events(self) -> list[MeasurementEvent]:
+        """Every measurement the release composes: its measured tables, its selections, and the tables still
+        to be chosen by them."""
+        return [t.event for t in self.measured()] + [e for s in self.selections for e in s.events()]
+
+    @property
+    def pending(self) -> bool:
+        """Whether some tables are chosen from the data at run time (a selection not yet made)."""
+        return any(s.chosen is None for s in self.selections)
 
     @property
     def definition(self) -> str:
@@ -261,8 +309,18 @@ class TableShape:
     weight: Fraction = Fraction(1)
 
 
-def _query_tables(query, spec: ReleaseSpec, domains) -> list[TableShape]:
-    """Every table a query asks for."""
+def table_name(query: str, combo) -> str:
+    """A marginal's table name: the query's, then its attributes joined by '-'."""
+    return f"{query}." + "-".join(ref.replace(".", "_") for ref in combo)
+
+
+SELECTION_SHARE = Fraction(1, 3)
+"""Share of a `select: mst` query's budget spent on choosing its 2-way tables (MST's split: a third each for
+the 1-way tables, the selection and the 2-way tables)."""
+
+
+def _query_tables(query, spec: ReleaseSpec, domains, chosen: tuple[Pair, ...] | None = None) -> list[TableShape]:
+    """Every table a query asks for (a `select: mst` query: its 1-way tables and the `chosen` pairs)."""
     if isinstance(query, HistogramQuery):
         return [TableShape(query.name, _dims(query.by, domains))]
     if isinstance(query, CountUnitsQuery):
@@ -278,9 +336,15 @@ def _query_tables(query, spec: ReleaseSpec, domains) -> list[TableShape]:
     if isinstance(query, MarginalsQuery):
         prefix = _dims([query.within], domains) if query.within else []
         tables = []
-        for combo in itertools.combinations(query.attributes, query.way):
-            suffix = "-".join(ref.replace(".", "_") for ref in combo)
-            tables.append(TableShape(f"{query.name}.{suffix}", prefix + _dims(list(combo), domains)))
+        combos = itertools.combinations(query.attributes, query.way)
+        if query.select == "mst":
+            r = len(query.attributes)
+            combos = [(a,) for a in query.attributes] + list(chosen or [])
+        for combo in combos:
+            weight = Fraction(1) if query.select == "all" else Fraction(1, 3 * r) if len(combo) == 1 else \
+                Fraction(1, 3 * (r - 1))
+            tables.append(TableShape(table_name(query.name, combo), prefix + _dims(list(combo), domains),
+                                     weight=weight))
         return tables
     assert isinstance(query, HierarchyQuery)
     tables = []
@@ -328,11 +392,88 @@ def allocation_budget(spec: ReleaseSpec) -> Fraction:
     return rho
 
 
-def build_plan(spec: ReleaseSpec, base_dir: Path, reader: DomainReader | None = None) -> Plan:
+def check_spanning_tree(query: MarginalsQuery, pairs) -> tuple[Pair, ...]:
+    """The pairs as a tuple when they are a spanning tree of the query's attributes, each a candidate (its
+    attributes in the query's order); SpecError (naming the problem) otherwise."""
+    attributes = list(query.attributes)
+    candidates = set(itertools.combinations(attributes, 2))
+    component = {a: a for a in attributes}
+
+    def root(a: str) -> str:
+        while component[a] != a:
+            a = component[a]
+        return a
+
+    pairs = tuple(tuple(p) for p in pairs)
+    if len(pairs) != len(attributes) - 1:
+        raise SpecError(f"selection of {query.name!r}: {len(pairs)} pairs chosen; a spanning tree of "
+                        f"{len(attributes)} attributes has {len(attributes) - 1}")
+    for pair in pairs:
+        if pair not in candidates:
+            raise SpecError(f"selection of {query.name!r}: {list(pair)} is not a pair of its attributes "
+                            f"(in the query's order)")
+        a, b = root(pair[0]), root(pair[1])
+        if a == b:
+            raise SpecError(f"selection of {query.name!r}: {list(pair)} closes a cycle; the pairs must form a tree")
+        component[a] = b
+    return pairs
+
+
+def _selection(query: MarginalsQuery, share: Fraction, bounds: ContributionBounds, definition: str,
+               chosen) -> SelectionPlan:
+    """The selection of a `select: mst` query: its exponential mechanism and the chosen pairs' mechanism,
+    each calibrated to its exact share of the query's budget."""
+    r = len(query.attributes)
+    score = mst_score_sensitivity(bounds)
+    selection_share = share * SELECTION_SHARE
+    selection = MeasurementEvent(f"{query.name}.selection",
+                                 calibrate_selection(selection_share, r - 1, definition, f"selection {query.name}"),
+                                 score, selection_share)
+    pair_share = share / (3 * (r - 1))
+    counts = count_sensitivity(bounds)
+    where = f"2-way tables of {query.name}"
+    mechanism = calibrate_laplace(pair_share, counts, where) if definition == "pure" else \
+        calibrate_gaussian(pair_share, counts, where)
+    pairs = check_spanning_tree(query, chosen) if chosen is not None else None
+    return SelectionPlan(query.name, tuple(itertools.combinations(query.attributes, 2)), r - 1, selection,
+                         MeasurementEvent(f"{query.name}.pair", mechanism, counts, pair_share), pairs)
+
+
+def build_plan(spec: ReleaseSpec, base_dir: Path, reader: DomainReader | None = None,
+               chosen: dict[str, tuple[Pair, ...]] | None = None) -> Plan:
     """Plan a release from its spec. Privacy: sensitivity comes from `count_sensitivity` of the
     declared bounds; each table's mechanism is calibrated to its exact share of the budget. Domain files
-    are read by `reader` (default: relative to `base_dir`)."""
-    domains = build_domains(spec, base_dir, reader)
+    are read by `reader` (default: relative to `base_dir`). `chosen`: the pairs each `select: mst` query
+    chose (from a run or a manifest); without them the plan is the one before data is read."""
+    return plan_over(spec, build_domains(spec, base_dir, reader), chosen)
+
+
+def with_selections(plan: Plan, chosen: dict[str, tuple[Pair, ...]]) -> Plan:
+    """The plan once its selections are made: the chosen pairs' tables in place of the pending ones (the
+    same budget, mechanisms and totals)."""
+    return plan_over(plan.spec, plan.domains, chosen)
+
+
+def candidate_tables(plan: Plan, selection: SelectionPlan) -> list[TablePlan]:
+    """Every candidate pair's table of a selection (layout only, no mechanism: they are scored, not
+    released)."""
+    query = next(q for q in plan.spec.queries if q.name == selection.query)
+    prefix = _dims([query.within], plan.domains) if query.within else []
+    tables = []
+    for pair in selection.candidates:
+        name = table_name(query.name, pair)
+        dims = prefix + _dims(list(pair), plan.domains)
+        tables.append(TablePlan(name, query.name, query.kind, tuple(dims), _layout(name, dims, plan.domains), None,
+                                None))
+    return tables
+
+
+def plan_over(spec: ReleaseSpec, domains: dict[str, Domain], chosen: dict[str, tuple[Pair, ...]] | None) -> Plan:
+    """`build_plan` over domains already built."""
+    chosen = chosen or {}
+    unknown = sorted(set(chosen) - {q.name for q in spec.queries if getattr(q, "select", "all") == "mst"})
+    if unknown:
+        raise SpecError(f"selections: {unknown} name no `select: mst` query")
     bounds = ContributionBounds(spec.contribution.max_records_per_unit, spec.neighbouring)
     sensitivity = count_sensitivity(bounds)
     total = allocation_budget(spec)
@@ -340,10 +481,17 @@ def build_plan(spec: ReleaseSpec, base_dir: Path, reader: DomainReader | None = 
     tables: list[TablePlan] = []
     means: list[MeanOutput] = []
     definition = "pure" if spec.budget.definition == "pure" else "rho"
+    selections: list[SelectionPlan] = []
     for query, share in zip(spec.queries, query_shares):
-        shapes = _query_tables(query, spec, domains)
+        selected = isinstance(query, MarginalsQuery) and query.select == "mst"
+        if selected:
+            selections.append(_selection(query, share, bounds, definition, chosen.get(query.name)))
+        shapes = _query_tables(query, spec, domains, selections[-1].chosen if selected else None)
         noisy = [shape for shape in shapes if shape.name not in spec.invariants]
-        parts = dict(zip([shape.name for shape in noisy], allocate(share, [shape.weight for shape in noisy])))
+        if selected:  # fixed shares (1-way, pairs, selection: a third each), the same before and after choosing
+            parts = {shape.name: share * shape.weight for shape in noisy}
+        else:
+            parts = dict(zip([shape.name for shape in noisy], allocate(share, [shape.weight for shape in noisy])))
         for shape in shapes:
             if isinstance(query, QuantileQuery):
                 tables.append(_quantile_table(query, shape, spec, domains, bounds, parts[shape.name], definition))
@@ -365,9 +513,11 @@ def build_plan(spec: ReleaseSpec, base_dir: Path, reader: DomainReader | None = 
     names = [t.name for t in tables]
     if len(set(names)) != len(names):
         raise SpecError(f"queries: two tables would share a name: {sorted({n for n in names if names.count(n) > 1})}")
-    totals = compose([t.event for t in tables if t.event is not None], spec.budget.definition,
-                     getattr(spec.budget, "delta", None))
-    return Plan(spec, domains, bounds, sensitivity, total, tuple(tables), totals, tuple(means))
+    events = [t.event for t in tables if t.event is not None] + [e for s in selections for e in s.events()]
+    if sum((e.allocated for e in events), Fraction(0)) != total:  # exact arithmetic: checked anyway
+        raise ArithmeticError("the allocation does not sum to the budget")
+    totals = compose(events, spec.budget.definition, getattr(spec.budget, "delta", None))
+    return Plan(spec, domains, bounds, sensitivity, total, tuple(tables), totals, tuple(means), tuple(selections))
 
 
-__all__ = ["Plan", "TablePlan", "HierarchyLink", "MeanOutput", "Measure", "build_plan", "build_domains", "NATION"]
+__all__ = ["Plan", "TablePlan", "SelectionPlan", "Pair", "with_selections", "candidate_tables", "HierarchyLink", "MeanOutput", "Measure", "build_plan", "build_domains", "NATION"]

@@ -45,7 +45,30 @@ def plan_records(plan: Plan, estimate) -> list[dict[str, Any]]:
         if t.name in estimate.per_cell:
             record["gls_std"] = estimate.largest(t.name) ** 0.5
         records.append(record)
-    return records + [_mean_record(plan, mean) for mean in plan.means]
+    return records + [_mean_record(plan, mean) for mean in plan.means] + \
+        [r for selection in plan.selections for r in _selection_records(selection)]
+
+
+def _selection_records(selection) -> list[dict[str, Any]]:
+    """A `select: mst` query's selection (its rounds of the exponential mechanism; cells: its candidate pairs)
+    and, before the run chose them, its 2-way tables as one record (cells unknown: None; each gets the same
+    mechanism whichever pairs are chosen)."""
+    m, sens = selection.event.mechanism, selection.event.sensitivity
+    record = dict.fromkeys(PLAN_COLUMNS)
+    record.update(table=selection.name, statistic="mst selection", cells=len(selection.candidates), l1=sens.l1,
+                  budget=float(selection.event.allocated), mechanism="exponential",
+                  noise=f"EM eps={float(m.epsilon):.4g} x {m.selections}")
+    if selection.chosen is not None:
+        return [record]
+    pair = selection.pair_event
+    pending = dict.fromkeys(PLAN_COLUMNS)
+    noise = f"DLap b={pair.mechanism.scale}" if pair.mechanism.kind == "discrete_laplace" else \
+        f"DGauss s2={pair.mechanism.sigma2}"
+    pending.update(table=f"{selection.query}.<{selection.rounds} pairs chosen>", statistic="count", l1=pair.sensitivity.l1,
+                   l2=pair.sensitivity.l2_squared ** 0.5, budget=float(pair.allocated * selection.rounds),
+                   mechanism=pair.mechanism.kind, noise=noise, noise_std=pair.mechanism.variance() ** 0.5,
+                   margin_95=pair.mechanism.margin_95())
+    return [record, pending]
 
 
 def _mean_record(plan: Plan, mean) -> dict[str, Any]:

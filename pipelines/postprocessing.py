@@ -48,7 +48,9 @@ table-by-table path. Public: from the plan."""
 
 
 def marginals_path(plan: Plan, query: MarginalsQuery) -> str:
-    """'joint', 'fitted_tables' or 'tables': how a marginals query's integer tables are made (public)."""
+    """'joint', 'fitted_tables', 'tables' or 'tree': how a marginals query's integer tables are made (public)."""
+    if query.select == "mst":
+        return "tree"
     tables = [t for t in plan.tables if t.query == query.name]
     units = tables[0].dims[0].size if query.within else 1
     per_unit = joint_size(plan, query) // units
@@ -87,6 +89,11 @@ STEPS = {
     "marginals_tables": ESTIMATE + "; the joint table is too large to fit, so each table is made nonnegative and "
                         "integral per unit with its unit total preserved: totals agree exactly, other shared "
                         "sub-marginals only up to rounding",
+    "marginals_tree": ESTIMATE + "; per unit, the tree model of the chosen 2-way tables (MST): the first "
+                      "attribute's table rounded to the unit total, then down each chosen pair away from it, the "
+                      "parent value's count dealt to the child's values in proportion to the pair's estimate made "
+                      "nonnegative (largest remainder): nonnegative integer tables that add up exactly (each "
+                      "pair's margins are the 1-way tables) and that `synthesize`'s records reproduce",
     "histogram": ESTIMATE + "; rounded to the nearest integer, negative values set to 0",
     "count_units": "negative noisy unit counts set to 0",
     "sum_nonnegative": "negative noisy sums set to 0 (the clamp's lower bound is >= 0)",

@@ -28,6 +28,7 @@ from .postprocessing import estimation_path, post_process, unit_tree
 from .release import (StagedRelease, check_staged_files, check_target, finish_release, new_staging, publish,
                       replaced_prefix, stage_release, staging_prefix)
 from .coding_check import coding_warnings
+from .selection import check_engine_selects, select_tables
 from .remote import RemoteRelease, check_remote_target, release_under, upload_release
 from .source import InputSource, open_input, open_memory_input
 from .storage import is_uri
@@ -265,6 +266,7 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
             raise SpecError(f"output: {remote.uri}: a release for an object store is staged on the driver's disk "
                             f"first, which the {engine_.name} engine's workers on a cluster cannot reach; publish "
                             "to a shared file system, or run it with a local master/runner")
+        check_engine_selects(plan, engine_)
         signer = load_private_key(sign_key) if sign_key else None
         if input_table is not None and engine_.name != "embedded":
             raise SpecError(f"engine = {engine_.name!r}: an in-memory table is read by the embedded engine; "
@@ -287,6 +289,7 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
         lease = LeaseKeeper(book, reservation, warn=LOG.warning) if reservation else contextlib.nullcontext()
         try:
             with lease:
+                plan = select_tables(plan, engine_, source, release_key, progress or no_progress)
                 staged = _release_and_stage(plan, engine_, source, validation, created_at, key, key_path, reused,
                                             release_key, final_dir, progress, command_line, reservation, signer, layout)
                 try:

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_serializer,
+                      model_validator)
 
 from dprelease.accounting.errors import SpecError
 from dprelease.accounting.periods import parse_period
@@ -230,6 +231,19 @@ class MarginalsQuery(QueryBase):
     attributes: list[str] = Field(min_length=1, description="Required. Attributes whose t-way combinations are tabulated.")
     way: int = Field(2, ge=1, description="Defaulted (2). t: the size of each combination.")
     within: str | None = Field(None, description="Optional. A geography level every marginal is crossed with, 'geo.county'.")
+    select: Literal["all", "mst"] = Field(
+        "all", description="Defaulted (all): measure every t-way combination. 'mst' (way 2 only): measure every "
+                           "attribute's 1-way table, choose a spanning tree of 2-way tables with the exponential "
+                           "mechanism (MST, McKenna et al. 2021) and measure those; the budget splits in thirds "
+                           "(1-way tables, selection, 2-way tables) and the chosen tables are recorded in the manifest.")
+
+    @model_serializer(mode="wrap")
+    def _omit_default_select(self, handler):
+        """The canonical form leaves `select` out at its default, so specs written before it keep their hash."""
+        document = handler(self)
+        if document.get("select") == "all":
+            del document["select"]
+        return document
 
 
 class HierarchyQuery(QueryBase):

@@ -107,6 +107,9 @@ def cross_reference_problems(spec: ReleaseSpec) -> list[str]:
             _check_refs(spec, query.attributes, f"{path}.attributes", problems)
             if query.way > len(query.attributes):
                 problems.append(f"{path}.way = {query.way}: must be <= number of attributes ({len(query.attributes)})")
+            if query.select == "mst" and (query.way != 2 or len(query.attributes) < 2):
+                problems.append(f"{path}.select = 'mst': needs way = 2 and at least 2 attributes "
+                                f"(got way = {query.way}, {len(query.attributes)} attribute(s))")
             if query.within is not None:
                 resolved = _resolve(spec, query.within, f"{path}.within", problems)
                 if resolved and resolved[1] is None:

@@ -25,7 +25,9 @@ import pyarrow.parquet as pq
 from dprelease.accounting.errors import DPReleaseError, SpecError
 from dprelease.transforms.domains import NATION, GeographyDomain
 
-from .plan import Plan, TablePlan
+from dprelease.transforms.units.tree_model import sample_tree
+
+from .plan import Plan, TablePlan, table_name
 from .postprocessing import count_tables, post_process
 from .layout import MEASUREMENTS_DIR, TABLES_DIR, layout_of, table_parts
 from .safe_files import buffer_inside
@@ -123,14 +125,18 @@ def _records(plan: Plan, joints: dict, published: dict, max_records: int) -> tup
     if hierarchy is not None and hierarchy.by:
         raise SpecError(f"synthesize: hierarchy {hierarchy.name!r} is crossed with {hierarchy.by}; records are "
                         f"drawn for hierarchies without `by` only")
-    if marginals is not None and marginals.name not in joints:
+    if marginals is not None and marginals.select == "all" and marginals.name not in joints:
         raise SpecError(f"synthesize: the joint table of marginals {marginals.name!r} is too large to round (or much "
                         f"larger than its tables); its tables were made integral one by one, so no records "
                         f"reproduce them all")
     geo_name = hierarchy.geography if hierarchy else (marginals.within or "").partition(".")[0] or None
     geo = plan.domains[geo_name] if geo_name else None
     columns: dict[str, pa.Array] = {}
-    if marginals is not None:
+    if marginals is not None and marginals.select == "mst":
+        level = marginals.within.partition(".")[2] if marginals.within else NATION
+        attributes = list(marginals.attributes)
+        unit, attribute_codes = _tree_records(plan, marginals, hierarchy, level, published, max_records)
+    elif marginals is not None:
         attributes, joint = joints[marginals.name]
         level = marginals.within.partition(".")[2] if marginals.within else NATION
         _check_size(int(np.asarray(joint, dtype=np.int64).sum()), max_records)
@@ -163,6 +169,32 @@ def _records(plan: Plan, joints: dict, published: dict, max_records: int) -> tup
     return columns, record_codes, geo
 
 
+def _tree_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQuery | None, level: str, published: dict,
+                  max_records: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Records of a `select: mst` query from its tree of published 2-way tables (`transforms.units.tree_model`),
+    as many per unit as the hierarchy publishes at the query's level (else as its 1-way tables add up to)."""
+    selection = next(s for s in plan.selections if s.query == query.name)
+    first = plan.table(table_name(query.name, (query.attributes[0],)))
+    units = first.dims[0].size if query.within else 1
+    root = published[first.name].reshape(units, -1)
+    totals = root.sum(axis=1)
+    if hierarchy is not None and level in hierarchy.levels:
+        totals = published[f"{hierarchy.name}.{level}"].reshape(units, -1).sum(axis=1)
+    _check_size(int(totals.sum()), max_records)
+    pairs = list(selection.chosen)
+    tables = []
+    for a, b in pairs:
+        table = plan.table(table_name(query.name, (a, b)))
+        tables.append(published[table.name].reshape(units, table.dims[-2].size, table.dims[-1].size))
+    unit, codes = sample_tree(totals.astype(np.int64), root, list(query.attributes), pairs, tables, _public_seed(plan))
+    return unit, [codes[a] for a in query.attributes]
+
+
+def _public_seed(plan: Plan) -> int:
+    """The seed of every shuffle: the release id's hash (public, so anyone can redraw the same records)."""
+    return int.from_bytes(hashlib.sha256(plan.spec.release_id.encode()).digest()[:8], "little")
+
+
 def _expand(joint: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     """One record per unit of count: each record's unit and attribute codes (cell order)."""
     counts = np.asarray(joint, dtype=np.int64).reshape(-1)
@@ -183,8 +215,7 @@ def _split(plan: Plan, hierarchy: HierarchyQuery, level: str, finest: str, unit:
     if not np.array_equal(per_unit.astype(np.int64), records):
         raise SpecError(f"synthesize: the {finest} counts of {hierarchy.name!r} do not add up to the {level} totals "
                         f"of the records (the marginals' geography level is not a level of the hierarchy?)")
-    seed = int.from_bytes(hashlib.sha256(plan.spec.release_id.encode()).digest()[:8], "little")
-    order = np.lexsort((np.random.default_rng(seed).random(unit.size), unit))
+    order = np.lexsort((np.random.default_rng(_public_seed(plan)).random(unit.size), unit))
     sub_units = np.argsort(parent, kind="stable")  # sub-units grouped by unit, in unit order like `order`
     assigned = np.empty(unit.size, dtype=np.int64)
     assigned[order] = np.repeat(sub_units, counts[sub_units])

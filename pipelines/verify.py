@@ -306,11 +306,42 @@ def _replan(root: Path, manifest: dict, report: VerifyReport):
         return None
     if original.model_dump(mode="json") != document:
         report.problems.append("spec: not in the canonical form dprelease writes (edited after publication?)")
+    chosen = _recorded_selections(manifest, original, report)
+    if chosen is None:
+        return None
     try:
-        return build_plan(original, root, _release_reader(root)), original
+        return build_plan(original, root, _release_reader(root), chosen), original
     except DPReleaseError as error:
         report.problems.append(f"spec: cannot be re-planned over the release's domain files: {brief(str(error), 2000)}")
         return None
+
+
+def _recorded_selections(manifest: dict, spec, report: VerifyReport) -> dict | None:
+    """The pairs each `select: mst` query of the spec chose, as the manifest records them (checked to be a
+    spanning tree of the query's attributes by the plan); None, with the problem, when they are missing or
+    malformed."""
+    wanted = [q.name for q in spec.queries if getattr(q, "select", "all") == "mst"]
+    records = manifest.get("selections", [])
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        report.problems.append("selections: not a list of mappings")
+        return None
+    chosen = {}
+    for record in records:
+        query, pairs = record.get("query"), record.get("chosen")
+        if query not in wanted or query in chosen:
+            report.problems.append(f"selections: {brief(query, 100)} is not a `select: mst` query of the spec "
+                                   "(or is listed twice)")
+            return None
+        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and
+                                                  all(isinstance(a, str) for a in p) for p in pairs):
+            report.problems.append(f"selections: {query}: `chosen` is not a list of attribute pairs")
+            return None
+        chosen[query] = tuple(tuple(p) for p in pairs)
+    missing = [q for q in wanted if q not in chosen]
+    if missing:
+        report.problems.append(f"selections: the pairs chosen by {missing} are missing")
+        return None
+    return chosen
 
 
 def _check_budget(plan: Plan, report: VerifyReport) -> None:

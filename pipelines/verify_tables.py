@@ -30,7 +30,7 @@ from dprelease.transforms.aggregate import unravel_cells
 from dprelease.transforms.domains import NATION, GeographyDomain, dimension_labels
 
 from .plan import MeanOutput, Plan, TablePlan
-from .postprocessing import EstimateVariances, mean_values, post_process, uses_joint
+from .postprocessing import EstimateVariances, mean_values, post_process, marginals_path
 from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, Part, mean_parts, table_parts
 from .release import GLS_VARIANCE, row_labels
 from .safe_files import UnsafeFile, buffer_inside
@@ -328,7 +328,7 @@ def _check_marginals(plan: Plan, query: MarginalsQuery, readers: dict[str, Table
         (reader for (g, lvl), reader in totals.items() if lvl == NATION), None)
     if source is not None and not _unit_rows(source, units):
         source = None
-    joint = uses_joint(plan, query)
+    joint = marginals_path(plan, query) in ("joint", "tree")  # both publish tables that add up exactly
     labels = {t.name: [d.label for d in t.dims[offset:]] for t in tables}
     first = tables[0].name
     found: set[str] = set()
@@ -348,7 +348,7 @@ def _check_marginals(plan: Plan, query: MarginalsQuery, readers: dict[str, Table
             if shared and not np.array_equal(_margin(arrays[x.name], labels[x.name], shared),
                                              _margin(arrays[y.name], labels[y.name], shared)):
                 found.add(f"{TABLES_DIR}/{x.name} and {y.name}: their shared margin over {shared} differs "
-                          "(the joint path publishes margins of one joint table)")
+                          "(the joint and tree paths publish tables that add up)")
     problems.extend(sorted(found))
 
 

@@ -96,6 +96,11 @@ class PublishedTables(beam.PTransform):
         from dprelease.pipelines.limits import check_plan_limits
 
         check_plan_limits(plan, max_cells, "embedded")
+        if plan.selections:
+            from dprelease.accounting.errors import SpecError
+
+            raise SpecError(f"queries {[s.query for s in plan.selections]}: `select: mst` chooses its tables from "
+                            "the data before measuring them; run it with `dprelease run --engine embedded`")
         if key is not None and not input_fingerprint:
             raise ValueError("PublishedTables: a key you pass needs input_fingerprint (what it is bound to); "
                              "pass no key for a fresh one per application")

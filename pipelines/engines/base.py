@@ -43,6 +43,16 @@ class Engine(ABC):
         Privacy: the result must be exactly counts(bounded input) + noise(key, table, cell).
         """
 
+    counts_candidates: bool = False
+    """Whether the engine counts the candidate tables of a selection (`candidate_counts`)."""
+
+    def candidate_counts(self, plan: Plan, tables: list, source: InputSource, key: ReleaseKey,
+                         progress: ProgressHook = no_progress) -> dict[str, np.ndarray]:
+        """Bounded true counts of `tables` (the plan's tables and a selection's candidates), for the
+        selection stage (`pipelines.selection`) only. Private: its scores feed the exponential mechanism and
+        nothing else."""
+        raise NotImplementedError(f"the {self.name} engine does not count candidate tables")
+
     writes_parts: bool = False
     """Whether the engine runs the post-processing and writing stages of a tree of units in its workers
     (`release_parts`); else the driver post-processes the noisy vectors (`pipelines.postprocessing`)."""

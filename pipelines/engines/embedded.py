@@ -7,6 +7,7 @@ Noise is drawn in worker processes over ranges of each table's cells.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
@@ -119,6 +120,12 @@ class EmbeddedEngine(Engine):
                                  sizes, units, plan.bounds.max_records_per_unit, subkey)
         for t, values in zip(plan.tables, partial):
             counts[t.name] += values
+
+    counts_candidates = True
+
+    def candidate_counts(self, plan: Plan, tables: list, source: InputSource, key: ReleaseKey,
+                         progress: ProgressHook = no_progress) -> dict[str, np.ndarray]:
+        return self.true_counts(dataclasses.replace(plan, tables=tuple(tables)), source, key, progress)
 
     def noise(self, plan: Plan, key: ReleaseKey, progress: ProgressHook) -> dict[str, np.ndarray]:
         """Noise of every cell of every additive table, in parallel over cell ranges (same values for any split)."""

@@ -123,7 +123,7 @@ def fit_joints(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarray], e
     `shape`, the units' noisy and least-squares tables (units x table cells)."""
     totals = np.asarray(totals, dtype=np.float64)
     out = np.empty((totals.size, shape.cells))
-    width = chunk_units(shape.cells)
+    width = chunk_units(sum(shape.table_cells(t) for t in shape.tables) if path == "tree" else shape.cells)
     for start in range(0, totals.size, width):
         rows = slice(start, min(start + width, totals.size))
         units = rows.stop - rows.start
@@ -310,20 +310,43 @@ def joint_margins(joint: np.ndarray, shape: JointShape) -> list[np.ndarray]:
     return out
 
 
+def _tree_path(shape: JointShape, totals: np.ndarray, estimates: list[np.ndarray]) -> list[np.ndarray]:
+    """The 'tree' path: a query's 1-way tables and a spanning tree of its 2-way tables made nonnegative
+    integers that add up exactly (`tree_model.tree_tables`), from their estimates."""
+    from .tree_model import tree_tables
+
+    units = totals.size
+    names = [str(a) for a in range(len(shape.sizes))]
+    by_axes = {t.axes: i for i, t in enumerate(shape.tables)}
+    pairs = [t.axes for t in shape.tables if len(t.axes) == 2]
+    one_way, tables = tree_tables(totals, estimates[by_axes[(0,)]], names, [(names[a], names[b]) for a, b in pairs],
+                                  [estimates[by_axes[p]].reshape(units, shape.sizes[p[0]], shape.sizes[p[1]])
+                                   for p in pairs])
+    out: list[np.ndarray] = [np.empty(0)] * len(shape.tables)
+    for axes, i in by_axes.items():
+        out[i] = (one_way[names[axes[0]]] if len(axes) == 1 else tables[pairs.index(axes)]).reshape(units, -1)
+    return out
+
+
 def marginal_tables(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarray], estimates: list[np.ndarray],
                     iterations: int, path: str, joints: list | None = None) -> list[np.ndarray]:
     """The published integer tables of every unit (per table, units x table cells), a chunk of units at a time
     (memory: a chunk's joint, never a level's):
       'joint'          the fitted joint rounded to the unit total; every table a margin of it (consistent);
       'fitted_tables'  each table, a margin of the fitted joint, rounded to the unit total on its own;
-      'tables'         no joint: each table's estimate made nonnegative and rounded to the unit total.
+      'tables'         no joint: each table's estimate made nonnegative and rounded to the unit total;
+      'tree'           a `select: mst` query (1-way tables and a spanning tree of pairs): `_tree_path`.
     `joints`, when given, receives each chunk's rounded joint (path 'joint')."""
     totals = np.asarray(totals, dtype=np.int64)
     out = [np.empty((totals.size, shape.table_cells(t)), dtype=np.int64) for t in shape.tables]
-    width = chunk_units(shape.cells)
+    width = chunk_units(sum(shape.table_cells(t) for t in shape.tables) if path == "tree" else shape.cells)
     for start in range(0, totals.size, width):
         rows = slice(start, min(start + width, totals.size))
         unit_totals = totals[rows]
+        if path == "tree":
+            for i, table in enumerate(_tree_path(shape, unit_totals, [e[rows] for e in estimates])):
+                out[i][rows] = table
+            continue
         if path == "tables":
             for i, estimate in enumerate(estimates):
                 out[i][rows] = _nonnegative_integers(estimate[rows], unit_totals.astype(np.float64))

@@ -1,0 +1,82 @@
+"""MST's selection (McKenna, Miklau and Sheldon 2021), engine-neutral: which 2-way tables a `select: mst`
+marginals query measures.
+
+Every attribute's 1-way table is measured first. The estimate of a pair's table is the product of its two
+noisy 1-way tables made nonnegative, scaled to the unit's noisy total (per geographic unit for a query
+`within` a level) and rounded to integers: post-processing of released measurements. A pair's score is the
+L1 distance between its bounded counts and that estimate (an integer); the pairs the independent estimate
+gets most wrong are the ones worth measuring. Kruskal's algorithm with the exponential mechanism in place of
+"take the heaviest edge": `rounds` selections, each among the pairs joining two components of the tree so far.
+
+Privacy: each round is one exact exponential-mechanism draw (`samplers.select_cells`) from its own keyed
+stream, calibrated to the score sensitivity (`accounting.sensitivity.mst_score_sensitivity`); the candidates
+of a round depend only on earlier rounds' choices (public), so the rounds compose adaptively. The true pair
+counts are read here and nowhere else; only the chosen pairs leave.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+
+from .csprng import CellStream, ReleaseKey
+
+
+def independent_estimates(one_way: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(unit totals, each attribute's distribution per unit) from noisy 1-way tables of shape (units, size):
+    each made nonnegative; the unit's total is the mean of the tables' totals (a uniform distribution where
+    a unit's clipped table is all zero). Post-processing of released values only."""
+    clipped = [np.maximum(np.asarray(t, dtype=np.float64), 0.0) for t in one_way]
+    totals = np.maximum(np.mean([np.asarray(t, dtype=np.float64).sum(axis=1) for t in one_way], axis=0), 0.0)
+    shares = []
+    for table in clipped:
+        sums = table.sum(axis=1, keepdims=True)
+        uniform = np.full_like(table, 1.0 / table.shape[1])
+        shares.append(np.where(sums > 0, table / np.where(sums > 0, sums, 1.0), uniform))
+    return totals, shares
+
+
+def pair_estimate(totals: np.ndarray, share_a: np.ndarray, share_b: np.ndarray) -> np.ndarray:
+    """The independent estimate of a pair's table per unit, rounded to integers: shape (units, a, b)."""
+    product = totals[:, None, None] * share_a[:, :, None] * share_b[:, None, :]
+    return np.rint(product).astype(np.int64)
+
+
+def pair_score(counts: np.ndarray, estimate: np.ndarray) -> int:
+    """The L1 distance between a pair's bounded counts and its estimate (same shape). Private: the
+    exponential mechanism's input only."""
+    return int(np.abs(np.asarray(counts, dtype=np.int64).reshape(estimate.shape) - estimate).sum())
+
+
+def selection_stream(key: ReleaseKey, name: str, round_: int) -> CellStream:
+    """The keystream of one round of a selection (lane 0)."""
+    return CellStream(key.derive(f"dprelease/select/{name}/round-{round_}"))
+
+
+def select_tree(key: ReleaseKey, name: str, attributes: list[str], candidates: list[tuple[str, str]],
+                scores: list[int], epsilon: Fraction, sensitivity: int) -> tuple[tuple[str, str], ...]:
+    """The pairs of a spanning tree of `attributes`, chosen round by round: each round the exponential
+    mechanism picks one of the candidates joining two components, with probability proportional to
+    exp(epsilon * score / (2 * sensitivity)) (the kernel's lowest-is-best form on largest - score, which
+    gives the same distribution).
+
+    Privacy: `len(attributes) - 1` epsilon-DP selections on scores of the given sensitivity."""
+    from .samplers import select_cells
+
+    component = {a: a for a in attributes}
+
+    def root(a: str) -> str:
+        while component[a] != a:
+            a = component[a]
+        return a
+
+    chosen = []
+    for round_ in range(len(attributes) - 1):
+        open_pairs = [i for i, (a, b) in enumerate(candidates) if root(a) != root(b)]
+        weights = np.array([scores[i] for i in open_pairs], dtype=np.int64)
+        lowest_best = (weights.max() - weights).reshape(1, -1)
+        pick = int(select_cells(selection_stream(key, name, round_), 0, 1, lowest_best, epsilon, sensitivity)[0])
+        a, b = candidates[open_pairs[pick]]
+        component[root(a)] = root(b)
+        chosen.append((a, b))
+    return tuple(chosen)

@@ -32,6 +32,7 @@ releases are accounted in rho, which is how their noise is calibrated).
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from dataclasses import dataclass
 from fractions import Fraction
@@ -246,6 +247,8 @@ class Reservation:
     period_unit: str | None = None
     periods: tuple[tuple[str, Fraction], ...] = ()
     owner_token: str | None = None
+    charged_early: bool = False
+    """Committed before its release was staged (`charge_before_publication`): a failure no longer refunds it."""
 
     @property
     def charged_by_this_run(self) -> Fraction:
@@ -456,7 +459,7 @@ def commit(engine: Engine, reservation: Reservation, manifest_sha256: str) -> No
     reserved row (settled by `reconcile` after the run's lease expired). A free re-run records only its
     manifest against the committed row."""
     with engine.begin() as connection:
-        if reservation.rerun:
+        if reservation.rerun or reservation.charged_early:
             _published(connection, reservation.row_id, manifest_sha256)
             return
         done = connection.execute(releases.update().where(_held(reservation)).values(
@@ -468,9 +471,26 @@ def commit(engine: Engine, reservation: Reservation, manifest_sha256: str) -> No
         _published(connection, reservation.row_id, manifest_sha256)
 
 
-def abort(engine: Engine, reservation: Reservation) -> None:
-    """Release the reservation of a run that published nothing (never after the rename)."""
+def charge_before_publication(engine: Engine, reservation: Reservation) -> Reservation:
+    """Charge the reservation for good now, before anything is staged: for a run whose later steps depend on
+    an output already drawn from the data (a selection of tables), which must not be refunded by a failure or
+    a kill that it could have caused. Publication then records its manifest only (as a free re-run's does);
+    a re-run with the same key publishes at no further cost. Raises LedgerError when the row is no longer
+    this run's reserved row."""
     if reservation.rerun or reservation.row_id is None:
+        return reservation
+    with engine.begin() as connection:
+        done = connection.execute(releases.update().where(_held(reservation)).values(
+            status=COMMITTED, finished_at=_now(), lease_expires_at=None))
+    if done.rowcount != 1:
+        raise LedgerError(f"ledger: the reservation of release row {reservation.row_id} is no longer held by this "
+                          "run (its lease expired and `dprelease ledger reconcile` settled it?); run it again")
+    return dataclasses.replace(reservation, charged_early=True)
+
+
+def abort(engine: Engine, reservation: Reservation) -> None:
+    """Release the reservation of a run that published nothing (never after the rename, nor once charged)."""
+    if reservation.rerun or reservation.charged_early or reservation.row_id is None:
         return
     with engine.begin() as connection:
         connection.execute(releases.update().where(_held(reservation)).values(

@@ -16,7 +16,7 @@ import os
 from dprelease.accounting.errors import SpecError
 
 from .manifest import accounting_section
-from .plan import Plan
+from .plan import Plan, selection_cells
 
 DEFAULT_MAX_CELLS = 20_000_000
 MAX_CELLS_ENV = "DPRELEASE_MAX_CELLS"
@@ -49,7 +49,8 @@ def runs_in_workers(plan: Plan, engine: str) -> bool:
 
 
 def estimated_memory_bytes(plan: Plan) -> int:
-    return plan.n_cells * BYTES_PER_CELL
+    """The cells a run holds at once (a selection's candidate pairs too), in bytes."""
+    return (plan.n_cells + selection_cells(plan)) * BYTES_PER_CELL
 
 
 def human_bytes(count: int) -> str:
@@ -66,13 +67,16 @@ def memory_statement(plan: Plan, engine: str, group_work: int) -> str:
         return (f"the {engine} workers post-process and write it group by group (about {group_work:,} cells, "
                 f"{human_bytes(group_work * BYTES_PER_CELL)} per group at a time); the driver holds no cells")
     where = "driver" if engine in WORKER_ENGINES else "process"
-    return f"a run needs about {human_bytes(estimated_memory_bytes(plan))} of {where} memory for them"
+    chosen = sum(s.rounds for s in plan.selections if s.chosen is None)
+    candidates = f" (and the {selection_cells(plan):,} cells of the candidate pairs it chooses {chosen} tables " \
+                 f"among)" if chosen else ""
+    return f"a run needs about {human_bytes(estimated_memory_bytes(plan))} of {where} memory for them{candidates}"
 
 
 def check_plan_limits(plan: Plan, max_cells: int | None = None, engine: str = "embedded") -> None:
     """Everything about a plan's size and numbers that must hold before a run may reserve budget."""
     check_representable(plan)
-    if not runs_in_workers(plan, engine):
+    if plan.selections or not runs_in_workers(plan, engine):  # a selection is counted on one machine
         check_cell_limit(plan, max_cells)
 
 
@@ -88,9 +92,13 @@ def check_representable(plan: Plan) -> None:
 def check_cell_limit(plan: Plan, max_cells: int | None = None) -> None:
     """Refuse (SpecError, exit 2) a release whose tables together exceed the cell cap."""
     limit = max_cells_setting(max_cells)
-    total = plan.n_cells
+    total = plan.n_cells + selection_cells(plan)
     if total <= limit:
         return
+    if plan.selections and plan.n_cells <= limit:
+        raise SpecError(f"queries: choosing the tables of `select: mst` counts every candidate pair: {total:,} "
+                        f"public cells with the release's own tables, over the limit of {limit:,} (--max-cells or "
+                        f"${MAX_CELLS_ENV}); coarsen the attributes (bins) or list fewer")
     largest = max(plan.tables, key=lambda t: t.layout.n_measured)
     entries = (f"{largest.n_cells:,} cells x {largest.layout.buckets} quantile buckets" if largest.layout.buckets > 1
                else f"{largest.n_cells:,} cells")

@@ -90,9 +90,10 @@ STEPS = {
                         "integral per unit with its unit total preserved: totals agree exactly, other shared "
                         "sub-marginals only up to rounding",
     "marginals_tree": ESTIMATE + "; per unit, the tree model of the chosen 2-way tables (MST): the first "
-                      "attribute's table rounded to the unit total, then down each chosen pair away from it, the "
-                      "parent value's count dealt to the child's values in proportion to the pair's estimate made "
-                      "nonnegative (largest remainder): nonnegative integer tables that add up exactly (each "
+                      "attribute's table fitted to the unit total, then down each chosen pair away from it, each "
+                      "parent value's row of the pair's estimate shrunk toward the child's 1-way estimate "
+                      "(James-Stein factor from the public noise variance) and fitted to that value's count by "
+                      "least squares and controlled rounding: nonnegative integer tables that add up exactly (each "
                       "pair's margins are the 1-way tables) and that `synthesize`'s records reproduce",
     "histogram": ESTIMATE + "; rounded to the nearest integer, negative values set to 0",
     "count_units": "negative noisy unit counts set to 0",

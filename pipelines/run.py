@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dprelease.accounting.errors import DPReleaseError, PublishError, SpecError
-from dprelease.accounting.ledger import LeaseKeeper, abort, commit, open_ledger, reserve
+from dprelease.accounting.ledger import LeaseKeeper, abort, charge_before_publication, commit, open_ledger, reserve
 from dprelease.accounting.signing import load_private_key
 from dprelease.transforms.csprng import ReleaseKey
 
@@ -285,12 +285,19 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
         book, reservation = _reserve(ledger, plan, key, input_fingerprint,
                                      remote.uri if remote else str(final_dir.resolve()))
         LOG.info("key %s (%s)", key.key_id(), "reused" if reused else "new")
+        key_saved = reused
+        if plan.selections:  # what follows the selection depends on its draws: never refunded, so the key that
+            if not reused:   # re-publishes it free is kept first
+                key.save(key_path)
+                key_saved = True
+            if reservation:
+                reservation = charge_before_publication(book, reservation)
         committed = False
         lease = LeaseKeeper(book, reservation, warn=LOG.warning) if reservation else contextlib.nullcontext()
         try:
             with lease:
                 plan = select_tables(plan, engine_, source, release_key, progress or no_progress)
-                staged = _release_and_stage(plan, engine_, source, validation, created_at, key, key_path, reused,
+                staged = _release_and_stage(plan, engine_, source, validation, created_at, key, key_path, key_saved,
                                             release_key, final_dir, progress, command_line, reservation, signer, layout)
                 try:
                     check_input_unchanged(source, stamps)
@@ -310,9 +317,15 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                                                 "release's prefix)" if remote else "") +
                             " to publish it at no further cost") from error
                     raise
-        except BaseException:
+        except BaseException as error:
             if reservation and not committed:
                 _abort_quietly(book, reservation)
+            if reservation and reservation.charged_early and not committed and isinstance(error, Exception) \
+                    and not isinstance(error, PublishError):
+                raise PublishError(
+                    f"release {spec.release_id}: charged in the ledger when its selection started, but not "
+                    f"published ({type(error).__name__}: {error}); re-run it with --key-file {key_path} and the "
+                    "same spec and input to publish it at no further cost") from error
             raise
         LOG.info("published %s", remote.uri if remote else final_dir)
         return RunResult(remote.uri if remote else final_dir, key_path, reused, plan, coding_warnings(final_dir))
@@ -334,11 +347,11 @@ def _remote_target(spec: ReleaseSpec, out_dir, overwrite: bool) -> RemoteRelease
 
 
 def _release_and_stage(plan: Plan, engine_: Engine, source: InputSource, validation, created_at: str, key,
-                       key_path: Path, reused: bool, release_key: ReleaseKey, final_dir: Path, progress,
+                       key_path: Path, key_saved: bool, release_key: ReleaseKey, final_dir: Path, progress,
                        command_line, reservation, signer, layout: Layout):
     """Validate values, save a fresh key, draw the noisy measurements, post-process and stage the release."""
     validation_record = check_input_values(plan, engine_, source, validation, created_at) if validation else None
-    if not reused:
+    if not key_saved:
         key.save(key_path)
     record = dict(engine=engine_.name, key_id=key.key_id(), created_at=created_at,
                   command_line=command_line or sys.argv, ledger=reservation.record() if reservation else None,

@@ -12,6 +12,10 @@ MAX_CLAMP = 2**31 - 1
 """Measure clamps lie within ±(2**31 - 1): sums of up to 2**32 records per cell are exact in int64, and
 per-batch partial sums exact in doubles."""
 
+MAX_MST_ATTRIBUTES = 200
+"""Most attributes of a `select: mst` query: 19,900 candidate pairs, each scored once (planning and verify
+build every candidate)."""
+
 
 def _check_clamp(path: str, column: IntegerColumn, problems: list[str]) -> None:
     clamp = column.clamp
@@ -107,8 +111,8 @@ def cross_reference_problems(spec: ReleaseSpec) -> list[str]:
             _check_refs(spec, query.attributes, f"{path}.attributes", problems)
             if query.way > len(query.attributes):
                 problems.append(f"{path}.way = {query.way}: must be <= number of attributes ({len(query.attributes)})")
-            if query.select == "mst" and (query.way != 2 or len(query.attributes) < 2):
-                problems.append(f"{path}.select = 'mst': needs way = 2 and at least 2 attributes "
+            if query.select == "mst" and (query.way != 2 or not 2 <= len(query.attributes) <= MAX_MST_ATTRIBUTES):
+                problems.append(f"{path}.select = 'mst': needs way = 2 and 2 to {MAX_MST_ATTRIBUTES} attributes "
                                 f"(got way = {query.way}, {len(query.attributes)} attribute(s))")
             if query.within is not None:
                 resolved = _resolve(spec, query.within, f"{path}.within", problems)

@@ -107,3 +107,23 @@ def test_the_statistician_and_auditor_tutorials_run_as_written(tmp_path):
         assert done.returncode == 0, (block, done.stdout[-2000:], done.stderr[-2000:])
     assert (root / "examples" / "adult" / "releases" / "adult-2way.report.html").exists()
     assert json.loads((root / "plan.json").read_text())["tables"]
+
+
+def test_the_synthetic_microdata_howto_runs_as_written(tmp_path):
+    """Every bash block of the how-to, in order: plan, budget, run, verify and synthesize of an MST release."""
+    import shutil
+    import subprocess
+
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "repo"
+    (root / "examples").mkdir(parents=True)
+    shutil.copytree(REPO / "examples" / "adult", root / "examples" / "adult")
+    (tmp_path / "shared").symlink_to((REPO.parent / "shared").resolve())
+    blocks = bash_blocks(REPO / "docs" / "howto" / "synthetic.md")
+    assert len(blocks) == 2
+    for block in blocks:
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=root, capture_output=True, text=True)
+        assert done.returncode == 0, (block, done.stdout[-2000:], done.stderr[-2000:])
+    assert "Not reproduced" not in done.stdout
+    assert pq.read_metadata(root / "adult-synthetic.parquet").num_rows > 40_000

@@ -321,7 +321,9 @@ def _tree_path(shape: JointShape, totals: np.ndarray, estimates: list[np.ndarray
     pairs = [t.axes for t in shape.tables if len(t.axes) == 2]
     one_way, tables = tree_tables(totals, estimates[by_axes[(0,)]], names, [(names[a], names[b]) for a, b in pairs],
                                   [estimates[by_axes[p]].reshape(units, shape.sizes[p[0]], shape.sizes[p[1]])
-                                   for p in pairs])
+                                   for p in pairs],
+                                  {names[a]: estimates[by_axes[(a,)]] for a in range(len(shape.sizes))},
+                                  [shape.tables[by_axes[p]].variance for p in pairs])
     out: list[np.ndarray] = [np.empty(0)] * len(shape.tables)
     for axes, i in by_axes.items():
         out[i] = (one_way[names[axes[0]]] if len(axes) == 1 else tables[pairs.index(axes)]).reshape(units, -1)

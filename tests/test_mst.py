@@ -1,0 +1,210 @@
+"""`select: mst` marginals: the selection accounted before any data is read, run, recorded in the manifest,
+verified, post-processed into tables that add up, and drawn from by `synthesize`."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from fractions import Fraction
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from dprelease.pipelines.plan import build_plan, with_selections
+from dprelease.pipelines.spec import load_spec
+
+from .conftest import GEO_LEAVES, small_spec, write_case
+
+ATTRIBUTES = ["age", "sex", "edu", "inc"]
+
+
+def cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", *args], capture_output=True, text=True)
+
+
+def mst_case(directory, budget=None, neighbouring="add_remove", **query):
+    """600 people; income follows education closely, so (edu, inc) is the pair worth measuring."""
+    rng = np.random.default_rng(3)
+    n = 600
+    edu = rng.integers(0, 3, n)
+    inc = np.where(rng.random(n) < 0.95, (edu >= 1).astype(int), 1 - (edu >= 1).astype(int))
+    rows = {"pid": list(range(n)), "geo": [GEO_LEAVES[i] for i in rng.integers(0, 6, n)],
+            "age": rng.integers(0, 100, n).tolist(), "sex": rng.choice(["F", "M"], n).tolist(),
+            "edu": [["school", "college", "degree"][e] for e in edu], "inc": [["low", "high"][i] for i in inc]}
+    spec = small_spec(budget=budget or {"definition": "zcdp", "rho": 50, "delta": 1e-9}, neighbouring=neighbouring)
+    spec["columns"]["edu"] = {"type": "categorical", "values": ["school", "college", "degree"]}
+    spec["columns"]["inc"] = {"type": "categorical", "values": ["low", "high"]}
+    spec["queries"] = [
+        {"name": "pop", "kind": "hierarchy", "geography": "geo", "levels": ["nation", "state", "county", "tract"]},
+        {"name": "m", "kind": "marginals", "attributes": ATTRIBUTES, "way": 2, "within": "geo.state",
+         "select": "mst", **query}]
+    return write_case(directory, spec, rows)
+
+
+@pytest.mark.parametrize("definition", ["pure", "zcdp"])
+@pytest.mark.parametrize("neighbouring", ["add_remove", "replace"])
+def test_the_plan_accounts_the_selection_before_any_data_is_read(tmp_path, definition, neighbouring):
+    budget = {"definition": "pure", "epsilon": 2} if definition == "pure" else \
+        {"definition": "zcdp", "rho": "1/2", "delta": 1e-9}
+    path = mst_case(tmp_path / "c", budget, neighbouring)
+    plan = build_plan(*load_spec(path))
+    [selection] = plan.selections
+    assert plan.pending and selection.chosen is None and selection.rounds == 3 and len(selection.candidates) == 6
+    assert sorted(t.name for t in plan.tables if t.query == "m") == sorted(f"m.{a}" for a in ATTRIBUTES)
+    share = Fraction(1, 2) * plan.allocation_budget  # two queries of weight 1
+    assert selection.event.allocated == share / 10  # 9/20 1-way tables, 1/10 selection, 9/20 pair tables
+    assert selection.pair_event.allocated == share * Fraction(9, 20) / 3 and sum(
+        plan.table(f"m.{a}").event.allocated for a in ATTRIBUTES) == share * Fraction(9, 20)
+    factor = 2 if neighbouring == "replace" else 1
+    assert selection.event.sensitivity.l1 == factor and selection.pair_event.sensitivity.l1 == factor
+    per_round = selection.event.mechanism.epsilon if definition == "pure" else selection.event.mechanism.epsilon ** 2 / 8
+    assert selection.event.loss == 3 * per_round <= selection.event.allocated
+    total = plan.totals.pure_epsilon if definition == "pure" else plan.totals.rho
+    assert total <= plan.allocation_budget and plan.totals.allocated_sum == plan.allocation_budget
+    chosen = with_selections(plan, {"m": (("age", "sex"), ("sex", "edu"), ("edu", "inc"))})
+    assert not chosen.pending and (chosen.totals.pure_epsilon, chosen.totals.rho) == (plan.totals.pure_epsilon,
+                                                                                       plan.totals.rho)
+    assert chosen.table("m.edu-inc").event.mechanism == selection.pair_event.mechanism
+
+
+def test_plan_shows_the_selection_and_the_pairs_still_to_choose(tmp_path):
+    path = mst_case(tmp_path / "c")
+    done = cli("plan", str(path), "--json")
+    assert done.returncode == 0, done.stderr
+    records = {r["table"]: r for r in json.loads(done.stdout)["tables"]}
+    assert records["m.selection"]["mechanism"] == "exponential" and records["m.selection"]["cells"] == 6
+    assert records["m.<3 pairs chosen>"]["mechanism"] == "discrete_gaussian"
+
+
+def test_a_selection_release_runs_verifies_adds_up_and_synthesizes(tmp_path):
+    path = mst_case(tmp_path / "c")
+    ledger = tmp_path / "ledger.sqlite"
+    assert cli("ledger", "set-budget", "test-data", "--rho", "100", "--ledger", str(ledger)).returncode == 0
+    done = cli("run", str(path), "--key-file", str(tmp_path / "k.key"), "--ledger", str(ledger))
+    assert done.returncode == 0, done.stderr
+    root = path.parent / "out" / "test-release"
+    manifest = json.loads((root / "manifest.json").read_text())
+    [record] = manifest["selections"]
+    assert record["rounds"] == 3 and len(record["chosen"]) == 3 and ["edu", "inc"] in record["chosen"]
+    assert record["mechanism"]["accounted_as"] == "rho" and record["mechanism"]["selections"] == 3
+    names = {t["name"] for t in manifest["tables"]}
+    assert {f"m.{a}-{b}" for a, b in record["chosen"]} | {f"m.{a}" for a in ATTRIBUTES} <= names
+    assert Fraction(manifest["ledger"]["charged_by_this_run"]) == Fraction(manifest["totals"]["rho"]["fraction"])
+    for args in ([], ["--recompute"], ["--ledger", str(ledger)]):
+        checked = cli("verify", str(root), *args)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    tables = {t: pq.read_table(root / "tables" / f"m.{t}.parquet").to_pandas() for t in
+              ATTRIBUTES + [f"{a}-{b}" for a, b in record["chosen"]]}
+    state = pq.read_table(root / "tables" / "pop.state.parquet").to_pandas()
+    for a, b in record["chosen"]:
+        pair = tables[f"{a}-{b}"]
+        assert (pair["count"] >= 0).all()
+        for attribute in (a, b):  # each pair's margins are the published 1-way tables
+            margin = pair.groupby(["state", attribute], sort=False)["count"].sum().reset_index()
+            one_way = tables[attribute].merge(margin, on=["state", attribute], suffixes=("", "_pair"))
+            assert (one_way["count"] == one_way["count_pair"]).all() and len(one_way) == len(tables[attribute])
+    per_state = tables["age"].groupby("state")["count"].sum()
+    assert per_state.to_dict() == dict(zip(state["state"], state["count"]))
+    out = tmp_path / "synthetic.parquet"
+    synthesized = cli("synthesize", str(root), "--out", str(out))
+    assert synthesized.returncode == 0, synthesized.stderr
+    text = " ".join(synthesized.stdout.split())
+    assert "Not reproduced" not in text and "m.edu-inc" in text and "pop.tract" in text
+    records = pq.read_table(out)
+    assert records.column_names == ["state", "county", "tract", *ATTRIBUTES]
+    assert records.num_rows == int(state["count"].sum())
+
+
+def test_verify_refuses_a_selection_that_is_not_a_spanning_tree(tmp_path):
+    path = mst_case(tmp_path / "c")
+    assert cli("run", str(path), "--key-file", str(tmp_path / "k.key"), "--no-ledger").returncode == 0
+    root = path.parent / "out" / "test-release"
+    original = (root / "manifest.json").read_text()
+    for chosen, expected in (([["age", "sex"], ["sex", "edu"], ["age", "edu"]], "closes a cycle"),
+                             ([["age", "sex"], ["sex", "edu"]], "a spanning tree of 4 attributes has 3"),
+                             ([["age", "sex"], ["sex", "edu"], ["inc", "edu"]], "not a pair of its attributes"),
+                             ("all", "not a list of attribute pairs")):
+        manifest = json.loads(original)
+        manifest["selections"][0]["chosen"] = chosen
+        (root / "manifest.json").write_text(json.dumps(manifest))
+        checked = cli("verify", str(root))
+        assert checked.returncode == 1 and expected in " ".join((checked.stdout + checked.stderr).split()), \
+            checked.stdout + checked.stderr
+    manifest = json.loads(original)
+    del manifest["selections"]
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    checked = cli("verify", str(root))
+    assert checked.returncode == 1 and "the pairs chosen by ['m'] are missing" in " ".join(checked.stderr.split())
+
+
+def test_a_pure_epsilon_selection_release_verifies(tmp_path):
+    path = mst_case(tmp_path / "c", {"definition": "pure", "epsilon": 4}, "replace")
+    assert cli("run", str(path), "--key-file", str(tmp_path / "k.key"), "--no-ledger").returncode == 0
+    root = path.parent / "out" / "test-release"
+    record = json.loads((root / "manifest.json").read_text())["selections"][0]
+    assert record["mechanism"]["accounted_as"] == "epsilon" and record["sensitivity"]["l1"] == 2
+    checked = cli("verify", str(root), "--recompute")
+    assert checked.returncode == 0, checked.stdout
+
+
+def test_mst_needs_two_way_tables(tmp_path):
+    path = mst_case(tmp_path / "c", way=3)
+    done = cli("plan", str(path))
+    assert done.returncode == 2
+    assert "select = 'mst': needs way = 2" in " ".join(done.stderr.split())
+
+
+def test_engines_that_cannot_count_candidates_refuse_before_the_ledger(tmp_path):
+    path = mst_case(tmp_path / "c")
+    ledger = tmp_path / "ledger.sqlite"
+    assert cli("ledger", "set-budget", "test-data", "--rho", "100", "--ledger", str(ledger)).returncode == 0
+    done = cli("run", str(path), "--engine", "beam", "--key-file", str(tmp_path / "k.key"), "--ledger", str(ledger))
+    assert done.returncode == 2 and "chooses its tables on the embedded engine" in " ".join(done.stderr.split())
+    shown = cli("ledger", "show", "test-data", "--ledger", str(ledger))
+    assert "test-release" not in shown.stdout
+
+
+def test_names_a_pair_could_share_are_refused_before_any_data_is_read(tmp_path):
+    for attributes, clash in ((["x", "y-z", "x-y", "z"], "m.x-y-z"), (["selection", "sex"], "m.selection")):
+        spec = small_spec()
+        spec["columns"] = {a: {"type": "categorical", "values": ["p", "q"]} for a in attributes}
+        spec["queries"] = [{"name": "m", "kind": "marginals", "attributes": attributes, "select": "mst"}]
+        path = write_case(tmp_path / attributes[0], spec)
+        done = cli("plan", str(path))
+        assert done.returncode == 2 and clash in done.stderr, done.stderr
+
+
+def test_the_cell_limit_counts_every_candidate_pair(tmp_path):
+    path = mst_case(tmp_path / "c")
+    done = cli("run", str(path), "--no-ledger", "--max-cells", "100", "--key-file", str(tmp_path / "k.key"))
+    assert done.returncode == 2 and "counts every candidate pair" in " ".join(done.stderr.split())
+
+
+def test_a_run_that_fails_after_its_selection_stays_charged_and_republishes_free(tmp_path, monkeypatch):
+    """What follows a selection depends on its draws (tables, their sizes, the time they take): a failure
+    or a kill there must not refund the budget, or a run could be repeated until a selection pleased."""
+    from dprelease.accounting.ledger import open_ledger, set_budget
+    from dprelease.accounting.errors import PublishError
+    from dprelease.pipelines import run as run_module
+
+    path = mst_case(tmp_path / "c")
+    ledger = tmp_path / "ledger.sqlite"
+    assert cli("ledger", "set-budget", "test-data", "--rho", "100", "--ledger", str(ledger)).returncode == 0
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(run_module, "_release_and_stage", crash)
+        with pytest.raises(PublishError, match="charged in the ledger when its selection started"):
+            run_module.run_release(path, key_file=tmp_path / "k.key", ledger=ledger)
+    shown = cli("ledger", "show", "test-data", "--ledger", str(ledger))
+    assert "committed" in shown.stdout and "test-release" in shown.stdout
+    spent = " ".join(shown.stdout.split())
+    result = run_module.run_release(path, key_file=tmp_path / "k.key", ledger=ledger)
+    manifest = json.loads((result.release_dir / "manifest.json").read_text())
+    assert manifest["ledger"]["charged_by_this_run"] == "0" and manifest["ledger"]["rerun_of_committed_release"]
+    assert " ".join(cli("ledger", "show", "test-data", "--ledger", str(ledger)).stdout.split()) .count("committed") == \
+        spent.count("committed")
+    assert cli("verify", str(result.release_dir), "--ledger", str(ledger)).returncode == 0

@@ -228,7 +228,10 @@ class HistogramQuery(QueryBase):
 
 class MarginalsQuery(QueryBase):
     kind: Literal["marginals"]
-    attributes: list[str] = Field(min_length=1, description="Required. Attributes whose t-way combinations are tabulated.")
+    attributes: list[str] | None = Field(
+        None, min_length=1, description="Required, except with select: mst (default there: every column of the spec "
+                                        "that is not a geography, in the spec's order). Attributes whose t-way "
+                                        "combinations are tabulated.")
     way: int = Field(2, ge=1, description="Defaulted (2). t: the size of each combination.")
     within: str | None = Field(None, description="Optional. A geography level every marginal is crossed with, 'geo.county'.")
     select: Literal["all", "mst"] = Field(
@@ -357,6 +360,24 @@ class ReleaseSpec(Frozen):
                     "same cells of every invariant table (under add_remove every neighbour changes an invariant).",
     )
     output: OutputSpec
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mst_attributes(cls, document: Any) -> Any:
+        """A `select: mst` marginals query without attributes takes every non-geography column (public: the
+        spec's own declarations), written into the spec so its hash and manifest say which."""
+        if not isinstance(document, dict) or not isinstance(document.get("queries"), list) \
+                or not isinstance(document.get("columns"), dict):
+            return document
+        columns = [name for name, column in document["columns"].items()
+                   if not (isinstance(column, dict) and column.get("type") == "geography")]
+        queries = []
+        for query in document["queries"]:
+            if isinstance(query, dict) and query.get("kind") == "marginals" and query.get("select") == "mst" \
+                    and query.get("attributes") is None:
+                query = {**query, "attributes": columns}
+            queries.append(query)
+        return {**document, "queries": queries}
 
     @field_validator("period")
     @classmethod

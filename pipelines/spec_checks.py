@@ -108,6 +108,10 @@ def cross_reference_problems(spec: ReleaseSpec) -> list[str]:
             _check_refs(spec, query.by, f"{path}.by", problems)
             _check_measure(spec, query, path, problems)
         elif isinstance(query, MarginalsQuery):
+            if query.attributes is None:
+                problems.append(f"{path}.attributes: required (only a `select: mst` query takes every column by "
+                                f"default)")
+                continue
             _check_refs(spec, query.attributes, f"{path}.attributes", problems)
             if query.way > len(query.attributes):
                 problems.append(f"{path}.way = {query.way}: must be <= number of attributes ({len(query.attributes)})")

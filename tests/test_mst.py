@@ -208,3 +208,18 @@ def test_a_run_that_fails_after_its_selection_stays_charged_and_republishes_free
     assert " ".join(cli("ledger", "show", "test-data", "--ledger", str(ledger)).stdout.split()) .count("committed") == \
         spent.count("committed")
     assert cli("verify", str(result.release_dir), "--ledger", str(ledger)).returncode == 0
+
+
+def test_a_selection_query_needs_no_parameters(tmp_path):
+    """`{name, kind: marginals, select: mst}`: every non-geography column, way 2, the default split; the
+    columns are written into the spec (its hash and manifest say which). A plain marginals query still needs
+    its attributes."""
+    spec = small_spec()
+    spec["queries"] = [{"name": "m", "kind": "marginals", "select": "mst"}]
+    path = write_case(tmp_path / "c", spec)
+    plan = build_plan(*load_spec(path))
+    assert plan.spec.queries[0].attributes == ["age", "sex"] and plan.selections[0].rounds == 1
+    assert plan.spec.model_dump(mode="json")["queries"][0]["attributes"] == ["age", "sex"]
+    spec["queries"] = [{"name": "m", "kind": "marginals"}]
+    done = cli("plan", str(write_case(tmp_path / "d", spec)))
+    assert done.returncode == 2 and "queries[0].attributes: required" in done.stderr

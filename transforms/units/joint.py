@@ -123,7 +123,7 @@ def fit_joints(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarray], e
     `shape`, the units' noisy and least-squares tables (units x table cells)."""
     totals = np.asarray(totals, dtype=np.float64)
     out = np.empty((totals.size, shape.cells))
-    width = chunk_units(sum(shape.table_cells(t) for t in shape.tables) if path == "tree" else shape.cells)
+    width = chunk_units(shape.cells)
     for start in range(0, totals.size, width):
         rows = slice(start, min(start + width, totals.size))
         units = rows.stop - rows.start

@@ -75,7 +75,7 @@ def run_dprelease(rho: Fraction, columns: list[str], work: Path, release_id: str
     return run_release(spec, key_file=work / f"{release_id}.key", ledger=None).release_dir
 
 
-def dprelease_records(rho: Fraction, columns: list[str], work: Path, run: int) -> np.ndarray:
+def dprelease_records(rho: Fraction, columns: list[str], work: Path, run: str) -> np.ndarray:
     from dprelease.pipelines.synthesize import synthesize
 
     root = run_dprelease(rho, columns, work, f"mst-{run}", [{"name": "m", "kind": "marginals", "attributes": columns,
@@ -84,7 +84,7 @@ def dprelease_records(rho: Fraction, columns: list[str], work: Path, run: int) -
     return np.stack([np.asarray(records.column(c).to_pylist(), dtype=np.int64) for c in columns], axis=1)
 
 
-def published_error(rho: Fraction, columns: list[str], work: Path, run: int, truth: np.ndarray,
+def published_error(rho: Fraction, columns: list[str], work: Path, run: str, truth: np.ndarray,
                     sizes: list[int]) -> float:
     import pyarrow.parquet as pq
 
@@ -108,10 +108,16 @@ def opendp_records(algorithm: str, rho: Fraction, columns: list[str], sizes: dic
     chosen = dp.mbi.MST(measure_split=0.875) if algorithm == "mst" else dp.mbi.AIM(queries=way, measure_split=0.875)
     # OpenDP splits the budget in floats and can refuse its own last query by one ulp: a dyadic budget just
     # below rho and a dyadic split (7/8 measuring, near its 0.9 default) keep every split exact
-    budget = math.floor(float(rho) * 2**30) / 2**30
-    context = dp.Context.compositor(data=frame.lazy(), privacy_unit=dp.unit_of(contributions=1),
-                                    privacy_loss=dp.loss_of(rho=budget))
-    table = context.query(rho=budget).select(*columns).contingency_table(keys=keys, algorithm=chosen).release()
+    for attempt in range(8):  # a budget a few ulps lower when OpenDP still refuses its own split
+        budget = (math.floor(float(rho) * 2**30) - attempt) / 2**30
+        context = dp.Context.compositor(data=frame.lazy(), privacy_unit=dp.unit_of(contributions=1),
+                                        privacy_loss=dp.loss_of(rho=budget))
+        try:
+            table = context.query(rho=budget).select(*columns).contingency_table(keys=keys, algorithm=chosen).release()
+            break
+        except dp.OpenDPException as error:
+            if "insufficient budget" not in str(error) or attempt == 7:
+                raise
     synthetic = table.synthesize()
     rng = np.random.default_rng()  # values merged into MST's rare bucket come back null: drawn uniformly
     return np.stack([synthetic[c].fill_null(-1).to_numpy().astype(np.int64) for c in columns], axis=1), rng
@@ -167,10 +173,10 @@ def main() -> None:
                     for way in (ways if method == "aim" else [None]):
                         start = time.perf_counter()
                         if method == "published":
-                            errors = {2: published_error(rho, columns, work, run, truth, sizes)}
+                            errors = {2: published_error(rho, columns, work, f"{float(epsilon)}-{run}", truth, sizes)}
                         else:
                             if method == "dprelease":
-                                records = dprelease_records(rho, columns, work, run)
+                                records = dprelease_records(rho, columns, work, f"{float(epsilon)}-{run}")
                             elif method in ("mst", "aim"):
                                 records = filled(*opendp_records(method, rho, columns, domain, way or 2), sizes)
                             else:

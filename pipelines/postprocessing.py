@@ -91,7 +91,8 @@ STEPS = {
                         "sub-marginals only up to rounding",
     "marginals_tree": ESTIMATE + "; per unit, the tree model of the chosen 2-way tables (MST): the first "
                       "attribute's table fitted to the unit total, then down each chosen pair away from it, each "
-                      "parent value's row of the pair's estimate shrunk toward the child's 1-way estimate "
+                      "parent value's row of the pair's estimate, its cells at rare child values (estimated count "
+                      "below one noise standard deviation) pooled, shrunk toward the child's 1-way estimate "
                       "(James-Stein factor from the public noise variance) and fitted to that value's count by "
                       "least squares and controlled rounding: nonnegative integer tables that add up exactly (each "
                       "pair's margins are the 1-way tables) and that `synthesize`'s records reproduce",

@@ -223,3 +223,29 @@ def test_a_selection_query_needs_no_parameters(tmp_path):
     spec["queries"] = [{"name": "m", "kind": "marginals"}]
     done = cli("plan", str(write_case(tmp_path / "d", spec)))
     assert done.returncode == 2 and "queries[0].attributes: required" in done.stderr
+
+
+def test_tree_tables_add_up_and_a_unit_gets_the_same_tables_alone_or_in_a_batch():
+    from dprelease.transforms.units.tree_model import sample_tree, tree_tables
+
+    rng = np.random.default_rng(5)
+    attributes, sizes = ["a", "b", "c", "d"], {"a": 3, "b": 7, "c": 2, "d": 40}
+    pairs = [("a", "b"), ("c", "b"), ("b", "d")]
+    units = 9
+    totals = rng.integers(0, 300, units)
+    margins = {x: rng.normal(totals[:, None] / sizes[x], 20, (units, sizes[x])) for x in attributes}
+    tables = [rng.normal(totals[:, None, None] / (sizes[a] * sizes[b]), 20, (units, sizes[a], sizes[b]))
+              for a, b in pairs]
+    one_way, out = tree_tables(totals, margins["a"], attributes, pairs, tables, margins, [400.0] * 3)
+    for (a, b), table in zip(pairs, out):
+        assert table.dtype == np.int64 and (table >= 0).all()
+        assert np.array_equal(table.sum(axis=2), one_way[a]) and np.array_equal(table.sum(axis=1), one_way[b])
+    assert all(np.array_equal(one_way[x].sum(axis=1), totals) for x in attributes)
+    alone = tree_tables(totals[4:5], margins["a"][4:5], attributes, pairs, [t[4:5] for t in tables],
+                        {x: m[4:5] for x, m in margins.items()}, [400.0] * 3)
+    assert all(np.array_equal(alone[1][i][0], out[i][4]) for i in range(len(pairs)))
+    unit, codes = sample_tree(totals, margins["a"], attributes, pairs, tables, 1, margins, [400.0] * 3)
+    for (a, b), table in zip(pairs, out):
+        tabulated = np.zeros_like(table)
+        np.add.at(tabulated, (unit, codes[a], codes[b]), 1)
+        assert np.array_equal(tabulated, table)

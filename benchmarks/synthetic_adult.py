@@ -119,16 +119,20 @@ def opendp_records(algorithm: str, rho: Fraction, columns: list[str], sizes: dic
             if "insufficient budget" not in str(error) or attempt == 7:
                 raise
     synthetic = table.synthesize()
-    rng = np.random.default_rng()  # values merged into MST's rare bucket come back null: drawn uniformly
+    rng = np.random.default_rng()  # values merged into OpenDP's rare category come back null
     return np.stack([synthetic[c].fill_null(-1).to_numpy().astype(np.int64) for c in columns], axis=1), rng
 
 
 def filled(records: np.ndarray, rng, sizes: list[int]) -> np.ndarray:
-    """Records with every -1 (a null) replaced by a uniform draw from its column's public domain."""
+    """Records with every -1 (a null: a value OpenDP merged into its rare category) replaced by a uniform draw
+    among the values of the column's public domain that its records never hold (the merged ones), or the
+    whole domain when it holds them all."""
     out = records.copy()
     for c, size in enumerate(sizes):
         missing = out[:, c] < 0
-        out[missing, c] = rng.integers(0, size, int(missing.sum()))
+        merged = np.setdiff1d(np.arange(size), out[~missing, c])
+        pool = merged if merged.size else np.arange(size)
+        out[missing, c] = rng.choice(pool, int(missing.sum()))
     return out
 
 

@@ -459,6 +459,10 @@ def commit(engine: Engine, reservation: Reservation, manifest_sha256: str) -> No
     reserved row (settled by `reconcile` after the run's lease expired). A free re-run records only its
     manifest against the committed row."""
     with engine.begin() as connection:
+        if reservation.charged_early:  # its first publication: the row shows it (ledger show, reconcile)
+            connection.execute(releases.update().where((releases.c.id == reservation.row_id)
+                                                       & releases.c.manifest_sha256.is_(None))
+                               .values(manifest_sha256=manifest_sha256))
         if reservation.rerun or reservation.charged_early:
             _published(connection, reservation.row_id, manifest_sha256)
             return

@@ -89,14 +89,23 @@ def bind_release_key(key: ReleaseKey, plan: Plan, source: InputSource) -> tuple[
     return key.bind(spec.dataset_id, spec.release_id, plan_fingerprint(plan), fingerprint), fingerprint
 
 
-def check_input_unchanged(source: InputSource, before: list) -> None:
+def public_text(error: BaseException) -> str:
+    """An error as a message may quote it: a DPReleaseError's own text (public by construction: spec, schema,
+    budget, files), else its type name only (an engine's or a kernel's text can quote confidential values)."""
+    if isinstance(error, DPReleaseError):
+        return f"{type(error).__name__}: {error}"
+    return f"{type(error).__name__}; its message may quote confidential values and is not shown"
+
+
+def check_input_unchanged(source: InputSource, before: list, charged: bool = False) -> None:
     """Refuse to publish when an input file changed (size or modification time) between the fingerprint and the
     end of the engine's read: the key was bound to other bytes than the noise was drawn over (a file rewritten in
     place, common on object stores). Names the files only."""
     changed = [stamp[0] for stamp, now in zip(before, source.stamps()) if stamp != now]
     if changed:
         raise DPReleaseError(f"input file(s) {', '.join(changed[:5])} changed while the release ran; nothing was "
-                             "published or charged: run it again on an input that is not being written")
+                             "published" + ("" if charged else " or charged") +
+                             ": run it again on an input that is not being written")
 
 
 def _abort_quietly(book, reservation) -> None:
@@ -285,22 +294,23 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
         book, reservation = _reserve(ledger, plan, key, input_fingerprint,
                                      remote.uri if remote else str(final_dir.resolve()))
         LOG.info("key %s (%s)", key.key_id(), "reused" if reused else "new")
-        key_saved = reused
-        if plan.selections:  # what follows the selection depends on its draws: never refunded, so the key that
-            if not reused:   # re-publishes it free is kept first
-                key.save(key_path)
-                key_saved = True
-            if reservation:
-                reservation = charge_before_publication(book, reservation)
         committed = False
-        lease = LeaseKeeper(book, reservation, warn=LOG.warning) if reservation else contextlib.nullcontext()
         try:
+            key_saved = reused
+            if plan.selections:  # what follows the selection depends on its draws: never refunded, so the key
+                if not reused:   # that re-publishes it free is kept first
+                    key.save(key_path)
+                    key_saved = True
+                if reservation:
+                    reservation = charge_before_publication(book, reservation)
+            held = reservation and not reservation.charged_early  # a charged row has no lease to renew
+            lease = LeaseKeeper(book, reservation, warn=LOG.warning) if held else contextlib.nullcontext()
             with lease:
                 plan = select_tables(plan, engine_, source, release_key, progress or no_progress)
                 staged = _release_and_stage(plan, engine_, source, validation, created_at, key, key_path, key_saved,
                                             release_key, final_dir, progress, command_line, reservation, signer, layout)
                 try:
-                    check_input_unchanged(source, stamps)
+                    check_input_unchanged(source, stamps, charged=bool(reservation and reservation.charged_early))
                     if reservation:
                         commit(book, reservation, staged.manifest_sha256)
                     committed = True
@@ -312,7 +322,7 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                     if committed and reservation and isinstance(error, Exception):
                         raise PublishError(
                             f"release {spec.release_id}: charged in the ledger but not published "
-                            f"({type(error).__name__}: {error}); re-run it with --key-file {key_path} and the same "
+                            f"({public_text(error)}); re-run it with --key-file {key_path} and the same "
                             "spec and input" + (" and --overwrite (the failed upload left objects under the "
                                                 "release's prefix)" if remote else "") +
                             " to publish it at no further cost") from error
@@ -324,7 +334,7 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                     and not isinstance(error, PublishError):
                 raise PublishError(
                     f"release {spec.release_id}: charged in the ledger when its selection started, but not "
-                    f"published ({type(error).__name__}: {error}); re-run it with --key-file {key_path} and the "
+                    f"published ({public_text(error)}); re-run it with --key-file {key_path} and the "
                     "same spec and input to publish it at no further cost") from error
             raise
         LOG.info("published %s", remote.uri if remote else final_dir)

@@ -193,12 +193,13 @@ def test_a_run_that_fails_after_its_selection_stays_charged_and_republishes_free
     assert cli("ledger", "set-budget", "test-data", "--rho", "100", "--ledger", str(ledger)).returncode == 0
 
     def crash(*args, **kwargs):
-        raise RuntimeError("disk full")
+        raise RuntimeError("true count 17 in cell (F, degree)")  # a kernel's text can quote data
 
     with monkeypatch.context() as patch:
         patch.setattr(run_module, "_release_and_stage", crash)
-        with pytest.raises(PublishError, match="charged in the ledger when its selection started"):
+        with pytest.raises(PublishError, match="charged in the ledger when its selection started") as failed:
             run_module.run_release(path, key_file=tmp_path / "k.key", ledger=ledger)
+    assert "true count" not in str(failed.value) and "RuntimeError" in str(failed.value)
     shown = cli("ledger", "show", "test-data", "--ledger", str(ledger))
     assert "committed" in shown.stdout and "test-release" in shown.stdout
     spent = " ".join(shown.stdout.split())
@@ -249,3 +250,14 @@ def test_tree_tables_add_up_and_a_unit_gets_the_same_tables_alone_or_in_a_batch(
         tabulated = np.zeros_like(table)
         np.add.at(tabulated, (unit, codes[a], codes[b]), 1)
         assert np.array_equal(tabulated, table)
+
+
+def test_a_key_that_cannot_be_saved_before_the_selection_releases_the_reservation(tmp_path):
+    path = mst_case(tmp_path / "c")
+    ledger = tmp_path / "ledger.sqlite"
+    assert cli("ledger", "set-budget", "test-data", "--rho", "100", "--ledger", str(ledger)).returncode == 0
+    (tmp_path / "afile").write_text("not a directory")
+    done = cli("run", str(path), "--key-file", str(tmp_path / "afile" / "k.key"), "--ledger", str(ledger))
+    assert done.returncode != 0
+    shown = cli("ledger", "show", "test-data", "--ledger", str(ledger)).stdout
+    assert "aborted" in shown and "committed" not in shown  # released, never left reserved

@@ -21,6 +21,7 @@ from dprelease.accounting.sensitivity import (ContributionBounds, Sensitivity, c
                                               mst_score_sensitivity, quantile_score_sensitivity, sum_sensitivity,
                                               unit_count_sensitivity)
 from dprelease.transforms.aggregate import TableLayout
+from dprelease.transforms.mst import Components
 from dprelease.transforms.domains import (NATION, CategoricalDomain, Dimension, Domain, GeographyDomain,
                                           IntegerDomain, MeasureDomain, dimension, measure_key)
 from dprelease.transforms.release_values import TableRelease
@@ -160,6 +161,10 @@ class Plan:
         """Every measurement the release composes: its measured tables, its selections, and the tables still
         to be chosen by them."""
         return [t.event for t in self.measured()] + [e for s in self.selections for e in s.events()]
+
+    def query(self, name: str):
+        """The spec's query of that name."""
+        return next(q for q in self.spec.queries if q.name == name)
 
     @property
     def pending(self) -> bool:
@@ -399,13 +404,7 @@ def check_spanning_tree(query: MarginalsQuery, pairs) -> tuple[Pair, ...]:
     attributes in the query's order); SpecError (naming the problem) otherwise."""
     attributes = list(query.attributes)
     candidates = set(itertools.combinations(attributes, 2))
-    component = {a: a for a in attributes}
-
-    def root(a: str) -> str:
-        while component[a] != a:
-            a = component[a]
-        return a
-
+    parts = Components(attributes)
     pairs = tuple(tuple(p) for p in pairs)
     if len(pairs) != len(attributes) - 1:
         raise SpecError(f"selection of {query.name!r}: {len(pairs)} pairs chosen; a spanning tree of "
@@ -414,10 +413,8 @@ def check_spanning_tree(query: MarginalsQuery, pairs) -> tuple[Pair, ...]:
         if pair not in candidates:
             raise SpecError(f"selection of {query.name!r}: {list(pair)} is not a pair of its attributes "
                             f"(in the query's order)")
-        a, b = root(pair[0]), root(pair[1])
-        if a == b:
+        if not parts.join(*pair):
             raise SpecError(f"selection of {query.name!r}: {list(pair)} closes a cycle; the pairs must form a tree")
-        component[a] = b
     return pairs
 
 
@@ -459,7 +456,7 @@ def with_selections(plan: Plan, chosen: dict[str, tuple[Pair, ...]]) -> Plan:
 def candidate_tables(plan: Plan, selection: SelectionPlan) -> list[TablePlan]:
     """Every candidate pair's table of a selection (layout only, no mechanism: they are scored, not
     released)."""
-    query = next(q for q in plan.spec.queries if q.name == selection.query)
+    query = plan.query(selection.query)
     prefix = _dims([query.within], plan.domains) if query.within else []
     tables = []
     for pair in selection.candidates:

@@ -39,7 +39,7 @@ def plan_records(plan: Plan, estimate) -> list[dict[str, Any]]:
                           margin_95=rank_margin_95(t), quantiles=len(t.quantiles))
             records.append(record)
             continue
-        noise = f"DLap b={m.scale}" if m.kind == "discrete_laplace" else f"DGauss s2={m.sigma2}"
+        noise = _noise_text(m)
         record.update(l2=sens.l2_squared ** 0.5, mechanism=m.kind, noise=noise, noise_std=m.variance() ** 0.5,
                       margin_95=m.margin_95())
         if t.name in estimate.per_cell:
@@ -62,13 +62,17 @@ def _selection_records(selection) -> list[dict[str, Any]]:
         return [record]
     pair = selection.pair_event
     pending = dict.fromkeys(PLAN_COLUMNS)
-    noise = f"DLap b={pair.mechanism.scale}" if pair.mechanism.kind == "discrete_laplace" else \
-        f"DGauss s2={pair.mechanism.sigma2}"
+    noise = _noise_text(pair.mechanism)
     pending.update(table=f"{selection.query}.<{selection.rounds} pairs chosen>", statistic="count", l1=pair.sensitivity.l1,
                    l2=pair.sensitivity.l2_squared ** 0.5, budget=float(pair.allocated * selection.rounds),
                    mechanism=pair.mechanism.kind, noise=noise, noise_std=pair.mechanism.variance() ** 0.5,
                    margin_95=pair.mechanism.margin_95())
     return [record, pending]
+
+
+def _noise_text(mechanism) -> str:
+    """An additive mechanism's parameter as the plan prints it."""
+    return f"DLap b={mechanism.scale}" if mechanism.kind == "discrete_laplace" else f"DGauss s2={mechanism.sigma2}"
 
 
 def _mean_record(plan: Plan, mean) -> dict[str, Any]:

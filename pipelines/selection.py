@@ -56,7 +56,7 @@ def select_tables(plan: Plan, engine: Engine, source: InputSource, key: ReleaseK
 
 
 def _one_way_tables(plan: Plan, selection: SelectionPlan) -> list[TablePlan]:
-    query = next(q for q in plan.spec.queries if q.name == selection.query)
+    query = plan.query(selection.query)
     return [plan.table(table_name(query.name, (a,))) for a in query.attributes]
 
 
@@ -67,7 +67,7 @@ def _choose(plan: Plan, selection: SelectionPlan, one_way: list[TablePlan], cand
     units = one_way[0].dims[0].size if len(one_way[0].dims) == 2 else 1
     noisy = [release_table(key, t.release, counts[t.name], NOISE_RANGE_CELLS).reshape(units, -1) for t in one_way]
     totals, shares = independent_estimates(noisy)
-    attributes = [a for a in next(q for q in plan.spec.queries if q.name == selection.query).attributes]
+    attributes = list(plan.query(selection.query).attributes)
     index = {a: i for i, a in enumerate(attributes)}
     scores = [pair_score(counts[table.name], pair_estimate(totals, shares[index[a]], shares[index[b]]))
               for (a, b), table in zip(selection.candidates, candidates)]

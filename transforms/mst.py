@@ -48,6 +48,25 @@ def pair_score(counts: np.ndarray, estimate: np.ndarray) -> int:
     return int(np.abs(np.asarray(counts, dtype=np.int64).reshape(estimate.shape) - estimate).sum())
 
 
+class Components:
+    """The parts a set of attributes falls into as pairs join them (union-find): a pair joining one part to
+    itself would close a cycle."""
+
+    def __init__(self, attributes):
+        self._parent = {a: a for a in attributes}
+
+    def root(self, a: str) -> str:
+        while self._parent[a] != a:
+            a = self._parent[a]
+        return a
+
+    def join(self, a: str, b: str) -> bool:
+        """Join the parts of a and b; False (nothing joined) when they are one part already."""
+        ra, rb = self.root(a), self.root(b)
+        self._parent[ra] = rb
+        return ra != rb
+
+
 def selection_stream(key: ReleaseKey, name: str, round_: int) -> CellStream:
     """The keystream of one round of a selection (lane 0)."""
     return CellStream(key.derive(f"dprelease/select/{name}/round-{round_}"))
@@ -63,20 +82,14 @@ def select_tree(key: ReleaseKey, name: str, attributes: list[str], candidates: l
     Privacy: `len(attributes) - 1` epsilon-DP selections on scores of the given sensitivity."""
     from .samplers import select_cells
 
-    component = {a: a for a in attributes}
-
-    def root(a: str) -> str:
-        while component[a] != a:
-            a = component[a]
-        return a
-
+    parts = Components(attributes)
     chosen = []
     for round_ in range(len(attributes) - 1):
-        open_pairs = [i for i, (a, b) in enumerate(candidates) if root(a) != root(b)]
+        open_pairs = [i for i, (a, b) in enumerate(candidates) if parts.root(a) != parts.root(b)]
         weights = np.array([scores[i] for i in open_pairs], dtype=np.int64)
         lowest_best = (weights.max() - weights).reshape(1, -1)
         pick = int(select_cells(selection_stream(key, name, round_), 0, 1, lowest_best, epsilon, sensitivity)[0])
         a, b = candidates[open_pairs[pick]]
-        component[root(a)] = root(b)
+        parts.join(a, b)
         chosen.append((a, b))
     return tuple(chosen)

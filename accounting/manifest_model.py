@@ -241,6 +241,52 @@ class LayoutRecord(Strict):
     part_rows: int = Field(description="Rows per part of a table not written per group.")
 
 
+class LocalColumnRecord(Strict):
+    """A column its respondents randomized before collection (k-ary randomized response)."""
+
+    column: str
+    mechanism: Literal["k-ary randomized response"]
+    values: int = Field(description="k: the number of values a report is drawn from.")
+    epsilon0: str = Field(description="The local epsilon per record, exact.")
+    epsilon0_value: float
+    p_truth: float = Field(description="Probability that a report is the true value, e^ε₀/(e^ε₀ + k − 1).")
+    p_each_other: float = Field(description="Probability of each other value, 1/(e^ε₀ + k − 1).")
+    per_unit_epsilon: str = Field(description="max_records_per_unit × ε₀, exact: the local guarantee per unit for "
+                                              "this release against anyone without its key (the collected file "
+                                              "holds all n reports of a unit: n × ε₀).")
+    per_unit_epsilon_value: float
+    value_change_epsilon: float = Field(description="For neighbours that change only one unit's true values of this "
+                                                    "column: the smaller of value_change.central_epsilon and "
+                                                    "per_unit_epsilon.")
+    value_change_delta: float = Field(description="The δ of value_change_epsilon: the central one's when it is the "
+                                                  "smaller, else 0 (the local bound is pure).")
+
+
+class ValueChange(Strict):
+    """The central guarantee for neighbours that change one unit's values (not its presence)."""
+
+    central_epsilon: float
+    delta: float
+    steps: int = Field(description="Neighbour steps such a change takes: 1 (replace) or 2 (add_remove).")
+    rho: str | None = Field(None, description="zCDP: steps² × the release's rho, exact (absent under pure DP).")
+
+
+class DebiasedTableRecord(Strict):
+    """A count table published debiased in debiased/<table>."""
+
+    table: str
+    randomized: list[str] = Field(description="Its randomized columns.")
+    noise_variance: float = Field(description="The central noise's variance per debiased cell (exact); the "
+                                              "randomization's part is per cell in the file's response_variance.")
+
+
+class LocalRandomization(Strict):
+    columns: list[LocalColumnRecord]
+    debiased_tables: list[DebiasedTableRecord]
+    value_change: ValueChange
+    note: str
+
+
 class Signature(Strict):
     algorithm: Literal["Ed25519"]
     file: str
@@ -270,6 +316,9 @@ class Manifest(Strict):
     post_processing: list[Step]
     means: list[MeanRecord] | None = Field(
         None, description="Mean tables, each derived from a noisy sum and a noisy count table (absent without means).")
+    local_randomization: LocalRandomization | None = Field(
+        None, description="Columns collected under randomized response, their local guarantee and the tables "
+                          "published debiased (absent without such a column).")
     ledger: Ledger | LedgerV2 | None
     input_validation: InputValidation | None = Field(
         description="Present when the input was validated: the suite's hash and the policies, never pass/fail.")

@@ -11,7 +11,7 @@ Every error is a `dprelease.DPReleaseError`; its `exit_code` is the CLI's (2 spe
 """
 from dprelease.accounting.errors import (BudgetError, DPReleaseError, InputSchemaError, KeyReuseError, PublishError,
                                          SpecError, VerificationError)
-from dprelease.pipelines.api import DEFAULT_LEDGER, Release, ReleaseResult
+from dprelease.pipelines.api import DEFAULT_LEDGER, Release, ReleaseResult, randomize_responses
 
-__all__ = ["Release", "ReleaseResult", "DEFAULT_LEDGER", "DPReleaseError", "SpecError", "InputSchemaError",
+__all__ = ["Release", "ReleaseResult", "randomize_responses", "DEFAULT_LEDGER", "DPReleaseError", "SpecError", "InputSchemaError",
            "BudgetError", "VerificationError", "KeyReuseError", "PublishError"]

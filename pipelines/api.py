@@ -337,6 +337,26 @@ class ReleaseResult:
         return with_error_columns(self.directory, self.manifest, name)
 
     @property
+    def debiased_names(self) -> list[str]:
+        """The count tables also published debiased (they cross a column collected under randomized response)."""
+        local = self.manifest.get("local_randomization")
+        tables = local.get("debiased_tables") if isinstance(local, dict) else None
+        return [t["table"] for t in tables if isinstance(t, dict) and isinstance(t.get("table"), str)] \
+            if isinstance(tables, list) else []
+
+    def debiased(self, name: str):
+        """debiased/<name> as a pandas DataFrame: per cell the unbiased estimate of the count of true values,
+        its `variance` (central noise, exact, plus `response_variance`, the randomization's, at the estimate
+        clipped at 0) and `std`."""
+        from .error_columns import read_table
+
+        if name not in self.debiased_names:
+            raise SpecError(f"debiased table = {name!r}: allowed: {', '.join(self.debiased_names) or 'none'}")
+        frame = read_table(self.directory, self.manifest, name, "debiased").to_pandas()
+        frame["std"] = frame["variance"] ** 0.5
+        return frame
+
+    @property
     def mean_names(self) -> list[str]:
         """The means (each the ratio of a sum table and a count table of the release)."""
         return [m["table"] for m in self.manifest.get("means") or []]
@@ -361,3 +381,38 @@ class ReleaseResult:
         if not report.ok:
             raise VerificationError(f"{self.directory}: " + "; ".join(report.problems))
         return report
+
+
+def randomize_responses(values, domain: list, epsilon, seed: bytes | None = None):
+    """Rehearse a collection under k-ary randomized response: each value (one of `domain`, matched as text) is
+    reported truthfully with probability e^ε₀/(e^ε₀ + k − 1), else as one of the k − 1 others, uniformly, drawn
+    exactly from a keyed AES stream (`seed`: 32 bytes for a reproducible draw; default a fresh random key).
+    Returns the reports as text. Real reports are randomized on the respondent's side; this is for tests,
+    examples and rehearsals. Never reuse a seed for another column or collection: the same stream over other
+    values correlates the reports (for k = 2 they would reveal whether two true values are equal)."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    from dprelease.accounting.rationals import parse_rational
+    from dprelease.transforms.csprng import CellStream
+    from dprelease.transforms.randomized_response import RandomizedResponse, randomize
+
+    labels = [str(v) for v in domain]
+    index = {label: i for i, label in enumerate(labels)}
+    texts = [str(v) for v in values]
+    unknown = sum(t not in index for t in texts)
+    if unknown:  # the values are confidential: counted, never echoed
+        raise SpecError(f"values: {unknown:,} of {len(texts):,} are not in the domain {labels}")
+    if seed is not None and (not isinstance(seed, bytes) or len(seed) != 32):
+        raise SpecError("seed: must be 32 bytes (or None for a fresh random key)")
+    try:
+        parsed = Fraction(parse_rational(epsilon))
+        if max(parsed.numerator, parsed.denominator) >= 2**60:
+            raise ValueError("epsilon's numerator and denominator must be below 2**60")
+        rr = RandomizedResponse(len(labels), parsed)
+    except ValueError as error:
+        raise SpecError(f"randomize_responses: {error}") from None
+    stream = CellStream(seed if seed is not None else os.urandom(32))
+    codes = randomize(np.asarray([index[t] for t in texts], dtype=np.int64), rr, stream)
+    return np.asarray(labels, dtype=object)[codes]

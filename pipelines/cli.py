@@ -168,7 +168,8 @@ def _plan_json(plan, estimate) -> str:
     return json.dumps({"release_id": plan.spec.release_id, "definition": plan.definition,
                        "budget_unit": "epsilon" if plan.definition == "pure" else "rho",
                        "cells": plan.n_cells, "tables": plan_records(plan, estimate),
-                       "estimate_exact": estimate.exact, "paths": _path_lines(plan)}, indent=2)
+                       "estimate_exact": estimate.exact, "paths": _path_lines(plan),
+                       "randomized_response": _local_lines(plan)}, indent=2)
 
 
 def _path_lines(plan) -> list[str]:
@@ -189,6 +190,21 @@ def _path_lines(plan) -> list[str]:
             lines.append(f"Marginals {q.name}: {what[path]}; {joint_size(plan, q) // units:,} joint cells per unit"
                          + (f", {joint_size(plan, q):,} in all, fitted a chunk of units at a time"
                             if path not in ("tables", "tree") else ""))
+    return lines
+
+
+def _local_lines(plan) -> list[str]:
+    """A line per column collected under randomized response: its local guarantee and its debiased tables."""
+    from .debiased import debiased_tables, randomizations
+
+    debiased = debiased_tables(plan)
+    lines = []
+    for column, rr in randomizations(plan).items():
+        tables = [d.table.name for d in debiased if column in d.columns]
+        per_unit = plan.bounds.max_records_per_unit * rr.epsilon
+        lines.append(f"Randomized response: {column} (k = {rr.k}, local epsilon0 = {rr.epsilon} per record, "
+                     f"{per_unit} per unit, true value reported with p = {rr.p_truth:.4f}; not charged to the "
+                     f"ledger): debiased/ for {', '.join(tables) or 'no table'}")
     return lines
 
 
@@ -234,7 +250,7 @@ def plan(spec: Path, max_cells: int | None, engine: str | None, as_json: bool) -
                                         if t.statistic != "count" or t.measure):
             console.print(f"Sensitivity: {derivation}")
         console.print(_totals_text(result))
-        for line in _path_lines(result):
+        for line in _path_lines(result) + _local_lines(result):
             console.print(line, soft_wrap=True)
         limit_text = "no cell limit in the workers" if runs_in_workers(result, engine) else f"limit {limit:,}"
         console.print(f"{len(result.tables)} tables, {result.n_cells:,} cells ({limit_text}); "

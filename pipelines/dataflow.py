@@ -15,6 +15,7 @@ every engine publishes the same bytes.
       down(0): the root                                   -> down state of level 0, its parts written
       down(l): per group of level l (and its parents)     -> down state of level l, parts  (l = 1 .. d)
       cells:   per part of every other table              -> parts written (tables, measurements, means)
+               per part of a debiased table               -> debiased/ parts written (randomized response)
 The engine provides three operations: `rekey` (a flat map of Arrow batches), `group` (group by key and
 apply a kernel to each group's rows) and `collect` (the small file entries).
 """
@@ -30,6 +31,7 @@ import pyarrow as pa
 from dprelease.transforms.units.groups import transitions
 from dprelease.transforms.units.kernels import DownState, UpState, down_group, root, up_group
 
+from .debiased import debiased_frame, debiased_parts, debiased_tables
 from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, Part, mean_parts, table_parts
 from .plan import Plan
 from .manifest import VarianceSummary, plan_fingerprint
@@ -134,6 +136,8 @@ class Flow:
         self.tree = tree if tree is not None else unit_tree(plan)
         self.transitions = transitions(self.tree, self.layout.group_work) if self.tree else []
         self.table_index = {t.name: i for i, t in enumerate(plan.tables)}
+        self.debiased = {self.table_index[d.table.name]: d for d in debiased_tables(plan)}
+        self.debiased_parts = {i: debiased_parts(plan, d, self.layout) for i, d in self.debiased.items()}
 
     # groups of each level, as boundaries over its units
     def child_bounds(self, level: int) -> np.ndarray:
@@ -201,8 +205,9 @@ def route_noise(flow: Flow, piece: Piece) -> list[Piece]:
     other table's cells to the part it is written in."""
     table = flow.plan.tables[piece.level]
     level = flow.tree_level(table.name)
+    routed = _debias_split(flow, piece)
     if level is None:
-        routed = [_tagged(p, ("cells", piece.level)) for p in _cell_split(flow, table, piece)]
+        routed += [_tagged(p, ("cells", piece.level)) for p in _cell_split(flow, table, piece)]
         for m, mean in enumerate(flow.plan.means):
             if table.name in (mean.sum_table, mean.count_table):
                 bounds = np.asarray([p.start for p in mean_parts(flow.plan, mean, flow.layout)]
@@ -211,7 +216,7 @@ def route_noise(flow: Flow, piece: Piece) -> list[Piece]:
         return routed
     leaf = level == len(flow.tree.levels) - 1
     up_bounds = flow.child_bounds(level) if leaf else flow.parent_bounds(level)
-    return ([_tagged(p, ("up", level)) for p in split(piece, up_bounds)]
+    return routed + ([_tagged(p, ("up", level)) for p in split(piece, up_bounds)]
             + [_tagged(p, ("down", level)) for p in split(piece, flow.child_bounds(level))])
 
 
@@ -222,12 +227,25 @@ def _cell_split(flow: Flow, table, piece: Piece) -> list[Piece]:
     return split(piece, bounds)
 
 
+def _debias_split(flow: Flow, piece: Piece) -> list[Piece]:
+    """A noise piece of a table with randomized axes, as cells, cut at its debiased parts (whole blocks)."""
+    debiased = flow.debiased.get(piece.level)
+    if debiased is None:
+        return []
+    values = piece.arrays["values"]
+    per_row = values.size // max(piece.count, 1)
+    cells = Piece(piece.key, piece.kind, piece.level, piece.start * per_row, values.size, {"values": values.ravel()})
+    parts = flow.debiased_parts[piece.level]
+    bounds = np.asarray([p.start for p in parts] + [parts[-1].stop])
+    return [_tagged(p, ("debias", piece.level)) for p in split(cells, bounds)]
+
+
 def _tagged(piece: Piece, stage: tuple[str, int]) -> Piece:
     """The piece under the key of its stage: (stage name, level or table) and group, flattened to one int."""
     return Piece(stage_key(stage, piece.key), piece.kind, piece.level, piece.start, piece.count, piece.arrays)
 
 
-STAGE_CODES = {"up": 1, "down": 2, "cells": 3, "means": 4}
+STAGE_CODES = {"up": 1, "down": 2, "cells": 3, "means": 4, "debias": 5}
 
 
 def stage_key(stage: tuple[str, int], group: int) -> int:
@@ -358,11 +376,21 @@ def means_kernel(flow: Flow, mean_index: int, group: int, pieces: list[Piece]) -
     return [_files_piece(mean_index, group, entries)]
 
 
+def debias_kernel(flow: Flow, table_index: int, group: int, pieces: list[Piece]) -> list[Piece]:
+    """A part of debiased/<table> from the same cells of the table's noisy values."""
+    debiased = flow.debiased[table_index]
+    _, arrays = _join(pieces, NOISE, table_index)
+    part = flow.debiased_parts[table_index][group]
+    entries = write_part(flow.staging, part, debiased_frame(flow.plan, debiased, part, arrays["values"]))
+    return [_files_piece(table_index, group, entries)]
+
+
 def run_group(flow: Flow, key: int, pieces: list[Piece]) -> list[Piece]:
     """Dispatch a group's pieces to its stage's kernel."""
     code, level, group = key >> 56, (key >> 40) & 0xFFFF, key_group(key)
     stage = {v: k for k, v in STAGE_CODES.items()}[code]
-    kernel = {"up": up_kernel, "down": down_kernel, "cells": cells_kernel, "means": means_kernel}[stage]
+    kernel = {"up": up_kernel, "down": down_kernel, "cells": cells_kernel, "means": means_kernel,
+              "debias": debias_kernel}[stage]
     return kernel(flow, level, group, pieces)
 
 
@@ -417,6 +445,7 @@ def stage_order(flow: Flow) -> list[list[int]]:
         stages += [[STAGE_CODES["down"] << 16 | level] for level in range(depth)]
     cells = [STAGE_CODES["cells"] << 16 | i for i, t in enumerate(flow.plan.tables) if flow.tree_level(t.name) is None]
     cells += [STAGE_CODES["means"] << 16 | m for m in range(len(flow.plan.means))]
+    cells += [STAGE_CODES["debias"] << 16 | i for i in sorted(flow.debiased)]
     if cells:
         stages.append(cells)
     return stages
@@ -459,8 +488,10 @@ def stage_groups(flow: Flow, prefixes: list[int]) -> int:
             total += flow.child_bounds(level).size - 1
         elif code == STAGE_CODES["cells"]:
             total += len(table_parts(flow.plan, flow.plan.tables[level], TABLES_DIR, flow.layout))
-        else:
+        elif code == STAGE_CODES["means"]:
             total += len(mean_parts(flow.plan, flow.plan.means[level], flow.layout))
+        else:
+            total += len(flow.debiased_parts[level])
     return total
 
 

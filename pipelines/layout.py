@@ -94,12 +94,20 @@ def mean_parts(plan: Plan, mean: MeanOutput, layout: Layout) -> list[Part]:
     return _by_rows(f"{TABLES_DIR}/{mean.name}", plan.table(mean.sum_table).n_cells, 1, layout)
 
 
+def release_parts(plan: Plan, layout: Layout) -> list[Part]:
+    """Every part a release of this plan writes: its tables and measurements, means, debiased tables."""
+    from .debiased import debiased_parts, debiased_tables
+
+    parts = [p for t in plan.tables for folder in (TABLES_DIR, MEASUREMENTS_DIR)
+             for p in table_parts(plan, t, folder, layout)]
+    parts += [p for m in plan.means for p in mean_parts(plan, m, layout)]
+    parts += [p for d in debiased_tables(plan) for p in debiased_parts(plan, d, layout)]
+    return parts
+
+
 def release_files(plan: Plan, layout: Layout) -> set[str]:
     """Every table file a release of this plan holds (domain files and the manifest aside)."""
-    stems = [p.stem for t in plan.tables for folder in (TABLES_DIR, MEASUREMENTS_DIR)
-             for p in table_parts(plan, t, folder, layout)]
-    stems += [p.stem for m in plan.means for p in mean_parts(plan, m, layout)]
-    return {f"{stem}.{ext}" for stem in stems for ext in ("parquet", "csv")}
+    return {f"{part.stem}.{ext}" for part in release_parts(plan, layout) for ext in ("parquet", "csv")}
 
 
 def layout_of(manifest: dict, version: int, problems: list[str]) -> Layout:

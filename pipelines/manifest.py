@@ -22,6 +22,7 @@ from dprelease.accounting.conversions import zcdp_to_epsilon
 from dprelease.accounting.manifest import exact, measurement_record, totals_record
 
 from .plan import SelectionPlan, Plan, TablePlan
+from .debiased import local_section
 from .postprocessing import EstimateVariances, estimate_variances, steps_applied
 
 MANIFEST_VERSION = 3
@@ -308,6 +309,7 @@ def derived_section(plan: Plan, version: int = MANIFEST_VERSION, estimate: Estim
                        for t in plan.tables if t.invariant],
         "post_processing": steps_applied(plan, version),
         **means_section(plan),
+        **local_section(plan),
         "domain_files": domain_file_names(plan),
     }
 

@@ -29,6 +29,7 @@ from dprelease.accounting.redact import redact_command_line
 from dprelease.accounting.signing import SIGNATURE_FILE, fingerprint, sign
 from dprelease.transforms.domains import dimension_labels
 
+from .debiased import debiased_tables, write_debiased
 from .housekeeping import leftover_tag
 from .manifest import build_manifest, domain_file_names, dump_manifest, sha256_file
 from .plan import MeanOutput, Plan, TablePlan
@@ -206,6 +207,8 @@ def stage_release(
                 progress("write", i + 1, len(jobs))
         for mean in plan.means:
             entries += write_mean(plan, staging, mean, noisy, layout)
+        for debiased in debiased_tables(plan):
+            entries += write_debiased(plan, staging, debiased, noisy[debiased.table.name], layout)
         return finish_release(plan, staging, entries, engine=engine, key_id=key_id, created_at=created_at,
                               command_line=command_line, ledger=ledger, sign_key=sign_key,
                               input_validation=input_validation, estimate=estimate, layout=layout)

@@ -21,6 +21,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WithJsonSch
 from dprelease.accounting.errors import SpecError
 from dprelease.accounting.periods import parse_period
 from dprelease.accounting.rationals import parse_rational
+from dprelease.transforms.randomized_response import MAX_LOCAL_EPSILON, MIN_LOCAL_EPSILON
 
 IDENTIFIER = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 NAME = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
@@ -57,12 +58,17 @@ def _positive_rational(value: Any, field: str) -> str:
     return str(parsed)
 
 
+def _rational_up_to(value: Any, field: str, upper: Fraction | int, closed: bool, allowed: str) -> str:
+    """A positive exact rational at most `upper` (below it unless `closed`); `allowed` says so in the message."""
+    text = _positive_rational(value, field)
+    if Fraction(text) > upper or (not closed and Fraction(text) == upper):
+        raise ValueError(f"must be {allowed} (got {brief(value)})")
+    return text
+
+
 def _budget_amount(value: Any) -> str:
     """An epsilon or rho: a positive exact rational of at most MAX_BUDGET."""
-    text = _positive_rational(value, "budget")
-    if Fraction(text) > MAX_BUDGET:
-        raise ValueError(f"must be at most {MAX_BUDGET:,} (got {brief(value)})")
-    return text
+    return _rational_up_to(value, "budget", MAX_BUDGET, True, f"at most {MAX_BUDGET:,}")
 
 
 def brief(value: Any, limit: int = 80) -> str:
@@ -149,10 +155,60 @@ def _no_clamp(data: Any, kind: str) -> Any:
     return data
 
 
+def _no_randomized_response(data: Any, kind: str) -> Any:
+    """`randomized_response` on a column that cannot carry it: say why instead of 'unknown field'."""
+    if isinstance(data, dict) and "randomized_response" in data:
+        raise ValueError(f"randomized_response applies to categorical columns only (the respondent reports one of "
+                         f"the listed values); this column is {kind}")
+    return data
+
+
+class RandomizedResponseSpec(Frozen):
+    """How respondents randomized a column before it was collected (k-ary randomized response)."""
+
+    epsilon: Rational = Field(
+        description=f"Required. The local epsilon (ε₀) in [{MIN_LOCAL_EPSILON}, {MAX_LOCAL_EPSILON}] (numerator and "
+                    "denominator below 2**60) each respondent's report was "
+                    "randomized with: the true value with probability e^ε₀/(e^ε₀ + k − 1), each other listed value "
+                    "with probability 1/(e^ε₀ + k − 1), k the number of values.")
+
+    @field_validator("epsilon", mode="before")
+    @classmethod
+    def _local_epsilon(cls, value: Any) -> str:
+        text = _rational_up_to(value, "epsilon", MAX_LOCAL_EPSILON, True, f"at most {MAX_LOCAL_EPSILON}")
+        parsed = Fraction(text)
+        if parsed < MIN_LOCAL_EPSILON or max(parsed.numerator, parsed.denominator) >= 2**60:
+            raise ValueError(f"must be at least {MIN_LOCAL_EPSILON} with numerator and denominator below 2**60 "
+                             f"(got {brief(value)}): below it debiasing multiplies the noise by millions")
+        return text
+
+
 class CategoricalColumn(Frozen):
     type: Literal["categorical"]
     values: list[str | int] = Field(min_length=1, description="Required. The public list of values (matched as text).")
     on_invalid: Literal["other", "drop"] = Field("other", description="Defaulted (other). Out-of-domain/null values.")
+    randomized_response: RandomizedResponseSpec | None = Field(
+        None, description="Optional. The column was collected under k-ary randomized response over `values` with "
+                          "this local epsilon: its count tables are also published debiased (debiased/), and the "
+                          "manifest states the local guarantee. Needs on_invalid: drop and at least 2 values.")
+
+    @model_validator(mode="after")
+    def _randomized_domain(self) -> "CategoricalColumn":
+        if self.randomized_response is not None:
+            if self.on_invalid != "drop":
+                raise ValueError("a column with randomized_response needs on_invalid: drop (a report is one of the "
+                                 "listed values; an (other) cell could not be debiased)")
+            if len(self.values) < 2:
+                raise ValueError("a column with randomized_response needs at least 2 values")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_randomization(self, handler):
+        """The canonical form leaves `randomized_response` out when absent, so older specs keep their hash."""
+        document = handler(self)
+        if document.get("randomized_response") is None:
+            document.pop("randomized_response", None)
+        return document
 
     @field_validator("values")
     @classmethod
@@ -183,6 +239,8 @@ class IntegerColumn(Frozen):
                     "govern the column as a table dimension.",
     )
 
+    _refuse_randomized = model_validator(mode="before")(lambda data: _no_randomized_response(data, "an integer"))
+
 
 class GeographyColumn(Frozen):
     type: Literal["geography"]
@@ -207,6 +265,7 @@ class GeographyColumn(Frozen):
         return dict(sorted(levels.items(), key=lambda item: item[1]))
 
     _refuse_clamp = model_validator(mode="before")(lambda data: _no_clamp(data, "geography"))
+    _refuse_randomized = model_validator(mode="before")(lambda data: _no_randomized_response(data, "a geography"))
 
 
 Column = Annotated[Union[CategoricalColumn, IntegerColumn, GeographyColumn], Field(discriminator="type")]
@@ -230,8 +289,8 @@ class MarginalsQuery(QueryBase):
     kind: Literal["marginals"]
     attributes: list[str] | None = Field(
         None, min_length=1, description="Required, except with select: mst (default there: every column of the spec "
-                                        "that is not a geography, in the spec's order). Attributes whose t-way "
-                                        "combinations are tabulated.")
+                                        "that is not a geography or collected under randomized_response, in the "
+                                        "spec's order). Attributes whose t-way combinations are tabulated.")
     way: int = Field(2, ge=1, description="Defaulted (2). t: the size of each combination.")
     within: str | None = Field(None, description="Optional. A geography level every marginal is crossed with, 'geo.county'.")
     select: Literal["all", "mst"] = Field(
@@ -272,13 +331,8 @@ class MeanQuery(QueryBase):
                            "measure (tables NAME.sum and NAME.count); the rest measures the sum. The mean is "
                            "their ratio, clamped to [lo, hi] (post-processing).")
 
-    @field_validator("count_share", mode="before")
-    @classmethod
-    def _share(cls, value: Any) -> str:
-        text = _positive_rational(value, "count_share")
-        if Fraction(text) >= 1:
-            raise ValueError(f"must be a fraction in (0, 1) (got {brief(value)})")
-        return text
+    _check_share = field_validator("count_share", mode="before")(
+        lambda v: _rational_up_to(v, "count_share", 1, False, "a fraction in (0, 1)"))
 
 
 MAX_QUANTILE_DENOMINATOR = 1000
@@ -364,13 +418,15 @@ class ReleaseSpec(Frozen):
     @model_validator(mode="before")
     @classmethod
     def _mst_attributes(cls, document: Any) -> Any:
-        """A `select: mst` marginals query without attributes takes every non-geography column (public: the
-        spec's own declarations), written into the spec so its hash and manifest say which."""
+        """A `select: mst` marginals query without attributes takes every column that is neither a geography nor
+        collected under randomized response (public: the spec's own declarations), written into the spec so its
+        hash and manifest say which."""
         if not isinstance(document, dict) or not isinstance(document.get("queries"), list) \
                 or not isinstance(document.get("columns"), dict):
             return document
         columns = [name for name, column in document["columns"].items()
-                   if not (isinstance(column, dict) and column.get("type") == "geography")]
+                   if not (isinstance(column, dict) and (column.get("type") == "geography"
+                                                         or column.get("randomized_response") is not None))]
         queries = []
         for query in document["queries"]:
             if isinstance(query, dict) and query.get("kind") == "marginals" and query.get("select") == "mst" \

@@ -102,6 +102,7 @@ def cross_reference_problems(spec: ReleaseSpec) -> list[str]:
         path = f"queries[{i}]"
         if names.count(query.name) > 1:
             problems.append(f"{path}.name = {query.name!r}: duplicate query name")
+        _refuse_randomized(spec, query, path, problems)
         if isinstance(query, (HistogramQuery, CountUnitsQuery)):
             _check_refs(spec, query.by, f"{path}.by", problems)
         elif isinstance(query, MEASURE_QUERIES):
@@ -140,6 +141,30 @@ def cross_reference_problems(spec: ReleaseSpec) -> list[str]:
                 problems.append(f"{path}.by: cannot cross the hierarchy with its own geography column")
     _check_invariants(spec, problems)
     return problems
+
+
+def randomized_columns(spec: ReleaseSpec) -> list[str]:
+    """The columns declared as collected under randomized response, in the spec's order."""
+    return [name for name, column in spec.columns.items()
+            if isinstance(column, CategoricalColumn) and column.randomized_response is not None]
+
+
+def _refuse_randomized(spec: ReleaseSpec, query, path: str, problems: list[str]) -> None:
+    """Only count tables are debiased: a sum, mean, quantile or unit count over a randomized column would be
+    published over the reports, silently biased, so it is refused; so is a `select: mst` query over one (its
+    purpose, synthetic records, cannot be drawn from reports)."""
+    randomized = set(randomized_columns(spec))
+    if isinstance(query, (CountUnitsQuery, *MEASURE_QUERIES)):
+        crossed = [b for b in query.by if b in randomized]
+        if crossed:
+            problems.append(f"{path}.by = {query.by}: {crossed} collected under randomized_response; only count "
+                            f"tables (histogram, marginals, hierarchy by) are debiased, not a {query.kind} query's")
+    if isinstance(query, MarginalsQuery) and query.select == "mst" and query.attributes:
+        crossed = [a for a in query.attributes if a in randomized]
+        if crossed:
+            problems.append(f"{path}.attributes: {crossed} collected under randomized_response; a `select: mst` "
+                            f"query is for synthetic records, which cannot be drawn from reports (leave it out, "
+                            f"or measure it with select: all)")
 
 
 def measure_clamp(spec: ReleaseSpec, column: str) -> tuple[int, int] | None:
@@ -192,6 +217,10 @@ def _check_invariants(spec: ReleaseSpec, problems: list[str]) -> None:
             problems.append(f"invariants[{i}] = {name!r}: must name a hierarchy table; allowed: {sorted(hierarchy_tables)}")
         elif spec.invariants.count(name) > 1:
             problems.append(f"invariants[{i}] = {name!r}: listed twice")
+        elif set(hierarchy_tables[name].by) & set(randomized_columns(spec)):
+            problems.append(f"invariants[{i}] = {name!r}: crosses {sorted(set(hierarchy_tables[name].by) & set(randomized_columns(spec)))}, "
+                            "collected under randomized_response; exact counts of reports would leave a changed "
+                            "value covered by the local guarantee alone (publish it with noise)")
     for query in {id(q): q for q in hierarchy_tables.values()}.values():
         if all(f"{query.name}.{lvl}" in spec.invariants for lvl in query.levels):
             problems.append(f"invariants: every level of query {query.name!r} is an invariant; nothing would be protected")

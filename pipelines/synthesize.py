@@ -27,6 +27,7 @@ from dprelease.transforms.domains import NATION, GeographyDomain
 
 from dprelease.transforms.units.tree_model import sample_tree
 
+from .debiased import debiased_tables
 from .plan import Plan, TablePlan, table_name
 from .postprocessing import count_tables, post_process
 from .layout import MEASUREMENTS_DIR, TABLES_DIR, layout_of, table_parts
@@ -59,6 +60,7 @@ def synthesize(release_dir: Path, max_records: int = 100_000_000) -> Synthetic:
         raise SpecError(f"synthesize: {release_dir} has a version-1 manifest (made before the global estimate); "
                         f"its tables were not fitted by this version's post-processing")
     plan = report.plan
+    _refuse_reports(plan)
     layout = layout_of(report.manifest, report.manifest.get("manifest_version", 1), [])
     noisy = {t.name: _column(release_dir, plan, t, MEASUREMENTS_DIR, f"noisy_{t.value_name}", layout)
              for t in plan.tables}
@@ -113,6 +115,16 @@ def _check_size(records: int, max_records: int) -> None:
     if records > max_records:
         raise SpecError(f"synthesize: the release's totals call for {records:,} records, over --max-records "
                         f"{max_records:,}; raise it on a machine with the memory (about 40 bytes per record)")
+
+
+def _refuse_reports(plan: Plan) -> None:
+    """Records drawn from tables of a randomized column would carry its reports, not true values: refused."""
+    drawn = {q.name for q in plan.spec.queries if isinstance(q, (MarginalsQuery, HierarchyQuery))}
+    randomized = sorted({c for d in debiased_tables(plan) if d.table.query in drawn for c in d.columns})
+    if randomized:
+        raise SpecError(f"synthesize: {randomized} collected under randomized_response; records drawn from the "
+                        f"release's tables would carry the respondents' reports, not true values (drawing from the "
+                        f"debiased tables is not supported)")
 
 
 def _records(plan: Plan, joints: dict, published: dict, max_records: int) -> tuple[dict, dict, GeographyDomain | None]:

@@ -42,7 +42,7 @@ from .limits import check_cell_limit
 from .manifest import DESCRIPTIVE_FIELDS, MANIFEST_VERSION, derived_section, domain_file_name, domain_file_names
 from .plan import MAX_DOMAIN_FILE_BYTES, Plan, build_plan
 from .postprocessing import EstimateVariances, estimate_variances, unit_tree
-from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, layout_of, release_files
+from .layout import Layout, layout_of, release_files
 from .safe_files import UnsafeFile, open_file, read_inside, read_regular, regular_directory, safe_relative, tree_entries
 from .spec import MAX_NESTING, brief, parse_spec
 from .validation import manifest_record
@@ -239,14 +239,11 @@ def _hash_inside(root: Path, relative: str, listed, bound: int | None) -> str | 
 
 def size_bounds(plan: Plan, layout: Layout) -> dict[str, int]:
     """The largest size each file of a release of this plan can have."""
-    from .layout import mean_parts, table_parts
+    from .layout import release_parts
     from .verify_tables import MAX_ROW_BYTES
 
     bounds = {path: MAX_DOMAIN_FILE_BYTES for path in domain_file_names(plan).values()}
-    parts = [p for t in plan.tables for folder in (TABLES_DIR, MEASUREMENTS_DIR)
-             for p in table_parts(plan, t, folder, layout)]
-    parts += [p for m in plan.means for p in mean_parts(plan, m, layout)]
-    for part in parts:
+    for part in release_parts(plan, layout):
         for ext in ("parquet", "csv"):
             bounds[f"{part.stem}.{ext}"] = (part.stop - part.start) * MAX_ROW_BYTES + (1 << 20)
     return bounds
@@ -556,6 +553,10 @@ def _check_signature(root: Path, manifest: dict, manifest_bytes: bytes, public_k
 
 # ---- the whole check --------------------------------------------------------------------------------------------------
 
+OPTIONAL_DERIVED = frozenset({"selections", "means", "local_randomization"})
+"""Derived sections only some releases have: one the plan does not produce must be absent, not merely ignored."""
+
+
 def _check_derived(root: Path, manifest: dict, version: int, plan: Plan, embedded_spec,
                    report: VerifyReport, layout: Layout) -> None:
     """Every derived field, the file set of the plan, the budget and the ledger block."""
@@ -564,6 +565,10 @@ def _check_derived(root: Path, manifest: dict, version: int, plan: Plan, embedde
     expected.update(spec=embedded_spec.model_dump(mode="json"), spec_sha256=embedded_spec.spec_hash())
     for key, value in expected.items():
         _compare(key, value, manifest.get(key), report.problems)
+    for key in sorted(OPTIONAL_DERIVED - set(expected)):
+        if key in manifest:
+            report.problems.append(f"{key}: present, but a release of this spec has none (value "
+                                   f"{brief(manifest[key], 200)})")
     if manifest.get("input_validation") is not None:
         _compare("input_validation", manifest_record(plan), manifest["input_validation"], report.problems)
     listed = {e.get("path") for e in manifest.get("files", []) if isinstance(e, dict)} \

@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 from dprelease.transforms.aggregate import unravel_cells
 from dprelease.transforms.domains import NATION, GeographyDomain, dimension_labels
 
+from .debiased import ESTIMATE, RESPONSE_VARIANCE, VARIANCE, DebiasedTable, debiased_columns, debiased_parts, debiased_tables
 from .plan import MeanOutput, Plan, TablePlan
 from .postprocessing import EstimateVariances, mean_values, post_process, marginals_path
 from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, Part, mean_parts, table_parts
@@ -185,6 +186,11 @@ def check_table_files(root: Path, plan: Plan, estimate: EstimateVariances | None
     for mean in plan.means:
         for part in mean_parts(plan, mean, layout):
             _check_mean_file(root, plan, mean, part, problems)
+    for debiased in debiased_tables(plan):
+        noisy = TableRows(root, plan, debiased.table, MEASUREMENTS_DIR, layout) \
+            if (debiased.table.name, MEASUREMENTS_DIR) in usable else None
+        for part in debiased_parts(plan, debiased, layout):
+            _check_debiased_part(root, plan, debiased, part, noisy, problems)
     return usable
 
 
@@ -251,6 +257,30 @@ def _check_mean_file(root: Path, plan: Plan, mean: MeanOutput, part: Part, probl
     finite = finite[~np.isnan(finite)]
     if ((finite < mean.measure.lower) | (finite > mean.measure.upper)).any():
         problems.append(f"{name}: means outside the clamp [{mean.measure.lower}, {mean.measure.upper}]")
+
+
+def debiased_shape(debiased: DebiasedTable, rows: int) -> FileShape:
+    labels = [(d.output_name, pa.string()) for d in debiased.table.dims]
+    return FileShape(tuple(labels + [(name, pa.float64()) for name in (ESTIMATE, VARIANCE, RESPONSE_VARIANCE)]), rows)
+
+
+def _check_debiased_part(root: Path, plan: Plan, debiased: DebiasedTable, part: Part, noisy: "TableRows | None",
+                         problems: list[str]) -> None:
+    """A part of debiased/<table>: its shape and labels, and its values recomputed from the same rows of the
+    table's measurement (always: a linear pass over the part)."""
+    data = read_table_file(root, part.stem, debiased_shape(debiased, part.stop - part.start), problems)
+    if data is None:
+        return
+    _check_labels(part.stem, data, plan, debiased.table.dims, (), part, problems)
+    if noisy is None:
+        problems.append(f"{part.stem}: cannot be recomputed (its table's measurement is unusable, see above)")
+        return
+    expected = debiased_columns(debiased, noisy.rows(part.start, part.stop))
+    for name, values in expected.items():
+        column = data.column(name)
+        if column.null_count or not np.allclose(column.to_numpy(), values.to_numpy(), rtol=1e-9, atol=1e-9):
+            problems.append(f"{part.stem}: {name!r} differs from the debiasing of {MEASUREMENTS_DIR}/"
+                            f"{debiased.table.name} (recomputed)")
 
 
 # ---- consistency of the published tables --------------------------------------------------------------------------

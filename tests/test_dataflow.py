@@ -22,19 +22,21 @@ from .test_units import COLUMNS, geography
 QUERIES = [
     {"name": "pop", "kind": "hierarchy", "geography": "geo", "levels": ["nation", "state", "county", "tract"]},
     {"name": "m", "kind": "marginals", "attributes": ["age", "sex", "race"], "way": 2, "within": "geo.county"},
-    {"name": "h", "kind": "histogram", "by": ["geo.county", "age"]},
+    {"name": "h", "kind": "histogram", "by": ["geo.county", "smoker", "age"]},
     {"name": "total", "kind": "sum", "column": "income", "by": ["geo.tract"]},
     {"name": "avg", "kind": "mean", "column": "income", "by": ["sex"]},
     {"name": "med", "kind": "quantile", "column": "income", "q": [0.5, 0.25], "candidates": [0, 10, 100, 1000],
      "by": ["geo.county"]},
 ]
+FLOW_COLUMNS = {**COLUMNS, "income": {"type": "integer", "min": 0, "max": 10**5, "clamp": [0, 1000]},
+                "smoker": {"type": "categorical", "values": ["no", "yes", "quit"], "on_invalid": "drop",
+                           "randomized_response": {"epsilon": "1/2"}}}
 COMMON = dict(engine="embedded", key_id="0" * 16, created_at="2026-01-01T00:00:00+00:00", command_line=["dprelease"])
 
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
-    columns = {**COLUMNS, "income": {"type": "integer", "min": 0, "max": 10**5, "clamp": [0, 1000]}}
-    spec = small_spec(columns=columns, queries=QUERIES, budget={"definition": "zcdp", "rho": "1/3"})
+    spec = small_spec(columns=FLOW_COLUMNS, queries=QUERIES, budget={"definition": "zcdp", "rho": "1/3"})
     directory = tmp_path_factory.mktemp("dataflow")
     path = write_case(directory, spec)
     (directory / "geo.txt").write_text("\n".join(geography(8)) + "\n")
@@ -80,6 +82,7 @@ def test_stages_write_the_embedded_release_byte_for_byte(plan, tmp_path, layout,
     assert all(ours[name] == reference[name] for name in reference)
     parts = [name for name in reference if "part-" in str(name)]
     assert bool(parts) == (layout.group_work == 64)
+    assert any(str(name).startswith("debiased/h") for name in reference)  # the randomized column's table
 
 
 def test_a_large_piece_travels_as_pieces_of_whole_units_that_join_back():

@@ -219,12 +219,11 @@ def test_the_json_schema_accepts_the_specs_the_tests_run():
     from jsonschema import Draft202012Validator
 
     from .test_api import spec_with_means
-    from .test_dataflow import QUERIES
-    from .test_units import COLUMNS
+    from .test_dataflow import FLOW_COLUMNS, QUERIES
+    from .test_randomized_response import spec_document
 
-    columns = {**COLUMNS, "income": {"type": "integer", "min": 0, "max": 10**5, "clamp": [0, 1000]}}
-    for document in (small_spec(), spec_with_means(),
-                     small_spec(columns=columns, queries=QUERIES, budget={"definition": "zcdp", "rho": "1/3"}),
+    for document in (small_spec(), spec_with_means(), spec_document(),
+                     small_spec(columns=FLOW_COLUMNS, queries=QUERIES, budget={"definition": "zcdp", "rho": "1/3"}),
                      small_spec(neighbouring="replace", invariants=["pop.state"])):
         parse_spec(document)
         assert list(Draft202012Validator(json_schema()).iter_errors(document)) == []

@@ -449,8 +449,10 @@ def attack(release_dir: Path, data: str, internal_dir: Path, max_units, time_lim
 def synthesize(release_dir: Path, out: Path | None, overwrite: bool, max_records: int) -> None:
     """Write synthetic microdata consistent with a release's hierarchy and marginal tables.
 
-    Post-processing only: records drawn from the integer joint table behind the marginals and split among
-    the finest hierarchy level's units by their published counts. The release is verified first. A utility
+    Post-processing only: records drawn from the integer joint table behind the marginals (a `select: mst`
+    query's tree; with several marginals queries, one of them) and split among the finest hierarchy level's
+    units by their published counts (per `by` cell for a hierarchy crossed with `by`). The release is verified
+    first; it prints which tables the records reproduce exactly. A utility
     report (<out>.utility.json) gives, per table the records tabulate to, the L1 distance of their tabulation
     to the release's noisy measurements and to its published table."""
     from .outputs import check_output_file, write_atomically
@@ -470,7 +472,8 @@ def synthesize(release_dir: Path, out: Path | None, overwrite: bool, max_records
                   f"{printable(path)}", soft_wrap=True)
     console.print(f"Tabulating them reproduces exactly: {', '.join(synthetic.reproduced) or 'none'}")
     if synthetic.not_reproduced:
-        console.print(f"Not reproduced (tables of other queries): {', '.join(synthetic.not_reproduced)}")
+        console.print("Not reproduced (tables of other queries, or a hierarchy whose integers differ from those of "
+                      f"the records' source; see the utility report): {', '.join(synthetic.not_reproduced)}")
     if synthetic.utility:
         worst = max(synthetic.utility, key=lambda row: row["l1_to_measurements_per_record"])
         console.print(f"Utility (L1 of the records' tabulation to the noisy measurements, per record): largest "

@@ -2,10 +2,13 @@
 
 TopDown's microdata detail file for dprelease: the records are drawn from the integer joint table that
 post-processing fits per geography unit for the release's marginals query (every published marginal
-is a margin of it), and each unit's records are split among the finest published hierarchy level's
-units by their published counts (which add up to the unit's total). Tabulating the records therefore
-reproduces the hierarchy and marginal tables exactly; `Synthetic.reproduced` says which tables do,
-checked by tabulating, not assumed.
+is a margin of it; with several, a `select: mst` one, else the one with the most attributes), and each
+unit's records are split among the finest published hierarchy level's units by their published counts
+(which add up to the unit's total; for a hierarchy crossed with `by`, per `by` cell, scaled by largest
+remainders where the hierarchy's and the marginals' integers differ). A hierarchy without a marginals
+query gives its finest table's cells as records. Tabulating the records therefore reproduces the
+hierarchy and marginal tables exactly where they agree; `Synthetic.reproduced` says which tables do,
+checked by tabulating, not assumed, and the utility report measures the others.
 
 Privacy: post-processing only. It reads the release's published noisy measurements and its public
 spec and domains (re-planned and checked by `verify` first), never the confidential input; the split
@@ -93,11 +96,16 @@ def utility_of(name: str, tabulated: np.ndarray, measured: np.ndarray, published
             "l1_to_published": to_published, "l1_to_published_per_record": to_published / total}
 
 
-def _one(queries: list, kind: str):
-    if len(queries) > 1:
-        raise SpecError(f"synthesize: the release has {len(queries)} {kind} queries "
-                        f"({', '.join(q.name for q in queries)}); records are drawn for one")
-    return queries[0] if queries else None
+def _source_marginals(queries: list[MarginalsQuery]) -> MarginalsQuery | None:
+    """The marginals query records are drawn from: a `select: mst` one first, then the one with the most
+    attributes (the first in the spec among equals). Every other query's tables are tabulated and reported."""
+    return min(queries, key=lambda q: (q.select != "mst", -len(q.attributes or ()), queries.index(q)), default=None)
+
+
+def _source_hierarchy(queries: list[HierarchyQuery]) -> HierarchyQuery | None:
+    """The hierarchy records are dealt along: the one reaching the finest level (with `by` first among equals,
+    then the first in the spec)."""
+    return min(queries, key=lambda q: (-len(q.levels), not q.by, queries.index(q)), default=None)
 
 
 def _column(release_dir: Path, plan: Plan, table: TablePlan, folder: str, name: str, layout) -> np.ndarray:
@@ -130,13 +138,17 @@ def _refuse_reports(plan: Plan) -> None:
 def _records(plan: Plan, joints: dict, published: dict, max_records: int) -> tuple[dict, dict, GeographyDomain | None]:
     """Record columns (label arrays); each record's code per column and unit per geography level (keyed
     by level name); the geography."""
-    marginals = _one([q for q in plan.spec.queries if isinstance(q, MarginalsQuery)], "marginals")
-    hierarchy = _one([q for q in plan.spec.queries if isinstance(q, HierarchyQuery)], "hierarchy")
+    marginals = _source_marginals([q for q in plan.spec.queries if isinstance(q, MarginalsQuery)])
+    hierarchy = _source_hierarchy([q for q in plan.spec.queries if isinstance(q, HierarchyQuery)])
     if marginals is None and hierarchy is None:
         raise SpecError("synthesize: the release has no hierarchy or marginals query to draw records from")
-    if hierarchy is not None and hierarchy.by:
-        raise SpecError(f"synthesize: hierarchy {hierarchy.name!r} is crossed with {hierarchy.by}; records are "
-                        f"drawn for hierarchies without `by` only")
+    by = list(hierarchy.by) if hierarchy is not None else []
+    if any(isinstance(plan.domains[b.partition(".")[0]], GeographyDomain) for b in by):
+        raise SpecError(f"synthesize: hierarchy {hierarchy.name!r} is crossed with a geography ({by}); not supported")
+    if by and marginals is not None and not set(by) <= set(marginals.attributes):
+        raise SpecError(f"synthesize: hierarchy {hierarchy.name!r} is crossed with {by}, which marginals "
+                        f"{marginals.name!r} does not all carry ({marginals.attributes}); records are dealt to the "
+                        f"hierarchy's units by the attributes they have")
     if marginals is not None and marginals.select == "all" and marginals.name not in joints:
         raise SpecError(f"synthesize: the joint table of marginals {marginals.name!r} is too large to round (or much "
                         f"larger than its tables); its tables were made integral one by one, so no records "
@@ -153,19 +165,20 @@ def _records(plan: Plan, joints: dict, published: dict, max_records: int) -> tup
         level = marginals.within.partition(".")[2] if marginals.within else NATION
         _check_size(int(np.asarray(joint, dtype=np.int64).sum()), max_records)
         unit, attribute_codes = _expand(joint)
-    else:
-        attributes, level = [], hierarchy.levels[0]
-        top = plan.table(f"{hierarchy.name}.{level}")
-        _check_size(int(published[top.name].sum()), max_records)
-        unit, _ = _expand(published[top.name].reshape(top.dims[0].size, 1))
-        attribute_codes = []
+    else:  # the hierarchy alone: its finest table's cells (by attributes included) as records
+        level = hierarchy.levels[-1]
+        finest = plan.table(f"{hierarchy.name}.{level}")
+        _check_size(int(published[finest.name].sum()), max_records)
+        attributes = by
+        unit, attribute_codes = _expand(published[finest.name].reshape([d.size for d in finest.dims] or [1]))
     record_codes = {}
     if geo is not None:
         record_codes[level] = unit
         if hierarchy is not None:
             finest = hierarchy.levels[-1]
             if geo.width(finest) > geo.width(level):
-                record_codes[finest] = _split(plan, hierarchy, level, finest, unit, published)
+                by_codes = [attribute_codes[attributes.index(b)] for b in by]
+                record_codes[finest] = _split(plan, hierarchy, level, finest, unit, by_codes, published)
                 unit = record_codes[finest]
                 level = finest
         for name in geo.level_names()[1:]:
@@ -216,22 +229,56 @@ def _expand(joint: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
 
 
 def _split(plan: Plan, hierarchy: HierarchyQuery, level: str, finest: str, unit: np.ndarray,
-           published: dict) -> np.ndarray:
-    """Each record's unit at `finest`: a unit's records (shuffled by a public seed) dealt out to its
-    sub-units by their published counts, which must add up to the unit's number of records."""
+           by_codes: list[np.ndarray], published: dict) -> np.ndarray:
+    """Each record's unit at `finest`: the records of a unit and `by` cell (shuffled by a public seed) dealt
+    out to its sub-units by their published counts in that cell. Where those do not add up to the records'
+    number (the hierarchy's `by` table and the marginals' margin of the same unit, each made integral on its
+    own), the counts are scaled to it by largest remainders (ties by the public seed): the records then
+    reproduce the hierarchy's tables only approximately, which the report says."""
     geo = plan.domains[hierarchy.geography]
-    counts = published[f"{hierarchy.name}.{finest}"].astype(np.int64)
+    table = plan.table(f"{hierarchy.name}.{finest}")
+    cells = int(np.prod([d.size for d in table.dims[1:]]))
+    counts = published[table.name].astype(np.int64).reshape(-1, cells)
     parent = geo.parent_of(finest, level)
-    per_unit = np.bincount(parent, weights=counts, minlength=geo.level_size(level) if level != NATION else 1)
-    records = np.bincount(unit, minlength=per_unit.size)
-    if not np.array_equal(per_unit.astype(np.int64), records):
-        raise SpecError(f"synthesize: the {finest} counts of {hierarchy.name!r} do not add up to the {level} totals "
-                        f"of the records (the marginals' geography level is not a level of the hierarchy?)")
-    order = np.lexsort((np.random.default_rng(_public_seed(plan)).random(unit.size), unit))
-    sub_units = np.argsort(parent, kind="stable")  # sub-units grouped by unit, in unit order like `order`
+    units = geo.level_size(level) if level != NATION else 1
+    cell = np.zeros(unit.size, dtype=np.int64)
+    for dim, codes in zip(table.dims[1:], by_codes):
+        cell = cell * dim.size + codes
+    records = np.bincount(unit * cells + cell, minlength=units * cells).reshape(units, cells)
+    rng = np.random.default_rng(_public_seed(plan))
+    targets = _scaled(counts, parent, records, rng)
+    order = np.lexsort((rng.random(unit.size), cell, unit))
+    sub_unit, sub_cell = np.divmod(np.arange(counts.size), cells)
+    slots = np.lexsort((sub_unit, sub_cell, parent[sub_unit]))  # (unit, cell, sub-unit), like `order`
     assigned = np.empty(unit.size, dtype=np.int64)
-    assigned[order] = np.repeat(sub_units, counts[sub_units])
+    assigned[order] = np.repeat(sub_unit[slots], targets.ravel()[slots])
     return assigned
+
+
+def _scaled(counts: np.ndarray, parent: np.ndarray, records: np.ndarray, rng) -> np.ndarray:
+    """Sub-unit counts (sub-units x cells) made to add up, per parent and cell, to `records` (parents x cells):
+    unchanged where they already do; else quotas proportional to them (equal shares where they are all 0),
+    rounded down, the rest given to the largest remainders."""
+    sums = np.zeros_like(records)
+    np.add.at(sums, parent, counts)
+    if np.array_equal(sums, records):
+        return counts
+    children = np.bincount(parent, minlength=records.shape[0])[parent][:, None].astype(np.float64)
+    share = np.where(sums[parent] > 0, counts / np.maximum(sums[parent], 1), 1.0 / children)
+    quota = share * records[parent]
+    base = np.floor(quota).astype(np.int64)  # each at most its quota, so together at most the records
+    short = records.copy()
+    np.subtract.at(short, parent, base)
+    flat_parent = np.repeat(parent, counts.shape[1])
+    flat_cell = np.tile(np.arange(counts.shape[1]), counts.shape[0])
+    remainder = (quota - base).ravel()
+    rank_order = np.lexsort((rng.random(remainder.size), -remainder, flat_cell, flat_parent))
+    group = flat_parent[rank_order] * counts.shape[1] + flat_cell[rank_order]
+    first = np.searchsorted(group, group, side="left")
+    rank = np.arange(group.size) - first
+    extra = np.zeros(remainder.size, dtype=np.int64)
+    extra[rank_order] = rank < short.ravel()[group]
+    return base + extra.reshape(counts.shape)
 
 
 def _tabulate(table: TablePlan, codes: dict, geo) -> np.ndarray | None:

@@ -70,11 +70,68 @@ def test_synthesize_refuses_a_release_that_does_not_verify(tmp_path):
     assert done.returncode == 1 and "does not verify" in done.stderr
 
 
+def test_a_hierarchy_crossed_with_by_alone_gives_its_finest_cells_as_records(tmp_path):
+    queries = [{"name": "pop", "kind": "hierarchy", "geography": "geo", "levels": ["nation", "state", "tract"],
+                "by": ["sex"]}]
+    result = release(tmp_path, queries=queries)
+    out = tmp_path / "s.parquet"
+    done = cli("synthesize", str(result.release_dir), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "reproduces exactly: pop.nation, pop.state, pop.tract" in " ".join(done.stdout.split())
+    records = pq.read_table(out)
+    for level in ("state", "tract"):
+        assert counts(records, [level, "sex"]) == published(result.release_dir, f"pop.{level}", [level, "sex"])
+
+
+def test_records_follow_the_hierarchy_by_cell_and_the_marginals_exactly(tmp_path):
+    """Hierarchy by sex to the tract, marginals of age and sex within state: each state's records (from the
+    marginals' joint) are dealt to its tracts per sex. The marginals are reproduced exactly; the hierarchy's
+    tracts where the two integer tables agree, else by largest remainders (the state totals always agree)."""
+    queries = [{"name": "pop", "kind": "hierarchy", "geography": "geo", "levels": ["nation", "state", "tract"],
+                "by": ["sex"]},
+               {"name": "agesex", "kind": "marginals", "attributes": ["age", "sex"], "way": 2, "within": "geo.state"}]
+    result = release(tmp_path, queries=queries)
+    out = tmp_path / "s.parquet"
+    done = cli("synthesize", str(result.release_dir), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    records = pq.read_table(out)
+    root = result.release_dir
+    assert counts(records, ["state", "age", "sex"]) == published(root, "agesex.age-sex", ["state", "age", "sex"])
+    marginal = published(root, "agesex.age-sex", ["state", "age", "sex"])
+    tracts = published(root, "pop.tract", ["tract", "sex"])
+    by_state = {}
+    for (state, _, sex), n in marginal.items():
+        by_state[(state, sex)] = by_state.get((state, sex), 0) + n
+    dealt = counts(records, ["tract", "sex"])
+    for (state, sex), n in by_state.items():  # every (state, sex) group dealt whole, to its own tracts
+        assert sum(v for (tract, s), v in dealt.items() if tract.startswith(state) and s == sex) == n
+    agree = [(state, sex) for (state, sex), n in by_state.items()
+             if sum(v for (tract, s), v in tracts.items() if tract.startswith(state) and s == sex) == n]
+    for (tract, sex), n in tracts.items():
+        if (tract[:2], sex) in agree:
+            assert dealt.get((tract, sex), 0) == n
+
+
+def test_several_marginals_queries_draw_from_one_and_report_the_others(tmp_path):
+    queries = [{"name": "pop", "kind": "hierarchy", "geography": "geo", "levels": ["nation", "state", "county"]},
+               {"name": "small", "kind": "marginals", "attributes": ["sex"], "way": 1, "within": "geo.state"},
+               {"name": "agesex", "kind": "marginals", "attributes": ["age", "sex"], "way": 2, "within": "geo.state"}]
+    result = release(tmp_path, queries=queries)
+    out = tmp_path / "s.parquet"
+    done = cli("synthesize", str(result.release_dir), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "agesex.age-sex" in done.stdout.split("Not reproduced")[0]
+    report = json.loads((tmp_path / "s.parquet.utility.json").read_text())
+    assert {row["table"] for row in report["tables"]} >= {"small.sex", "agesex.age-sex", "pop.county"}
+
+
 def test_synthesize_names_what_it_cannot_draw(tmp_path):
-    queries = [{"name": "pop", "kind": "hierarchy", "geography": "geo", "levels": ["nation", "state"], "by": ["sex"]}]
+    queries = [{"name": "pop", "kind": "hierarchy", "geography": "geo", "levels": ["nation", "state"], "by": ["sex"]},
+               {"name": "ages", "kind": "marginals", "attributes": ["age"], "way": 1, "within": "geo.state"}]
     result = release(tmp_path, queries=queries)
     done = cli("synthesize", str(result.release_dir))
-    assert done.returncode == 2 and "crossed with ['sex']" in " ".join(done.stderr.split())
+    assert done.returncode == 2 and "crossed with ['sex'], which marginals 'ages' does not all carry" in \
+        " ".join(done.stderr.split())
 
 
 def test_the_utility_report_measures_each_tabulation_against_the_noisy_measurements(tmp_path):

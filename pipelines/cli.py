@@ -40,7 +40,8 @@ ENGINES = ["embedded", "spark", "beam"]
 STAGES = {"read": "Reading and encoding input files", "noise": "Drawing noise (cell ranges)",
           "write": "Writing tables", "beam": "Beam pipeline (read, bound, count, noise)",
           "post-process": "Post-processing and writing in the workers (stages)",
-          "beam-release": "Beam pipeline (read, bound, count, noise, post-process, write)"}
+          "beam-release": "Beam pipeline (read, bound, count, noise, post-process, write)",
+          "select": "Choosing tables (1-way tables released, candidates scored)"}
 
 
 def _fail(error: DPReleaseError) -> None:

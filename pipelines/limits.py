@@ -76,7 +76,7 @@ def memory_statement(plan: Plan, engine: str, group_work: int) -> str:
 def check_plan_limits(plan: Plan, max_cells: int | None = None, engine: str = "embedded") -> None:
     """Everything about a plan's size and numbers that must hold before a run may reserve budget."""
     check_representable(plan)
-    if plan.selections or not runs_in_workers(plan, engine):  # a selection is counted on one machine
+    if plan.selections or not runs_in_workers(plan, engine):  # conservative for a selection: its candidates' cells are capped too
         check_cell_limit(plan, max_cells)
 
 

@@ -15,8 +15,7 @@ import numpy as np
 
 from dprelease.accounting.errors import SpecError
 from dprelease.transforms.csprng import ReleaseKey
-from dprelease.transforms.mst import independent_estimates, pair_estimate, pair_score, select_tree
-from dprelease.transforms.release_values import release_table
+from dprelease.transforms.mst import independent_estimates, select_tree
 
 from .engines.base import Engine, ProgressHook, no_progress
 from .plan import Pair, Plan, SelectionPlan, TablePlan, candidate_tables, table_name, with_selections
@@ -24,16 +23,14 @@ from .source import InputSource
 
 LOG = logging.getLogger("dprelease")
 
-NOISE_RANGE_CELLS = 1 << 18
-
 
 def check_engine_selects(plan: Plan, engine: Engine) -> None:
     """Refuse (exit 2, before any budget is reserved) a release with a selection on an engine that cannot
-    count its candidates."""
-    if plan.selections and not engine.counts_candidates:
+    score its candidates."""
+    if plan.selections and not engine.scores_candidates:
         names = [s.query for s in plan.selections]
-        raise SpecError(f"queries {names}: `select: mst` chooses its tables on the embedded engine; the "
-                        f"{engine.name} engine does not count candidate tables yet (run it with --engine embedded)")
+        raise SpecError(f"queries {names}: `select: mst` needs an engine that scores candidate tables; the "
+                        f"{engine.name} engine does not (run it with --engine embedded, spark or beam)")
 
 
 def select_tables(plan: Plan, engine: Engine, source: InputSource, key: ReleaseKey,
@@ -45,11 +42,16 @@ def select_tables(plan: Plan, engine: Engine, source: InputSource, key: ReleaseK
     one_way = {s.query: _one_way_tables(plan, s) for s in plan.selections}
     # the release's own tables too: the same encoded columns, so the same records are bounded and kept
     counting = list(plan.tables) + [t for ts in candidates.values() for t in ts]
-    counts = engine.candidate_counts(plan, counting, source, key, progress)
+
+    def estimates(noisy: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        return {name: estimate for s in plan.selections
+                for name, estimate in _estimates(plan, s, one_way[s.query], candidates[s.query], noisy).items()}
+
+    scores = engine.score_candidates(plan, counting, [t for ts in one_way.values() for t in ts], estimates, source,
+                                     key, progress)
     chosen = {}
     for selection in plan.selections:
-        chosen[selection.query] = _choose(plan, selection, one_way[selection.query], candidates[selection.query],
-                                          counts, key)
+        chosen[selection.query] = _choose(plan, selection, candidates[selection.query], scores, key)
         LOG.info("selection %s: chose %d of %d pairs", selection.name, len(chosen[selection.query]),
                  len(selection.candidates))
     return with_selections(plan, chosen)
@@ -60,17 +62,21 @@ def _one_way_tables(plan: Plan, selection: SelectionPlan) -> list[TablePlan]:
     return [plan.table(table_name(query.name, (a,))) for a in query.attributes]
 
 
-def _choose(plan: Plan, selection: SelectionPlan, one_way: list[TablePlan], candidates: list[TablePlan],
-            counts: dict[str, np.ndarray], key: ReleaseKey) -> tuple[Pair, ...]:
-    """One query's tree: its 1-way tables released (the same values the release publishes), the
-    independent estimate of every candidate, the scores, and the rounds of the exponential mechanism."""
+def _estimates(plan: Plan, selection: SelectionPlan, one_way: list[TablePlan], candidates: list[TablePlan],
+               noisy: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Each candidate's independent estimate, as (unit totals, share of a, share of b), from the query's
+    released 1-way tables. Post-processing of released values only."""
     units = one_way[0].dims[0].size if len(one_way[0].dims) == 2 else 1
-    noisy = [release_table(key, t.release, counts[t.name], NOISE_RANGE_CELLS).reshape(units, -1) for t in one_way]
-    totals, shares = independent_estimates(noisy)
-    attributes = list(plan.query(selection.query).attributes)
-    index = {a: i for i, a in enumerate(attributes)}
-    scores = [pair_score(counts[table.name], pair_estimate(totals, shares[index[a]], shares[index[b]]))
-              for (a, b), table in zip(selection.candidates, candidates)]
+    totals, shares = independent_estimates([noisy[t.name].reshape(units, -1) for t in one_way])
+    index = {a: i for i, a in enumerate(plan.query(selection.query).attributes)}
+    return {table.name: (totals, shares[index[a]], shares[index[b]])
+            for (a, b), table in zip(selection.candidates, candidates)}
+
+
+def _choose(plan: Plan, selection: SelectionPlan, candidates: list[TablePlan], scores: dict[str, int],
+            key: ReleaseKey) -> tuple[Pair, ...]:
+    """One query's tree: the rounds of the exponential mechanism on its candidates' scores."""
     mechanism = selection.event.mechanism
-    return select_tree(key, selection.name, attributes, list(selection.candidates), scores, mechanism.epsilon,
+    return select_tree(key, selection.name, list(plan.query(selection.query).attributes),
+                       list(selection.candidates), [scores[t.name] for t in candidates], mechanism.epsilon,
                        selection.event.sensitivity.l1)

@@ -19,6 +19,8 @@ rows. The steps, composable in any Beam pipeline:
                                           tables and cells included; noise from the sampler kernel,
                                           quantiles from the selection kernel
     WriteNoisyRanges(directory)           one .npy file per range, through Beam's FileSystems
+    ScoreCandidates(releases, estimates)  candidate tables' counts -> (table, integer score) of a
+                                          `select: mst` query, range by range in the workers
 
 Privacy: a cell's noise is a pure function of (key, table, cell), and the records kept for a unit
 depend only on (key, unit, records), so any sharding, bundling, retry or runner gives the same
@@ -284,9 +286,24 @@ class AddNoise(beam.PTransform):
         return cls({t.name: t.release for t in plan.tables if t.name in wanted}, key, range_cells, steps)
 
     def expand(self, counts):
+        return (counts | "Ranges" >> GroupRanges(self.releases, self.steps)
+                | "Noise" >> beam.ParDo(_NoiseRange(self.releases, self.key, self.steps, self.fail_first_dir)).with_output_types(Any))
+
+
+class GroupRanges(beam.PTransform):
+    """(table, (cells, counts)) -> ((table, start), parts) for every range of every table's measured entries,
+    `steps[table]` entries a range: a range without records still comes (its parts hold only the public
+    marker None), so a stage after it sees every cell of the public domain."""
+
+    def __init__(self, releases: dict[str, TableRelease], steps: dict[str, int]):
+        super().__init__()
+        self.measured = {name: release.n_measured for name, release in releases.items()}
+        self.steps = dict(steps)
+
+    def expand(self, counts):
         steps = self.steps
-        ranges = [((name, start), None) for name, release in sorted(self.releases.items())
-                  for start in range(0, release.n_measured, steps[name])]
+        ranges = [((name, start), None) for name, n_measured in sorted(self.measured.items())
+                  for start in range(0, n_measured, steps[name])]
 
         def split(element):
             name, (cells, values) = element
@@ -299,8 +316,39 @@ class AddNoise(beam.PTransform):
         return ((counts | "SplitRanges" >> beam.FlatMap(split).with_output_types(tuple[tuple[str, int], Any]),
                  counts.pipeline | "PublicRanges" >> beam.Create(ranges))
                 | "WithEveryRange" >> beam.Flatten()
-                | "GroupRanges" >> beam.GroupByKey()
-                | "Noise" >> beam.ParDo(_NoiseRange(self.releases, self.key, steps, self.fail_first_dir)).with_output_types(Any))
+                | "GroupRanges" >> beam.GroupByKey())
+
+
+def _score_range(element, measured: dict[str, int], steps: dict[str, int], estimates: dict):
+    """One range of one candidate table: its part of the candidate's selection score
+    (`transforms.mst.range_score`; every cell of the range, empty ones included)."""
+    from .mst import range_score
+
+    (name, start), parts = element
+    stop = min(start + steps[name], measured[name])
+    counts = np.zeros(stop - start, dtype=np.int64)
+    for part in parts:
+        if part is not None:  # None: the public range marker
+            np.add.at(counts, part[0] - start, part[1])
+    yield name, range_score(counts, start, *estimates[name])
+
+
+class ScoreCandidates(beam.PTransform):
+    """(candidate table, (cells, counts)) -> (table, score): each candidate of a `select: mst` query scored
+    range by range in the workers against its independent estimate (`estimates[table]`: unit totals and the
+    two attributes' shares, post-processing of released 1-way tables), the ranges' integer scores summed.
+    Private: the scores feed the exponential mechanism only; no count leaves the worker that holds it."""
+
+    def __init__(self, releases: dict[str, TableRelease], estimates: dict, range_cells: int = NOISE_RANGE_CELLS):
+        super().__init__()
+        self.releases, self.estimates = dict(releases), dict(estimates)
+        self.steps = {name: release.range_length(range_cells) for name, release in self.releases.items()}
+
+    def expand(self, counts):
+        measured = {name: release.n_measured for name, release in self.releases.items()}
+        return (counts | "Ranges" >> GroupRanges(self.releases, self.steps)
+                | "ScoreRanges" >> beam.FlatMap(_score_range, measured, self.steps, self.estimates)
+                | "SumScores" >> beam.CombinePerKey(sum))
 
 
 class WriteNoisyRanges(beam.PTransform):

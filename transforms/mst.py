@@ -11,7 +11,8 @@ gets most wrong are the ones worth measuring. Kruskal's algorithm with the expon
 Privacy: each round is one exact exponential-mechanism draw (`samplers.select_cells`) from its own keyed
 stream, calibrated to the score sensitivity (`accounting.sensitivity.mst_score_sensitivity`); the candidates
 of a round depend only on earlier rounds' choices (public), so the rounds compose adaptively. The true pair
-counts are read here and nowhere else; only the chosen pairs leave.
+counts are read by `range_score` only (run by each engine where the counts are: range by range in Spark
+executors and Beam workers, whole tables in the embedded engine); only the chosen pairs leave.
 """
 from __future__ import annotations
 
@@ -40,6 +41,30 @@ def pair_estimate(totals: np.ndarray, share_a: np.ndarray, share_b: np.ndarray) 
     """The independent estimate of a pair's table per unit, rounded to integers: shape (units, a, b)."""
     product = totals[:, None, None] * share_a[:, :, None] * share_b[:, None, :]
     return np.rint(product).astype(np.int64)
+
+
+def range_score(counts: np.ndarray, start: int, totals: np.ndarray, share_a: np.ndarray,
+                share_b: np.ndarray) -> int:
+    """The L1 distance between cells [start, start + len(counts)) of a pair's bounded counts and the same cells
+    of its independent estimate (`pair_estimate`, the same arithmetic cell by cell): a worker scores its own
+    range of cells, and the ranges' scores add up to `pair_score` of the whole table. Private: the exponential
+    mechanism's input only."""
+    a, b = share_a.shape[1], share_b.shape[1]
+    unit, rest = np.divmod(np.arange(start, start + len(counts), dtype=np.int64), a * b)
+    i, j = np.divmod(rest, b)
+    estimate = np.rint(totals[unit] * share_a[unit, i] * share_b[unit, j]).astype(np.int64)
+    return int(np.abs(np.asarray(counts, dtype=np.int64) - estimate).sum())
+
+
+def scores_from_counts(key: ReleaseKey, counts: dict[str, np.ndarray], one_way: list, estimates,
+                       range_target: int) -> dict[str, int]:
+    """Every candidate's score from whole bounded count vectors held in one process (the embedded engine):
+    the 1-way tables released (`one_way`: their TableReleases; the values the release publishes), mapped by
+    `estimates` to each candidate's (totals, share_a, share_b), and each candidate scored over all its cells."""
+    from .release_values import release_table
+
+    noisy = {t.name: release_table(key, t, counts[t.name], range_target) for t in one_way}
+    return {name: range_score(counts[name], 0, *estimate) for name, estimate in estimates(noisy).items()}
 
 
 def pair_score(counts: np.ndarray, estimate: np.ndarray) -> int:

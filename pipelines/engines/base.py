@@ -43,15 +43,18 @@ class Engine(ABC):
         Privacy: the result must be exactly counts(bounded input) + noise(key, table, cell).
         """
 
-    counts_candidates: bool = False
-    """Whether the engine counts the candidate tables of a selection (`candidate_counts`)."""
+    scores_candidates: bool = False
+    """Whether the engine scores the candidate tables of a selection (`score_candidates`)."""
 
-    def candidate_counts(self, plan: Plan, tables: list, source: InputSource, key: ReleaseKey,
-                         progress: ProgressHook = no_progress) -> dict[str, np.ndarray]:
-        """Bounded true counts of `tables` (the plan's tables and a selection's candidates), for the
-        selection stage (`pipelines.selection`) only. Private: its scores feed the exponential mechanism and
-        nothing else."""
-        raise NotImplementedError(f"the {self.name} engine does not count candidate tables")
+    def score_candidates(self, plan: Plan, counting: list, one_way: list, estimates, source: InputSource,
+                         key: ReleaseKey, progress: ProgressHook = no_progress) -> dict[str, int]:
+        """For the selection stage (`pipelines.selection`) only: the records bounded as for `counting` (the
+        plan's tables and the selections' candidates), the `one_way` tables released (the values the release
+        will publish), `estimates(noisy one-way values by name)` -> each candidate's (totals, share_a, share_b)
+        (post-processing), and each candidate's score, `transforms.mst.range_score` summed over its cells.
+        Private: the scores feed the exponential mechanism and nothing else; no true count leaves the worker
+        that holds it."""
+        raise NotImplementedError(f"the {self.name} engine does not score candidate tables")
 
     writes_parts: bool = False
     """Whether the engine runs the post-processing and writing stages of a tree of units in its workers

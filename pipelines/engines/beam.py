@@ -5,12 +5,17 @@
     -> WriteNoisyRanges (one .npy per range) -> the driver assembles, post-processes and publishes
        with the engine-neutral code, as the other engines do.
 
+A `select: mst` query's candidates are scored before that by two pipelines (the 1-way tables released, then
+ScoreCandidates range by range in the workers); only integer scores reach the driver.
+
 The DirectRunner runs it locally (multi_processing, one worker process per core by default); any
 other runner (Flink, Spark, Dataflow, ...) and its options are passed through (deploy/beam/README.md).
 The same spec, input and key give a byte-identical release on every engine.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import io
 import json
 import logging
@@ -198,6 +203,34 @@ def _read_entries(directory: str) -> list:
     return pieces
 
 
+def beam_write_scores(directory: str):
+    """(table, score) -> one small JSON file per table under `directory` (any Beam filesystem)."""
+    beam = import_beam()
+
+    def write(element):
+        from apache_beam.io.filesystems import FileSystems
+
+        name, score = element
+        path = f"{directory}/score-{hashlib.sha256(name.encode()).hexdigest()[:16]}.json"
+        with FileSystems.create(path) as handle:
+            handle.write(json.dumps({"table": name, "score": int(score)}).encode("utf-8"))
+        yield path
+
+    return beam.FlatMap(write)
+
+
+def _read_scores(directory: str) -> dict[str, int]:
+    """The scores `beam_write_scores` wrote, by table name."""
+    from apache_beam.io.filesystems import FileSystems
+
+    scores = {}
+    for metadata in FileSystems.match([f"{directory}/score-*.json"])[0].metadata_list:
+        with FileSystems.open(metadata.path) as handle:
+            document = json.loads(handle.read().decode("utf-8"))
+        scores[document["table"]] = int(document["score"])
+    return scores
+
+
 class BeamEngine(Engine):
     name = "beam"
     writes_parts = True
@@ -228,19 +261,63 @@ class BeamEngine(Engine):
     def noisy_ranges(self, pipeline, plan: Plan, source: InputSource, key: ReleaseKey,
                      steps: dict[str, int] | None = None):
         """Input files -> (table, output start, released values) for every range of every table."""
-        beam = import_beam()
-        from dprelease.transforms.beam import AddNoise, BoundContributions, CountCells, EncodeRecords, ReadInputBatches
+        from dprelease.transforms.beam import AddNoise, CountCells
 
-        columns = source.columns
+        counts = self._bounded(pipeline, plan, source, key) | "Count" >> CountCells([t.layout for t in plan.tables])
+        return counts | "AddNoise" >> AddNoise.from_plan(plan, key, steps=steps)
+
+    def _bounded(self, pipeline, plan: Plan, source: InputSource, key: ReleaseKey):
+        """Input files -> encoded batches, at most the plan's k records per unit (the records kept depend on
+        the plan's encoded columns only)."""
+        beam = import_beam()
+        from dprelease.transforms.beam import BoundContributions, EncodeRecords, ReadInputBatches
+
         encoded = (pipeline
                    | "InputFiles" >> beam.Create(source.files())
-                   | "Read" >> ReadInputBatches(columns, source.format, source.location)
+                   | "Read" >> ReadInputBatches(source.columns, source.format, source.location)
                    | "Encode" >> EncodeRecords.from_plan(plan))
         if source.unit_column:
             shards = max(self.workers * SHARDS_PER_WORKER, -(-source.estimated_rows() // 1_000_000))
             encoded = encoded | "Bound" >> BoundContributions.from_plan(plan, key, shards)
-        counts = encoded | "Count" >> CountCells([t.layout for t in plan.tables])
-        return counts | "AddNoise" >> AddNoise.from_plan(plan, key, steps=steps)
+        return encoded
+
+    scores_candidates = True
+
+    def score_candidates(self, plan: Plan, counting: list, one_way: list, estimates, source: InputSource,
+                         key: ReleaseKey, progress: ProgressHook = no_progress) -> dict[str, int]:
+        """Two pipelines over the records bounded as for `counting`: the 1-way tables released (the values
+        the release publishes), then every candidate scored in the workers, range by range, from the
+        estimates the driver computed; only integer scores come back (no true count reaches the driver)."""
+        from dprelease.transforms.beam import AddNoise, CountCells, ScoreCandidates, WriteNoisyRanges
+
+        counting_plan = dataclasses.replace(plan, tables=tuple(counting))
+        one_way_plan = dataclasses.replace(plan, tables=tuple(one_way))
+
+        def release_one_way(pipeline, directory: str) -> None:
+            (self._bounded(pipeline, counting_plan, source, key)
+             | "Count" >> CountCells([t.layout for t in one_way])
+             | "AddNoise" >> AddNoise.from_plan(one_way_plan, key)
+             | "Write" >> WriteNoisyRanges(directory, {t.name: i for i, t in enumerate(one_way)}))
+
+        progress("select", 0, 2)
+        released = self._run("the Beam selection pipeline", release_one_way,
+                             lambda directory: self._assemble(one_way_plan, directory))
+        progress("select", 1, 2)
+        wanted = estimates(released)
+        candidates = [t for t in counting if t.name in wanted]
+
+        def score(pipeline, directory: str) -> None:
+            (self._bounded(pipeline, counting_plan, source, key)
+             | "Count" >> CountCells([t.layout for t in candidates])
+             | "Score" >> ScoreCandidates({t.name: t.release for t in candidates}, wanted)
+             | "Write" >> beam_write_scores(directory))
+
+        scores = self._run("the Beam selection pipeline", score, _read_scores)
+        progress("select", 2, 2)
+        missing = sorted(set(wanted) - set(scores))
+        if missing:
+            raise DPReleaseError(f"the Beam selection pipeline returned no score for tables {missing}")
+        return {name: scores[name] for name in wanted}
 
     def release_parts(self, plan: Plan, source: InputSource, key: ReleaseKey, staging, layout,
                       progress: ProgressHook = no_progress):

@@ -121,11 +121,14 @@ class EmbeddedEngine(Engine):
         for t, values in zip(plan.tables, partial):
             counts[t.name] += values
 
-    counts_candidates = True
+    scores_candidates = True
 
-    def candidate_counts(self, plan: Plan, tables: list, source: InputSource, key: ReleaseKey,
-                         progress: ProgressHook = no_progress) -> dict[str, np.ndarray]:
-        return self.true_counts(dataclasses.replace(plan, tables=tuple(tables)), source, key, progress)
+    def score_candidates(self, plan: Plan, counting: list, one_way: list, estimates, source: InputSource,
+                         key: ReleaseKey, progress: ProgressHook = no_progress) -> dict[str, int]:
+        from dprelease.transforms.mst import scores_from_counts
+
+        counts = self.true_counts(dataclasses.replace(plan, tables=tuple(counting)), source, key, progress)
+        return scores_from_counts(key, counts, [t.release for t in one_way], estimates, NOISE_RANGE_CELLS)
 
     def noise(self, plan: Plan, key: ReleaseKey, progress: ProgressHook) -> dict[str, np.ndarray]:
         """Noise of every cell of every additive table, in parallel over cell ranges (same values for any split)."""

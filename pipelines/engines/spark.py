@@ -16,6 +16,7 @@ clusters (see deploy/spark/README.md).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import os
 import shutil
@@ -135,6 +136,28 @@ def _noise_function(plan: Plan, key: ReleaseKey, steps: list[int]):
                          "noisy": pa.array(values)})
 
     return noise
+
+
+def _score_function(plan: Plan, steps: list[int], estimates):
+    """Per (candidate table, range) group of sparse bounded counts: the range's part of the candidate's score
+    (`transforms.mst.range_score`; every cell of the range, empty ones included). Only the integer leaves."""
+    from dprelease.transforms.mst import range_score
+
+    releases = [t.release for t in plan.tables]
+
+    def score(group: pa.Table) -> pa.Table:
+        table_id = int(group.column("table_id")[0].as_py())
+        range_id = int(group.column("range_id")[0].as_py())
+        start = range_id * steps[table_id]
+        stop = min(start + steps[table_id], releases[table_id].n_measured)
+        cells = group.column("cell").to_numpy()
+        real = cells >= 0
+        measured = np.zeros(stop - start, dtype=np.int64)
+        np.add.at(measured, cells[real] - start, group.column("count").to_numpy()[real])
+        value = range_score(measured, start, *estimates.value[table_id])
+        return pa.table({"table_id": pa.array([table_id], pa.int32()), "score": pa.array([value], pa.int64())})
+
+    return score
 
 
 def _noise_pieces_function(plan: Plan, key: ReleaseKey, steps: list[int], token: tuple, tree):
@@ -313,8 +336,7 @@ class SparkEngine(Engine):
 
     def validate_input(self, plan: Plan, source: InputSource, runner):
         """The value-level expectations on a Spark DataFrame, columns in the form the encoder reads
-        them (integers as doubles, null when not an integer; codes as text). The session stays up
-        for the release job that follows."""
+        them (integers as doubles, null when not an integer; codes as text)."""
         from pyspark.sql import functions as F
 
         from dprelease.transforms.domains import IntegerDomain
@@ -372,9 +394,56 @@ class SparkEngine(Engine):
         finally:
             self._stop_started(spark)
 
-    def _ranged_counts(self, spark, plan: Plan, source: InputSource, key: ReleaseKey, steps: list[int]):
+    scores_candidates = True
+
+    def score_candidates(self, plan: Plan, counting: list, one_way: list, estimates, source: InputSource,
+                         key: ReleaseKey, progress: ProgressHook = no_progress) -> dict[str, int]:
+        """Two jobs over the records bounded as for `counting`: the 1-way tables released to the driver (the
+        values the release publishes), then each candidate scored in executors, range by range, from the
+        estimates the driver broadcasts, and the ranges' scores summed per table in the executors: the driver
+        receives one integer per candidate (no true count, nor any part of a score, reaches it)."""
+        from pyspark.sql import functions as F
+
+        counting_plan = dataclasses.replace(plan, tables=tuple(counting))
+        ids = {t.name: i for i, t in enumerate(counting)}
+        one_way_ids = [ids[t.name] for t in one_way]
+        # ranges never change the values (noise is per cell); the default length spares the tree of units
+        steps = [t.release.range_length(NOISE_RANGE_CELLS) for t in counting]
+        progress("select", 0, 2)
+        with self._job() as spark:
+            released = (self._ranged_counts(spark, counting_plan, source, key, steps, one_way_ids)
+                        .applyInArrow(_noise_function(counting_plan, key, steps), "table_id int, cell long, noisy long")
+                        .toArrow())
+            assembled = self._assemble(counting_plan, released, one_way_ids)
+            progress("select", 1, 2)
+            wanted = estimates({t.name: assembled[t.name] for t in one_way})
+            candidate_ids = sorted(ids[name] for name in wanted)
+            broadcast = spark.sparkContext.broadcast({ids[name]: value for name, value in wanted.items()})
+            try:
+                scored = (self._ranged_counts(spark, counting_plan, source, key, steps, candidate_ids)
+                          .applyInArrow(_score_function(counting_plan, steps, broadcast), "table_id int, score long")
+                          .groupBy("table_id").agg(F.sum("score").alias("score"), F.count("*").alias("ranges"))
+                          .toArrow())
+            finally:
+                broadcast.destroy()
+            progress("select", 2, 2)
+        found = dict(zip(scored.column("table_id").to_pylist(), zip(scored.column("score").to_pylist(),
+                                                                     scored.column("ranges").to_pylist())))
+        scores = {}
+        for name in wanted:
+            i = ids[name]
+            expected = -(-counting[i].release.n_measured // steps[i])
+            if i not in found or found[i][1] != expected:
+                raise DPReleaseError(f"table {name}: the Spark selection job scored "
+                                     f"{found.get(i, (0, 0))[1]} of its {expected} ranges")
+            scores[name] = int(found[i][0])
+        return scores
+
+    def _ranged_counts(self, spark, plan: Plan, source: InputSource, key: ReleaseKey, steps: list[int],
+                       table_ids: list[int] | None = None):
         """The input read, bounded and counted in executors, grouped by (table, noise range) with a marker
-        row for every range (so that ranges without records are released too)."""
+        row for every range (so that ranges without records are released too); only `table_ids` when given
+        (the records are bounded over every table of the plan either way)."""
         from pyspark.sql import functions as F
 
         unit = source.unit_column
@@ -384,8 +453,12 @@ class SparkEngine(Engine):
             frame = frame.where(F.col(unit).isNotNull()).repartition(partitions, unit)
         partial = frame.mapInArrow(_encode_bound_count_function(plan, unit, key.derive("dprelease/bound"), steps),
                                    "table_id int, range_id long, cell long, count long")
+        if table_ids is not None:
+            partial = partial.where(F.col("table_id").isin(list(table_ids)))
         counts = partial.groupBy("table_id", "range_id", "cell").agg(F.sum("count").alias("count"))
-        ranges = [(i, r, -1, 0) for i, t in enumerate(plan.tables) for r in range(-(-t.release.n_measured // steps[i]))]
+        chosen = set(range(len(plan.tables)) if table_ids is None else table_ids)
+        ranges = [(i, r, -1, 0) for i, t in enumerate(plan.tables) if i in chosen
+                  for r in range(-(-t.release.n_measured // steps[i]))]
         markers = spark.createDataFrame(ranges, "table_id int, range_id long, cell long, count long")
         records = source.estimated_rows() * len(plan.tables)  # at most one count per (row, table)
         partitions = max(_shuffle_partitions(spark, len(ranges)), -(-records // COUNTS_PER_PARTITION))
@@ -430,13 +503,17 @@ class SparkEngine(Engine):
         return results(collected)
 
     @staticmethod
-    def _assemble(plan: Plan, result: pa.Table) -> dict[str, np.ndarray]:
-        table_ids = result.column("table_id").to_numpy()
+    def _assemble(plan: Plan, result: pa.Table, table_ids: list[int] | None = None) -> dict[str, np.ndarray]:
+        """The released vector of every table (of `table_ids` when given) from the rows the noise stage
+        returned."""
+        ids = result.column("table_id").to_numpy()
         cells = result.column("cell").to_numpy()
         values = result.column("noisy").to_numpy()
         out = {}
         for i, t in enumerate(plan.tables):
-            mine = table_ids == i
+            if table_ids is not None and i not in table_ids:
+                continue
+            mine = ids == i
             vector = np.zeros(t.n_outputs, dtype=np.int64)
             vector[cells[mine]] = values[mine]
             if np.count_nonzero(mine) != t.n_outputs:

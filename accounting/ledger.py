@@ -255,7 +255,7 @@ class Reservation:
         return Fraction(0) if self.rerun else self.spend
 
     def record(self) -> dict:
-        """The manifest's ledger block (manifest version 3): `charged` is what the release cost in the ledger
+        """The manifest's ledger block (manifest version 3 and on): `charged` is what the release cost in the ledger
         (also when this run is a free re-run of it), `charged_by_this_run` what this run added."""
         added = self.charged_by_this_run
         record = {"dataset_id": self.dataset_id, "unit": self.unit, "lifetime_budget": str(self.lifetime_budget),

@@ -195,7 +195,7 @@ class PeriodBudget(Strict):
 
 
 class Ledger(Strict):
-    """The ledger block (version 3): what the release cost and what this run added to the dataset's spend."""
+    """The ledger block (version 3 and on): what the release cost and what this run added to the dataset's spend."""
 
     dataset_id: str
     unit: Literal["epsilon", "rho"]
@@ -297,7 +297,7 @@ class Manifest(Strict):
     """A published release's manifest: no true counts, no row counts, no key. `dprelease verify` recomputes
     every field from the embedded spec or checks it for consistency, except those described as descriptive."""
 
-    manifest_version: Literal[1, 2, 3]
+    manifest_version: Literal[1, 2, 3, 4]
     release_id: str
     dataset_id: str
     software: Software

@@ -4,6 +4,7 @@
 # the same spec with `select: all` (every pair measured; the joint path), one whole process each under
 # /usr/bin/time -v, on the rows country.sh generates.
 # Usage: benchmarks/country_mst.sh [ROWS]   (default: 10000000). WORKERS: --workers (default: every core).
+# SPARK=1: the MST release also on Spark local[2] (candidates scored in the executors), beside the embedded one.
 set -euo pipefail
 cd "$(dirname "$0")"
 rows="${1:-10000000}"
@@ -23,3 +24,8 @@ measure "MST within county" "$rows" dprelease run country_mst_spec.yaml --input 
   --key-file "out/keys/mst-$rows.key" --no-ledger "${workers[@]}"
 measure "all 2-way within county" "$rows" dprelease run out/country_all_spec.yaml --input "$data/persons.parquet" \
   --key-file "out/keys/all-$rows.key" --no-ledger "${workers[@]}"
+if [ -n "${SPARK:-}" ]; then
+  measure "MST within county, spark local[2]" "$rows" dprelease run country_mst_spec.yaml --input "$data/persons.parquet" \
+    --key-file "out/keys/mst-$rows.key" --no-ledger --engine spark --master "local[2]" \
+    --out out/releases-spark
+fi

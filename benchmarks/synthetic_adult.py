@@ -10,7 +10,7 @@ of the true data (twice the total variation distance; 0 is perfect, 2 the worst)
 dprelease, MST and AIM; DataSynthesizer takes epsilon itself (pure DP, so it is favoured). Every run gets
 a fresh key or seed; the wall time of each run (release + synthesis) is reported beside its error.
 Evaluation only: it reads the true data. Needs, in its own environment:
-  pip install -e . "opendp[mbi]==0.16.0" datasynthesizer polars
+  pip install -e . "opendp[mbi]==0.16.0" pandas datasynthesizer polars
 Usage: python benchmarks/synthetic_adult.py [--repeats 5] [--epsilons 0.3,1,3] [--methods dprelease,mst,...]
 """
 from __future__ import annotations

@@ -25,11 +25,13 @@ from .plan import SelectionPlan, Plan, TablePlan
 from .debiased import local_section
 from .postprocessing import EstimateVariances, estimate_variances, steps_applied
 
-MANIFEST_VERSION = 3
+MANIFEST_VERSION = 4
 """2: one global least-squares estimate behind the count tables, its per-cell variance in the tables and
 the manifest. 3: the ledger block states what the release cost (`charged`, also for a free re-run) beside
 what the run added (`charged_by_this_run`) and every budget period charged; invariants state which
-neighbours the guarantee covers. verify still checks versions 1 and 2 against the rules of their time."""
+neighbours the guarantee covers. 4: a `select: mst` selection scores each pair less the expected L1 error of
+measuring it (`transforms.mst.noise_penalty`). verify still checks versions 1 to 3 against the rules of their
+time."""
 DEPENDENCIES = ["numpy", "pyarrow", "pydantic", "PyYAML", "cryptography", "click", "rich"]
 NEIGHBOURING_NOTE = {
     "add_remove": "neighbouring inputs differ by adding or removing one privacy unit with all its records",
@@ -193,7 +195,7 @@ def variance_summaries(plan: Plan, estimate: EstimateVariances, layout=None) -> 
 
 
 def accounting_section(plan: Plan, estimate: EstimateVariances | None = None, layout=None,
-                       summaries: dict[str, VarianceSummary] | None = None) -> dict:
+                       summaries: dict[str, VarianceSummary] | None = None, version: int = MANIFEST_VERSION) -> dict:
     """The part of the manifest `verify` recomputes from the spec alone (`estimate`: version 2 and on; its
     per-table `summaries`, from the parts of `layout`, computed here when not given)."""
     if estimate is not None and summaries is None:
@@ -220,18 +222,24 @@ def accounting_section(plan: Plan, estimate: EstimateVariances | None = None, la
         "implied_loss": implied_loss(plan),
     }
     if plan.selections:  # absent otherwise: manifests of releases without a selection keep their bytes
-        section["selections"] = [selection_record(s) for s in plan.selections]
+        section["selections"] = [selection_record(s, version) for s in plan.selections]
     return section
 
 
-def selection_record(selection: SelectionPlan) -> dict:
+SELECTION_SCORE = ("L1 distance between the pair's bounded counts and the product of the noisy 1-way tables "
+                   "made nonnegative and scaled to the unit's noisy total, rounded to integers per cell")
+NOISE_PENALTY = (", less round(sqrt(2/pi) * sigma * cells), AIM's Gaussian approximation of the expected L1 error "
+                 "of measuring the pair (sigma: the pair tables' noise standard deviation; a public constant per pair)")
+
+
+def selection_record(selection: SelectionPlan, version: int = MANIFEST_VERSION) -> dict:
     """A `select: mst` query's selection as the manifest states it: the rounds, each round's epsilon (and
     what it is accounted as), the score and its sensitivity, the candidates, the pairs chosen in order
-    (null in a plan made before the data was read) and the mechanism every chosen pair's table got."""
+    (null in a plan made before the data was read) and the mechanism every chosen pair's table got. The
+    score of a manifest before version 4 had no noise penalty."""
     return {
         "name": selection.name, "query": selection.query, "method": "mst",
-        "score": "L1 distance between the pair's bounded counts and the product of the noisy 1-way tables "
-                 "made nonnegative and scaled to the unit's noisy total, rounded to integers per cell",
+        "score": SELECTION_SCORE + (NOISE_PENALTY if version >= 4 else ""),
         "rounds": selection.rounds, "candidates": len(selection.candidates),
         **measurement_record(selection.event),
         "chosen": None if selection.chosen is None else [list(pair) for pair in selection.chosen],
@@ -304,7 +312,7 @@ def derived_section(plan: Plan, version: int = MANIFEST_VERSION, estimate: Estim
         "spec": spec.model_dump(mode="json"),
         "spec_sha256": spec.spec_hash(),
         "privacy": privacy_section(plan),
-        **accounting_section(plan, estimate, layout, summaries),
+        **accounting_section(plan, estimate, layout, summaries, version),
         "invariants": [{"table": t.name, "protected": False, "note": invariant_note(version)}
                        for t in plan.tables if t.invariant],
         "post_processing": steps_applied(plan, version),

@@ -15,7 +15,7 @@ import numpy as np
 
 from dprelease.accounting.errors import SpecError
 from dprelease.transforms.csprng import ReleaseKey
-from dprelease.transforms.mst import independent_estimates, select_tree
+from dprelease.transforms.mst import independent_estimates, noise_penalty, select_tree
 
 from .engines.base import Engine, ProgressHook, no_progress
 from .plan import Pair, Plan, SelectionPlan, TablePlan, candidate_tables, table_name, with_selections
@@ -75,8 +75,10 @@ def _estimates(plan: Plan, selection: SelectionPlan, one_way: list[TablePlan], c
 
 def _choose(plan: Plan, selection: SelectionPlan, candidates: list[TablePlan], scores: dict[str, int],
             key: ReleaseKey) -> tuple[Pair, ...]:
-    """One query's tree: the rounds of the exponential mechanism on its candidates' scores."""
+    """One query's tree: the rounds of the exponential mechanism on its candidates' scores, each less the
+    expected L1 error of measuring that pair (`noise_penalty`: public, so the sensitivity is unchanged)."""
     mechanism = selection.event.mechanism
+    variance = selection.pair_event.mechanism.variance()
+    penalised = [scores[t.name] - noise_penalty(t.n_cells, variance) for t in candidates]
     return select_tree(key, selection.name, list(plan.query(selection.query).attributes),
-                       list(selection.candidates), [scores[t.name] for t in candidates], mechanism.epsilon,
-                       selection.event.sensitivity.l1)
+                       list(selection.candidates), penalised, mechanism.epsilon, selection.event.sensitivity.l1)

@@ -296,7 +296,8 @@ class MarginalsQuery(QueryBase):
     select: Literal["all", "mst"] = Field(
         "all", description="Defaulted (all): measure every t-way combination. 'mst' (way 2 only): measure every "
                            "attribute's 1-way table, choose a spanning tree of 2-way tables with the exponential "
-                           "mechanism (MST, McKenna et al. 2021) and measure those; the query's budget splits 45% 1-way "
+                           "mechanism (MST, McKenna et al. 2021; each pair scored less the expected error of measuring it, as in AIM) "
+                           "and measure those; the query's budget splits 45% 1-way "
                            "tables, 10% selection, 45% 2-way tables, and the chosen tables are recorded in the "
                            "manifest.")
 

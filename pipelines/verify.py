@@ -49,7 +49,7 @@ from .validation import manifest_record
 from .verify_tables import check_consistency, check_recomputed, check_table_files
 
 MANIFEST = "manifest.json"
-SUPPORTED_VERSIONS = (1, 2, 3)
+SUPPORTED_VERSIONS = (1, 2, 3, 4)
 HEX16 = re.compile(r"^[0-9a-f]{16}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_MANIFEST_BYTES = 64 << 20

@@ -313,3 +313,81 @@ def test_range_scores_add_up_to_the_whole_tables_score():
         cuts = np.unique(np.concatenate([[0, counts.size], rng.integers(0, counts.size + 1, size=3)]))
         parts = [range_score(counts[lo:hi], int(lo), totals, share_a, share_b) for lo, hi in zip(cuts, cuts[1:])]
         assert sum(parts) == whole
+
+
+def test_each_round_scores_a_pair_less_the_expected_error_of_measuring_it(tmp_path, monkeypatch):
+    """The exponential mechanism gets every candidate's score less round(sqrt(2/pi) sigma cells), sigma the pair
+    tables' noise standard deviation and cells the pair table's (units x a x b): a public constant per pair."""
+    import math
+
+    from dprelease.pipelines import selection as selection_module
+    from dprelease.pipelines.engines.embedded import EmbeddedEngine
+    from dprelease.pipelines.run import run_release
+
+    raw, given = {}, {}
+    score = EmbeddedEngine.score_candidates
+    monkeypatch.setattr(EmbeddedEngine, "score_candidates", lambda self, *a, **k: raw.update(score(self, *a, **k)) or raw)
+    select_tree = selection_module.select_tree
+    monkeypatch.setattr(selection_module, "select_tree",
+                        lambda key, name, attributes, candidates, scores, *rest:
+                        given.update(zip(candidates, scores)) or select_tree(key, name, attributes, candidates, scores, *rest))
+    path = mst_case(tmp_path / "c")
+    result = run_release(path, key_file=tmp_path / "k.key", ledger=None)
+    plan = build_plan(*load_spec(path))
+    [selection] = plan.selections
+    sigma = math.sqrt(selection.pair_event.mechanism.variance())
+    sizes = {d.column: d.size for t in plan.tables if t.query == "m" for d in t.dims[1:]}
+    states = plan.tables[[t.query for t in plan.tables].index("m")].dims[0].size
+    assert len(given) == 6 and states >= 2  # the within level's units: every state of the domain file
+    for (a, b), value in given.items():
+        assert value == raw[f"m.{a}-{b}"] - round(math.sqrt(2 / math.pi) * sigma * states * sizes[a] * sizes[b])
+    assert result.release_dir.is_dir()
+
+
+def test_a_version_3_manifest_verifies_with_the_score_of_its_time(tmp_path):
+    """Releases published before the noise penalty (manifest version 3) state the plain L1 score and still
+    verify; a version-4 manifest stating the old score, or a version-3 one stating the new, does not."""
+    from dprelease.pipelines.manifest import NOISE_PENALTY, SELECTION_SCORE
+    from dprelease.pipelines.run import run_release
+    from dprelease.pipelines.verify import verify_release
+
+    path = mst_case(tmp_path / "c")
+    root = run_release(path, key_file=tmp_path / "k.key", ledger=None).release_dir
+    manifest_path = root / "manifest.json"
+    published = json.loads(manifest_path.read_text())
+    assert published["manifest_version"] == 4 and published["selections"][0]["score"] == SELECTION_SCORE + NOISE_PENALTY
+    assert verify_release(root).ok
+    for version, score, ok in ((3, SELECTION_SCORE, True), (4, SELECTION_SCORE, False),
+                               (3, SELECTION_SCORE + NOISE_PENALTY, False)):
+        edited = json.loads(json.dumps(published))
+        edited["manifest_version"] = version
+        edited["selections"][0]["score"] = score
+        manifest_path.write_text(json.dumps(edited, indent=1))
+        report = verify_release(root)
+        assert report.ok == ok, report.problems
+        if not ok:
+            assert any("selections" in problem for problem in report.problems), report.problems
+
+
+def test_the_score_stated_is_part_of_the_plan_fingerprint(tmp_path, monkeypatch):
+    """A dprelease that scores differently chooses differently: its plan fingerprint (bound into the key and
+    recorded in the ledger) differs, so a release charged under the other score is never re-run free."""
+    from dprelease.pipelines import manifest as manifest_module
+
+    plan = build_plan(*load_spec(mst_case(tmp_path / "c")))
+    current = manifest_module.plan_fingerprint(plan)
+    monkeypatch.setattr(manifest_module, "NOISE_PENALTY", "")
+    assert manifest_module.plan_fingerprint(plan) != current
+
+
+def test_a_round_is_unchanged_by_scores_far_below_the_best():
+    """Penalties can put a candidate's score far below the others (or below -2^63): the distances handed to the
+    kernel are capped, never wrapped, and the round still picks among the competitive pairs alone."""
+    from dprelease.transforms.csprng import ReleaseKey
+    from dprelease.transforms.mst import select_tree
+
+    candidates = [("a", "b"), ("a", "c"), ("b", "c")]
+    for low in (-(2 ** 63 - 50), -(2 ** 70)):
+        picks = {select_tree(ReleaseKey(bytes([i]) * 32), "s", ["a", "b", "c"], candidates, [50, low, 40], Fraction(1), 1)[0]
+                 for i in range(40)}
+        assert ("a", "c") not in picks

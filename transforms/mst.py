@@ -4,8 +4,9 @@ marginals query measures.
 Every attribute's 1-way table is measured first. The estimate of a pair's table is the product of its two
 noisy 1-way tables made nonnegative, scaled to the unit's noisy total (per geographic unit for a query
 `within` a level) and rounded to integers: post-processing of released measurements. A pair's score is the
-L1 distance between its bounded counts and that estimate (an integer); the pairs the independent estimate
-gets most wrong are the ones worth measuring. Kruskal's algorithm with the exponential mechanism in place of
+L1 distance between its bounded counts and that estimate (an integer) less the expected L1 error of
+measuring it (`noise_penalty`, a public constant per pair, as in AIM); the pairs the independent estimate
+gets most wrong, beyond what their measurement's noise would cost, are the ones worth measuring. Kruskal's algorithm with the exponential mechanism in place of
 "take the heaviest edge": `rounds` selections, each among the pairs joining two components of the tree so far.
 
 Privacy: each round is one exact exponential-mechanism draw (`samplers.select_cells`) from its own keyed
@@ -16,6 +17,7 @@ executors and Beam workers, whole tables in the embedded engine); only the chose
 """
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 import numpy as np
@@ -35,6 +37,10 @@ def independent_estimates(one_way: list[np.ndarray]) -> tuple[np.ndarray, list[n
         uniform = np.full_like(table, 1.0 / table.shape[1])
         shares.append(np.where(sums > 0, table / np.where(sums > 0, sums, 1.0), uniform))
     return totals, shares
+
+
+SCORE_DISTANCE_CAP = 1 << 62
+"""The largest distance to a round's best score the kernel is given (int64 room for its arithmetic)."""
 
 
 def pair_estimate(totals: np.ndarray, share_a: np.ndarray, share_b: np.ndarray) -> np.ndarray:
@@ -65,6 +71,17 @@ def scores_from_counts(key: ReleaseKey, counts: dict[str, np.ndarray], one_way: 
 
     noisy = {t.name: release_table(key, t, counts[t.name], range_target) for t in one_way}
     return {name: range_score(counts[name], 0, *estimate) for name, estimate in estimates(noisy).items()}
+
+
+def noise_penalty(cells: int, variance: float) -> int:
+    """AIM's (McKenna et al. 2022) Gaussian approximation of the expected L1 error of measuring a table of `cells`
+    cells with noise of `variance` per cell, round(sqrt(2/pi) * sigma * cells) (exact for a continuous Gaussian;
+    13% above a discrete Laplace's, more for a very small discrete Gaussian):
+    a pair's score minus its penalty says how much measuring it is worth beyond the noise it brings, so a
+    round prefers a small table whose independent estimate is wrong to a large one whose measurement would
+    be mostly noise. Public (the domain and the calibrated mechanism only): a constant per candidate, which
+    leaves the scores' sensitivity and the exponential mechanism's guarantee unchanged."""
+    return int(round(math.sqrt(2 / math.pi) * math.sqrt(variance) * cells))
 
 
 def pair_score(counts: np.ndarray, estimate: np.ndarray) -> int:
@@ -111,8 +128,11 @@ def select_tree(key: ReleaseKey, name: str, attributes: list[str], candidates: l
     chosen = []
     for round_ in range(len(attributes) - 1):
         open_pairs = [i for i, (a, b) in enumerate(candidates) if parts.root(a) != parts.root(b)]
-        weights = np.array([scores[i] for i in open_pairs], dtype=np.int64)
-        lowest_best = (weights.max() - weights).reshape(1, -1)
+        best = max(int(scores[i]) for i in open_pairs)
+        # in Python integers, capped: the distance to the best, min(best - score, 2^62), is the lowest-is-best
+        # form of the score max(score, best - 2^62), of the same sensitivity (best and score each move by at
+        # most it), and the cap changes no probability above exp(-1e8)
+        lowest_best = np.array([[min(best - int(scores[i]), SCORE_DISTANCE_CAP) for i in open_pairs]], dtype=np.int64)
         pick = int(select_cells(selection_stream(key, name, round_), 0, 1, lowest_best, epsilon, sensitivity)[0])
         a, b = candidates[open_pairs[pick]]
         parts.join(a, b)

@@ -41,7 +41,7 @@ from .aggregate import TableLayout
 from .bound import bound_contributions, dense_unit_ids, record_keys, shard_salt, unit_shards
 from .csprng import ReleaseKey
 from .encode import UNIT, ColumnEncoder, encoded_table
-from .release_values import TableRelease, noisy_range
+from .release_values import TableRelease, dense_range, noisy_range
 from .samplers import FAIL_FIRST_ATTEMPT_ENV
 
 NOISE_RANGE_CELLS = 1 << 18
@@ -227,6 +227,14 @@ class Hierarchy(_QueryCounts):
     kind = "hierarchy"
 
 
+def _sparse_parts(parts) -> tuple[np.ndarray, np.ndarray]:
+    """(cells, counts) of a range's grouped parts, without the public range marker (None) each range has."""
+    counted = [part for part in parts if part is not None]
+    cells = np.concatenate([c for c, _ in counted]) if counted else np.empty(0, np.int64)
+    counts = np.concatenate([n for _, n in counted]) if counted else np.empty(0, np.int64)
+    return cells, counts
+
+
 class _NoiseRange(beam.DoFn):
     """One range of one table: its measurements (zeros where no record fell) released by the table's
     mechanism (noise, or a quantile selection per cell and q)."""
@@ -242,10 +250,7 @@ class _NoiseRange(beam.DoFn):
         (name, start), parts = element
         release = self.releases[name]
         stop = min(start + self.steps[name], release.n_measured)
-        counted = [part for part in parts if part is not None]  # None: the public range marker
-        cells = np.concatenate([c for c, _ in counted]) if counted else np.empty(0, np.int64)
-        counts = np.concatenate([n for _, n in counted]) if counted else np.empty(0, np.int64)
-        values = noisy_range(self.key, release, start, stop, cells, counts)
+        values = noisy_range(self.key, release, start, stop, *_sparse_parts(parts))
         self._ranges_seen.append(f"{name}-{start}")
         yield name, release.output_start(start), values
 
@@ -326,11 +331,7 @@ def _score_range(element, measured: dict[str, int], steps: dict[str, int], estim
 
     (name, start), parts = element
     stop = min(start + steps[name], measured[name])
-    counts = np.zeros(stop - start, dtype=np.int64)
-    for part in parts:
-        if part is not None:  # None: the public range marker
-            np.add.at(counts, part[0] - start, part[1])
-    yield name, range_score(counts, start, *estimates[name])
+    yield name, range_score(dense_range(start, stop, *_sparse_parts(parts)), start, *estimates[name])
 
 
 class ScoreCandidates(beam.PTransform):

@@ -101,10 +101,16 @@ def _select_range(key, release: TableRelease, start: int, stop: int, measured: n
     return out.ravel()
 
 
-def noisy_range(key, release: TableRelease, start: int, stop: int, cells: np.ndarray,
-                counts: np.ndarray) -> np.ndarray:
-    """`release_range` with the true values given sparsely (`cells`: absolute indices, with their `counts`;
-    every other entry is 0). Shared by the engines that release ranges in workers."""
+def dense_range(start: int, stop: int, cells: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Entries [start, stop) of a measurement given sparsely (`cells`: absolute indices, repeats summed, with
+    their `counts`; every other entry is 0)."""
     measured = np.zeros(stop - start, dtype=np.int64)
     np.add.at(measured, np.asarray(cells, dtype=np.int64) - start, counts)
-    return release_range(key, release, start, stop, measured)
+    return measured
+
+
+def noisy_range(key, release: TableRelease, start: int, stop: int, cells: np.ndarray,
+                counts: np.ndarray) -> np.ndarray:
+    """`release_range` with the true values given sparsely (`dense_range`). Shared by the engines that
+    release ranges in workers."""
+    return release_range(key, release, start, stop, dense_range(start, stop, cells, counts))

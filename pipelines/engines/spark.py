@@ -115,14 +115,26 @@ def _noisy_values(releases, key: ReleaseKey, steps: list[int], group: pa.Table,
     cell of the range, empty ones included (range markers carry cell -1)."""
     if fail_first_attempt:
         _fail_if_first_attempt("noise")
+    table_id, start, stop, cells, counts = _range_group(releases, steps, group)
+    release = releases[table_id]
+    return table_id, release.output_start(start), noisy_range(key, release, start, stop, cells, counts)
+
+
+def _range_group(releases, steps: list[int], group: pa.Table) -> tuple[int, int, int, np.ndarray, np.ndarray]:
+    """(table id, start, stop, cells, counts) of one (table, range) group of sparse counts, without the range
+    marker (cell -1) every range carries."""
     table_id = int(group.column("table_id")[0].as_py())
     range_id = int(group.column("range_id")[0].as_py())
-    release = releases[table_id]
-    start, stop = range_id * steps[table_id], min((range_id + 1) * steps[table_id], release.n_measured)
+    start = range_id * steps[table_id]
+    stop = min(start + steps[table_id], releases[table_id].n_measured)
     cells = group.column("cell").to_numpy()
     real = cells >= 0
-    values = noisy_range(key, release, start, stop, cells[real], group.column("count").to_numpy()[real])
-    return table_id, release.output_start(start), values
+    return table_id, start, stop, cells[real], group.column("count").to_numpy()[real]
+
+
+def _range_count(release, step: int) -> int:
+    """How many ranges of `step` measured entries a table has (each carries a marker)."""
+    return -(-release.n_measured // step)
 
 
 def _noise_function(plan: Plan, key: ReleaseKey, steps: list[int]):
@@ -142,19 +154,13 @@ def _score_function(plan: Plan, steps: list[int], estimates):
     """Per (candidate table, range) group of sparse bounded counts: the range's part of the candidate's score
     (`transforms.mst.range_score`; every cell of the range, empty ones included). Only the integer leaves."""
     from dprelease.transforms.mst import range_score
+    from dprelease.transforms.release_values import dense_range
 
     releases = [t.release for t in plan.tables]
 
     def score(group: pa.Table) -> pa.Table:
-        table_id = int(group.column("table_id")[0].as_py())
-        range_id = int(group.column("range_id")[0].as_py())
-        start = range_id * steps[table_id]
-        stop = min(start + steps[table_id], releases[table_id].n_measured)
-        cells = group.column("cell").to_numpy()
-        real = cells >= 0
-        measured = np.zeros(stop - start, dtype=np.int64)
-        np.add.at(measured, cells[real] - start, group.column("count").to_numpy()[real])
-        value = range_score(measured, start, *estimates.value[table_id])
+        table_id, start, stop, cells, counts = _range_group(releases, steps, group)
+        value = range_score(dense_range(start, stop, cells, counts), start, *estimates.value[table_id])
         return pa.table({"table_id": pa.array([table_id], pa.int32()), "score": pa.array([value], pa.int64())})
 
     return score
@@ -432,7 +438,7 @@ class SparkEngine(Engine):
         scores = {}
         for name in wanted:
             i = ids[name]
-            expected = -(-counting[i].release.n_measured // steps[i])
+            expected = _range_count(counting[i].release, steps[i])
             if i not in found or found[i][1] != expected:
                 raise DPReleaseError(f"table {name}: the Spark selection job scored "
                                      f"{found.get(i, (0, 0))[1]} of its {expected} ranges")
@@ -458,7 +464,7 @@ class SparkEngine(Engine):
         counts = partial.groupBy("table_id", "range_id", "cell").agg(F.sum("count").alias("count"))
         chosen = set(range(len(plan.tables)) if table_ids is None else table_ids)
         ranges = [(i, r, -1, 0) for i, t in enumerate(plan.tables) if i in chosen
-                  for r in range(-(-t.release.n_measured // steps[i]))]
+                  for r in range(_range_count(t.release, steps[i]))]
         markers = spark.createDataFrame(ranges, "table_id int, range_id long, cell long, count long")
         records = source.estimated_rows() * len(plan.tables)  # at most one count per (row, table)
         partitions = max(_shuffle_partitions(spark, len(ranges)), -(-records // COUNTS_PER_PARTITION))

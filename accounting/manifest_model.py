@@ -124,6 +124,13 @@ class PairTables(Strict):
     expected_error: ExpectedError
 
 
+class WorkloadWeight(Strict):
+    """A candidate pair and its public weight in the selection's score."""
+
+    pair: list[str]
+    weight: int
+
+
 class SelectionRecord(Strict):
     """A `select: mst` query's selection: rounds of the exponential mechanism and the pairs they chose."""
 
@@ -139,6 +146,8 @@ class SelectionRecord(Strict):
     loss: Exact
     chosen: list[list[str]] | None
     pair_tables: PairTables
+    workload_weights: list[WorkloadWeight] | None = Field(
+        None, description="Each candidate pair's workload weight (only with a workload in the spec).")
 
 
 class Totals(Strict):

@@ -232,12 +232,17 @@ NOISE_PENALTY = (", less round(sqrt(2/pi) * sigma * cells), AIM's Gaussian appro
                  "of measuring the pair (sigma: the pair tables' noise standard deviation; a public constant per pair)")
 
 
+WORKLOAD_WEIGHT = (", times the pair's workload weight, AIM's sum over the spec's workload of each marginal's "
+                   "weight times the attributes the pair shares with it, divided by their greatest common divisor "
+                   "(public; the score sensitivity is the unweighted one times the largest weight)")
+
+
 def selection_record(selection: SelectionPlan, version: int = MANIFEST_VERSION) -> dict:
     """A `select: mst` query's selection as the manifest states it: the rounds, each round's epsilon (and
     what it is accounted as), the score and its sensitivity, the candidates, the pairs chosen in order
-    (null in a plan made before the data was read) and the mechanism every chosen pair's table got. The
-    score of a manifest before version 4 had no noise penalty."""
-    return {
+    (null in a plan made before the data was read) and the mechanism every chosen pair's table got, and with
+    a workload each candidate's weight. The score of a manifest before version 4 had no noise penalty."""
+    record = {
         "name": selection.name, "query": selection.query, "method": "mst",
         "score": SELECTION_SCORE + (NOISE_PENALTY if version >= 4 else ""),
         "rounds": selection.rounds, "candidates": len(selection.candidates),
@@ -245,6 +250,11 @@ def selection_record(selection: SelectionPlan, version: int = MANIFEST_VERSION) 
         "chosen": None if selection.chosen is None else [list(pair) for pair in selection.chosen],
         "pair_tables": measurement_record(selection.pair_event),
     }
+    if selection.weights is not None:  # absent without a workload: those manifests keep their bytes
+        record["score"] += WORKLOAD_WEIGHT
+        record["workload_weights"] = [{"pair": list(pair), "weight": weight}
+                                      for pair, weight in zip(selection.candidates, selection.weights)]
+    return record
 
 
 NOISE_VERSION = 2

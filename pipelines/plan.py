@@ -21,7 +21,7 @@ from dprelease.accounting.sensitivity import (ContributionBounds, Sensitivity, c
                                               mst_score_sensitivity, quantile_score_sensitivity, sum_sensitivity,
                                               unit_count_sensitivity)
 from dprelease.transforms.aggregate import TableLayout
-from dprelease.transforms.mst import Components
+from dprelease.transforms.mst import Components, workload_weights
 from dprelease.transforms.domains import (NATION, CategoricalDomain, Dimension, Domain, GeographyDomain,
                                           IntegerDomain, MeasureDomain, dimension, measure_key)
 from dprelease.transforms.release_values import TableRelease
@@ -134,6 +134,8 @@ class SelectionPlan:
     event: MeasurementEvent
     pair_event: MeasurementEvent
     chosen: tuple[Pair, ...] | None = None
+    weights: tuple[int, ...] | None = None
+    """Each candidate's workload weight (`transforms.mst.workload_weights`); None without a workload (all 1)."""
 
     @property
     def name(self) -> str:
@@ -423,7 +425,10 @@ def _selection(query: MarginalsQuery, share: Fraction, bounds: ContributionBound
     """The selection of a `select: mst` query: its exponential mechanism and the chosen pairs' mechanism,
     each calibrated to its exact share of the query's budget."""
     r = len(query.attributes)
-    score = mst_score_sensitivity(bounds)
+    candidates = tuple(itertools.combinations(query.attributes, 2))
+    workload = None if query.workload is None else [(tuple(m.attributes), m.weight) for m in query.workload]
+    weights = tuple(workload_weights(list(candidates), workload)) if workload is not None else None
+    score = mst_score_sensitivity(bounds, max(weights) if weights else 1)
     selection_share = share * SELECTION_SHARE
     selection = MeasurementEvent(f"{query.name}.selection",
                                  calibrate_selection(selection_share, r - 1, definition, f"selection {query.name}"),
@@ -434,8 +439,8 @@ def _selection(query: MarginalsQuery, share: Fraction, bounds: ContributionBound
     mechanism = calibrate_laplace(pair_share, counts, where) if definition == "pure" else \
         calibrate_gaussian(pair_share, counts, where)
     pairs = check_spanning_tree(query, chosen) if chosen is not None else None
-    return SelectionPlan(query.name, tuple(itertools.combinations(query.attributes, 2)), r - 1, selection,
-                         MeasurementEvent(f"{query.name}.pair", mechanism, counts, pair_share), pairs)
+    return SelectionPlan(query.name, candidates, r - 1, selection,
+                         MeasurementEvent(f"{query.name}.pair", mechanism, counts, pair_share), pairs, weights)
 
 
 def build_plan(spec: ReleaseSpec, base_dir: Path, reader: DomainReader | None = None,

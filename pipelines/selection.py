@@ -76,9 +76,11 @@ def _estimates(plan: Plan, selection: SelectionPlan, one_way: list[TablePlan], c
 def _choose(plan: Plan, selection: SelectionPlan, candidates: list[TablePlan], scores: dict[str, int],
             key: ReleaseKey) -> tuple[Pair, ...]:
     """One query's tree: the rounds of the exponential mechanism on its candidates' scores, each less the
-    expected L1 error of measuring that pair (`noise_penalty`: public, so the sensitivity is unchanged)."""
+    expected L1 error of measuring that pair (`noise_penalty`: public, so the sensitivity is unchanged) and
+    times the pair's workload weight (public; the sensitivity is the plan's, times the largest weight)."""
     mechanism = selection.event.mechanism
     variance = selection.pair_event.mechanism.variance()
-    penalised = [scores[t.name] - noise_penalty(t.n_cells, variance) for t in candidates]
+    weights = selection.weights or [1] * len(candidates)
+    penalised = [w * (scores[t.name] - noise_penalty(t.n_cells, variance)) for w, t in zip(weights, candidates)]
     return select_tree(key, selection.name, list(plan.query(selection.query).attributes),
                        list(selection.candidates), penalised, mechanism.epsilon, selection.event.sensitivity.l1)

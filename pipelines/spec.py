@@ -285,6 +285,24 @@ class HistogramQuery(QueryBase):
     by: list[str] = Field(default_factory=list, description="Defaulted ([]: the total). Columns or geo levels 'geo.county'.")
 
 
+MAX_WORKLOAD_WEIGHT = 1000
+"""Largest weight of a workload marginal: weights are relative, and the selection's sensitivity grows with
+the largest pair weight they give."""
+MAX_WORKLOAD_MARGINALS = 10_000
+"""Most marginals a workload may list (all 3-way marginals of 40 attributes are 9,880). With the weight cap a
+pair weighs at most 2 * 1000 * 10,000 = 2 * 10^7, so the score sensitivity (at most 2 * 10,000 records per unit
+times that) and a selection epsilon's denominator (2^20) stay within the selection kernel's 62 bits."""
+
+
+class WorkloadMarginal(Frozen):
+    """One marginal of a `select: mst` query's workload: the statistics the synthetic data should serve best."""
+
+    attributes: list[str] = Field(min_length=1, description="Required. Attributes of the query whose joint "
+                                                            "table the workload asks for (distinct).")
+    weight: int = Field(1, ge=1, le=MAX_WORKLOAD_WEIGHT, description="Defaulted (1). Its importance relative to "
+                                                                     "the workload's other marginals (an integer).")
+
+
 class MarginalsQuery(QueryBase):
     kind: Literal["marginals"]
     attributes: list[str] | None = Field(
@@ -300,13 +318,23 @@ class MarginalsQuery(QueryBase):
                            "and measure those; the query's budget splits 45% 1-way "
                            "tables, 10% selection, 45% 2-way tables, and the chosen tables are recorded in the "
                            "manifest.")
+    workload: list[WorkloadMarginal] | None = Field(
+        None, min_length=1, max_length=MAX_WORKLOAD_MARGINALS, description="Optional, with select: mst only (default: every pair of the attributes, "
+                                        "alike). The marginals the synthetic data should serve, weighted: each "
+                                        "candidate pair's score is multiplied by its AIM weight (McKenna et al. "
+                                        "2022), the sum over the workload of weight x the attributes the pair "
+                                        "shares with the marginal, and the selection's sensitivity by the largest "
+                                        "such weight.")
 
     @model_serializer(mode="wrap")
     def _omit_default_select(self, handler):
-        """The canonical form leaves `select` out at its default, so specs written before it keep their hash."""
+        """The canonical form leaves `select` and `workload` out at their defaults, so specs written before them
+        keep their hash."""
         document = handler(self)
         if document.get("select") == "all":
             del document["select"]
+        if document.get("workload") is None:
+            document.pop("workload", None)
         return document
 
 

@@ -86,6 +86,22 @@ def _check_refs(spec: ReleaseSpec, refs: list[str], path: str, problems: list[st
             seen.append(resolved[0])
 
 
+def _check_workload(query: MarginalsQuery, path: str, problems: list[str]) -> None:
+    """A workload belongs to a `select: mst` query and names its attributes, each once per marginal."""
+    if query.workload is None:
+        return
+    if query.select != "mst":
+        problems.append(f"{path}.workload: only a `select: mst` query takes a workload (select = {query.select!r})")
+        return
+    for i, marginal in enumerate(query.workload):
+        for j, attribute in enumerate(marginal.attributes):
+            where = f"{path}.workload[{i}].attributes[{j}] = {attribute!r}"
+            if attribute not in query.attributes:
+                problems.append(f"{where}: not one of the query's attributes {list(query.attributes)}")
+            elif marginal.attributes.index(attribute) != j:
+                problems.append(f"{where}: listed twice in one marginal")
+
+
 def cross_reference_problems(spec: ReleaseSpec) -> list[str]:
     problems: list[str] = []
     for name, column in spec.columns.items():
@@ -119,6 +135,7 @@ def cross_reference_problems(spec: ReleaseSpec) -> list[str]:
             if query.select == "mst" and (query.way != 2 or not 2 <= len(query.attributes) <= MAX_MST_ATTRIBUTES):
                 problems.append(f"{path}.select = 'mst': needs way = 2 and 2 to {MAX_MST_ATTRIBUTES} attributes "
                                 f"(got way = {query.way}, {len(query.attributes)} attribute(s))")
+            _check_workload(query, path, problems)
             if query.within is not None:
                 resolved = _resolve(spec, query.within, f"{path}.within", problems)
                 if resolved and resolved[1] is None:

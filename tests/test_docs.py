@@ -128,12 +128,18 @@ def run_adult_howto(tmp_path, page: str, blocks: int):
 
 
 def test_the_synthetic_microdata_howto_runs_as_written(tmp_path):
-    """Every bash block of the how-to, in order: plan, budget, run, verify and synthesize of an MST release."""
+    """Every bash block of the how-to, in order: plan, budget, run, verify and synthesize of an MST release, then
+    of one with a workload."""
     import pyarrow.parquet as pq
 
-    root, done = run_adult_howto(tmp_path, "synthetic.md", 2)
+    root, done = run_adult_howto(tmp_path, "synthetic.md", 3)
     assert "Not reproduced" not in done.stdout
     assert pq.read_metadata(root / "adult-synthetic.parquet").num_rows > 40_000
+    assert pq.read_metadata(root / "adult-income.parquet").num_rows > 40_000
+    [selection] = json.loads((root / "examples" / "adult" / "releases" / "adult-synthetic-income" /
+                              "manifest.json").read_text())["selections"]
+    weights = {tuple(w["pair"]): w["weight"] for w in selection["workload_weights"]}
+    assert weights[("age", "income>50K")] == 7 and weights[("age", "sex")] == 1 and selection["sensitivity"]["l1"] == 7
 
 
 def test_the_randomized_response_howto_runs_as_written(tmp_path):

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from dprelease.pipelines.plan import build_plan, with_selections
+from dprelease.pipelines.plan import build_plan, candidate_tables, with_selections
 from dprelease.pipelines.spec import load_spec
 
 from .conftest import GEO_LEAVES, small_spec, write_case
@@ -391,3 +391,101 @@ def test_a_round_is_unchanged_by_scores_far_below_the_best():
         picks = {select_tree(ReleaseKey(bytes([i]) * 32), "s", ["a", "b", "c"], candidates, [50, low, 40], Fraction(1), 1)[0]
                  for i in range(40)}
         assert ("a", "c") not in picks
+
+
+def test_workload_weights_are_aims_and_every_pair_alike_without_one():
+    """AIM's w_r = sum_s weight_s |r & s|, divided by the weights' common divisor: a workload of every pair (or
+    none) weighs every pair alike; a workload about one attribute weighs its pairs most."""
+    import itertools
+
+    from dprelease.transforms.mst import workload_weights
+
+    attributes = ["a", "b", "c", "d"]
+    pairs = list(itertools.combinations(attributes, 2))
+    assert workload_weights(pairs, None) == [1] * 6
+    assert workload_weights(pairs, [(p, 1) for p in pairs]) == [1] * 6  # 2 + 2 * 2 = 6 each, over their gcd
+    about_d = dict(zip(pairs, workload_weights(pairs, [(("a", "d"), 1), (("b", "d"), 1), (("c", "d"), 1)])))
+    assert about_d[("a", "d")] == 2 and about_d[("a", "b")] == 1  # 2 + 1 + 1 = 4 against 1 + 1 = 2
+    weighted = dict(zip(pairs, workload_weights(pairs, [(("a", "b", "c"), 3), (("d",), 1)])))
+    # 3 * 2 = 6 within the triple, 3 * 1 + 1 * 1 = 4 across it; over their common divisor 2
+    assert weighted == {("a", "b"): 3, ("a", "c"): 3, ("b", "c"): 3, ("a", "d"): 2, ("b", "d"): 2, ("c", "d"): 2}
+
+
+def test_a_workload_weights_the_scores_scales_the_sensitivity_and_verifies(tmp_path, monkeypatch):
+    """With a workload the exponential mechanism gets each pair's penalised score times its weight, calibrated
+    to the unweighted sensitivity times the largest weight; the manifest states the weights, verify recomputes
+    them, and a manifest whose weights or sensitivity were edited fails."""
+    from dprelease.pipelines import selection as selection_module
+    from dprelease.pipelines.engines.embedded import EmbeddedEngine
+    from dprelease.pipelines.run import run_release
+    from dprelease.pipelines.verify import verify_release
+
+    workload = [{"attributes": ["inc", "age"]}, {"attributes": ["inc", "sex"]}, {"attributes": ["inc", "edu"], "weight": 2}]
+    raw, given, calibrated = {}, {}, []
+    score = EmbeddedEngine.score_candidates
+    monkeypatch.setattr(EmbeddedEngine, "score_candidates", lambda self, *a, **k: raw.update(score(self, *a, **k)) or raw)
+    select_tree = selection_module.select_tree
+    monkeypatch.setattr(selection_module, "select_tree",
+                        lambda key, name, attributes, candidates, scores, epsilon, sensitivity:
+                        given.update(zip(candidates, scores)) or calibrated.append(sensitivity)
+                        or select_tree(key, name, attributes, candidates, scores, epsilon, sensitivity))
+    path = mst_case(tmp_path / "c", neighbouring="replace", workload=workload)
+    root = run_release(path, key_file=tmp_path / "k.key", ledger=None).release_dir
+    [selection] = build_plan(*load_spec(path)).selections
+    # pairs with inc: 2 * own weight + the other marginals' 1s; (edu, inc): 2*2 + 1 + 1 = 6, (age, inc) 2 + 1 + 2 = 5,
+    # (age, edu): 1 + 2 = 3, (age, sex): 1 + 1 = 2
+    weights = dict(zip(selection.candidates, selection.weights))
+    assert weights == {("age", "sex"): 2, ("age", "edu"): 3, ("age", "inc"): 5, ("sex", "edu"): 3,
+                       ("sex", "inc"): 5, ("edu", "inc"): 6}
+    assert calibrated == [2 * 6] and selection.event.sensitivity.l1 == 12  # replace, k = 1: 2k times 6
+    noise = selection_module.noise_penalty
+    cells = {t.name: t.n_cells for t in candidate_tables(build_plan(*load_spec(path)), selection)}
+    variance = selection.pair_event.mechanism.variance()
+    assert len(given) == 6
+    for (a, b), value in given.items():
+        assert value == weights[(a, b)] * (raw[f"m.{a}-{b}"] - noise(cells[f"m.{a}-{b}"], variance))
+    manifest_path = root / "manifest.json"
+    published = json.loads(manifest_path.read_text())
+    [record] = published["selections"]
+    assert record["sensitivity"]["l1"] == 12 and "workload weight" in record["score"]
+    assert {tuple(w["pair"]): w["weight"] for w in record["workload_weights"]} == weights
+    assert verify_release(root).ok
+    for edit in (lambda r: r["workload_weights"][0].update(weight=1), lambda r: r["sensitivity"].update(l1=2),
+                 lambda r: r.pop("workload_weights")):
+        edited = json.loads(json.dumps(published))
+        edit(edited["selections"][0])
+        manifest_path.write_text(json.dumps(edited, indent=1))
+        report = verify_release(root)
+        assert not report.ok and any("selections" in p for p in report.problems), report.problems
+
+
+@pytest.mark.parametrize("workload, expected", [
+    ([{"attributes": ["inc", "zip"]}], "queries[1].workload[0].attributes[1] = 'zip': not one of the query's attributes"),
+    ([{"attributes": ["inc", "inc"]}], "queries[1].workload[0].attributes[1] = 'inc': listed twice in one marginal"),
+    ([{"attributes": ["inc"], "weight": 0}], "queries[1].workload[0].weight = 0: Input should be greater than or equal to 1"),
+    ([{"attributes": ["inc"], "weight": 1001}], "queries[1].workload[0].weight = 1001: Input should be less than or equal to 1000"),
+    ([], "queries[1].workload = []"),
+])
+def test_a_bad_workload_is_refused_naming_the_field(tmp_path, workload, expected):
+    done = cli("plan", str(mst_case(tmp_path / "c", workload=workload)))
+    assert done.returncode == 2 and expected in " ".join(done.stderr.split()), done.stderr
+
+
+def test_a_workload_needs_a_selection(tmp_path):
+    path = mst_case(tmp_path / "c", select="all", workload=[{"attributes": ["inc", "age"]}])
+    done = cli("plan", str(path))
+    assert done.returncode == 2 and "queries[1].workload: only a `select: mst` query takes a workload" in \
+        " ".join(done.stderr.split()), done.stderr
+
+
+def test_the_largest_workload_a_spec_allows_fits_the_selection_kernel():
+    """The caps on a workload (10,000 marginals of weight 1000) and on k (10,000 records per unit, replace) keep
+    2 * sensitivity * the selection epsilon's denominator within the kernel's 62 bits: no run can fail there
+    after its budget is charged."""
+    from dprelease.accounting.mechanisms import _MAX_DENOMINATOR
+    from dprelease.accounting.sensitivity import ContributionBounds, mst_score_sensitivity
+    from dprelease.pipelines.spec import MAX_RECORDS_PER_UNIT, MAX_WORKLOAD_MARGINALS, MAX_WORKLOAD_WEIGHT
+
+    largest_weight = 2 * MAX_WORKLOAD_WEIGHT * MAX_WORKLOAD_MARGINALS
+    sensitivity = mst_score_sensitivity(ContributionBounds(MAX_RECORDS_PER_UNIT, "replace"), largest_weight).l1
+    assert 2 * sensitivity * _MAX_DENOMINATOR <= 2 ** 62

@@ -84,6 +84,21 @@ def noise_penalty(cells: int, variance: float) -> int:
     return int(round(math.sqrt(2 / math.pi) * math.sqrt(variance) * cells))
 
 
+def workload_weights(candidates: list[tuple[str, str]], workload: list[tuple[tuple[str, ...], int]] | None) -> list[int]:
+    """Each candidate pair's weight in a workload of (attributes, weight) marginals, AIM's (McKenna et al. 2022)
+    w_r = sum over the workload of weight_s * |r & s|: a pair sharing more attributes with more important
+    marginals counts more. Divided by their greatest common divisor (the same distribution of every round,
+    smaller integers); without a workload every pair weighs 1 (the workload of all pairs gives every pair
+    the same weight). Public: the spec's declarations only. The scores multiplied by these weights have the
+    unweighted sensitivity times the largest weight (`accounting.sensitivity.mst_score_sensitivity`)."""
+    if workload is None:
+        return [1] * len(candidates)
+    weights = [sum(weight * len(set(pair) & set(attributes)) for attributes, weight in workload)
+               for pair in candidates]
+    divisor = math.gcd(*weights)
+    return [w // divisor for w in weights] if divisor else [0] * len(candidates)
+
+
 def pair_score(counts: np.ndarray, estimate: np.ndarray) -> int:
     """The L1 distance between a pair's bounded counts and its estimate (same shape). Private: the
     exponential mechanism's input only."""

@@ -318,3 +318,37 @@ def test_input_validation_runs_in_the_beam_workers(case, tmp_path):
     counts = {e: [(x["type"], x["kwargs"]["column"], x.get("unexpected_count"), x.get("sample_unexpected"))
                   for x in r["expectations"]] for e, r in reports.items()}
     assert counts["beam"] == counts["embedded"]
+
+
+def test_candidates_are_scored_over_every_range_and_a_missing_range_is_refused():
+    """ScoreCandidates sums a candidate's range scores in the workers and counts the ranges (empty ones
+    included): the score is the whole table's `pair_score` and the count the public number of ranges; the
+    driver refuses a score made of fewer ranges, or none."""
+    from apache_beam.testing.util import assert_that
+
+    from dprelease.pipelines.engines.beam import checked_scores
+    from dprelease.transforms.beam import ScoreCandidates
+    from dprelease.transforms.mst import independent_estimates, pair_estimate, pair_score
+    from dprelease.transforms.release_values import TableRelease
+
+    rng = np.random.default_rng(9)
+    units, a, b = 3, 4, 5
+    counts = rng.integers(0, 9, size=units * a * b) * (rng.random(units * a * b) < 0.4)
+    counts[20:40] = 0  # a whole range without records: still scored
+    totals, (share_a, share_b) = independent_estimates([rng.integers(-3, 30, size=(units, n)) for n in (a, b)])
+    release = TableRelease("m.x-y", counts.size, None)
+    scorer = ScoreCandidates({"m.x-y": release}, {"m.x-y": (totals, share_a, share_b)}, range_cells=20)
+    expected = pair_score(counts.reshape(units, a, b), pair_estimate(totals, share_a, share_b))
+    assert scorer.expected_ranges() == {"m.x-y": 3}
+    cells = np.flatnonzero(counts)
+
+    def matches(results):
+        assert results == [("m.x-y", (expected, 3))]
+
+    with beam.Pipeline(options=pipeline_options(None, DIRECT)) as pipeline:
+        scored = pipeline | beam.Create([("m.x-y", (cells, counts[cells]))]) | scorer
+        assert_that(scored, matches)
+    assert checked_scores({"m.x-y": (expected, 3)}, {"m.x-y": 3}) == {"m.x-y": expected}
+    for found in ({"m.x-y": (expected, 2)}, {}):
+        with pytest.raises(DPReleaseError, match=r"table m.x-y: the Beam selection pipeline scored [02] of its 3 ranges"):
+            checked_scores(found, {"m.x-y": 3})

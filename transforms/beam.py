@@ -19,7 +19,7 @@ rows. The steps, composable in any Beam pipeline:
                                           tables and cells included; noise from the sampler kernel,
                                           quantiles from the selection kernel
     WriteNoisyRanges(directory)           one .npy file per range, through Beam's FileSystems
-    ScoreCandidates(releases, estimates)  candidate tables' counts -> (table, integer score) of a
+    ScoreCandidates(releases, estimates)  candidate tables' counts -> (table, (integer score, ranges)) of a
                                           `select: mst` query, range by range in the workers
 
 Privacy: a cell's noise is a pure function of (key, table, cell), and the records kept for a unit
@@ -331,13 +331,22 @@ def _score_range(element, measured: dict[str, int], steps: dict[str, int], estim
 
     (name, start), parts = element
     stop = min(start + steps[name], measured[name])
-    yield name, range_score(dense_range(start, stop, *_sparse_parts(parts)), start, *estimates[name])
+    yield name, (range_score(dense_range(start, stop, *_sparse_parts(parts)), start, *estimates[name]), 1)
+
+
+def _sum_scores(values: Iterable[tuple[int, int]]) -> tuple[int, int]:
+    """(score, ranges) pairs summed: the candidate's score and how many ranges made it."""
+    score = ranges = 0
+    for part_score, part_ranges in values:
+        score, ranges = score + part_score, ranges + part_ranges
+    return score, ranges
 
 
 class ScoreCandidates(beam.PTransform):
-    """(candidate table, (cells, counts)) -> (table, score): each candidate of a `select: mst` query scored
-    range by range in the workers against its independent estimate (`estimates[table]`: unit totals and the
-    two attributes' shares, post-processing of released 1-way tables), the ranges' integer scores summed.
+    """(candidate table, (cells, counts)) -> (table, (score, ranges)): each candidate of a `select: mst` query
+    scored range by range in the workers against its independent estimate (`estimates[table]`: unit totals and
+    the two attributes' shares, post-processing of released 1-way tables), the ranges' integer scores summed
+    and counted (the driver checks the count: every range of the public domain scored once).
     Private: the scores feed the exponential mechanism only; no count leaves the worker that holds it."""
 
     def __init__(self, releases: dict[str, TableRelease], estimates: dict, range_cells: int = NOISE_RANGE_CELLS):
@@ -345,11 +354,15 @@ class ScoreCandidates(beam.PTransform):
         self.releases, self.estimates = dict(releases), dict(estimates)
         self.steps = {name: release.range_length(range_cells) for name, release in self.releases.items()}
 
+    def expected_ranges(self) -> dict[str, int]:
+        """How many ranges each candidate's score must be made of (public: its domain and the range length)."""
+        return {name: release.range_count(self.steps[name]) for name, release in self.releases.items()}
+
     def expand(self, counts):
         measured = {name: release.n_measured for name, release in self.releases.items()}
         return (counts | "Ranges" >> GroupRanges(self.releases, self.steps)
                 | "ScoreRanges" >> beam.FlatMap(_score_range, measured, self.steps, self.estimates)
-                | "SumScores" >> beam.CombinePerKey(sum))
+                | "SumScores" >> beam.CombinePerKey(_sum_scores))
 
 
 class WriteNoisyRanges(beam.PTransform):

@@ -47,6 +47,10 @@ class TableRelease:
         """A range length near `target` that holds whole cells."""
         return max(1, target // self.buckets) * self.buckets
 
+    def range_count(self, step: int) -> int:
+        """How many ranges of `step` measured entries the table has (every one is processed, empty or not)."""
+        return -(-self.n_measured // step)
+
     def output_start(self, start: int) -> int:
         """Where the released values of the range starting at `start` begin."""
         return start // self.buckets * len(self.quantiles) if self.selects else start

@@ -204,30 +204,42 @@ def _read_entries(directory: str) -> list:
 
 
 def beam_write_scores(directory: str):
-    """(table, score) -> one small JSON file per table under `directory` (any Beam filesystem)."""
+    """(table, (score, ranges)) -> one small JSON file per table under `directory` (any Beam filesystem)."""
     beam = import_beam()
 
     def write(element):
         from apache_beam.io.filesystems import FileSystems
 
-        name, score = element
+        name, (score, ranges) = element
         path = f"{directory}/score-{hashlib.sha256(name.encode()).hexdigest()[:16]}.json"
         with FileSystems.create(path) as handle:
-            handle.write(json.dumps({"table": name, "score": int(score)}).encode("utf-8"))
+            handle.write(json.dumps({"table": name, "score": int(score), "ranges": int(ranges)}).encode("utf-8"))
         yield path
 
     return beam.FlatMap(write)
 
 
-def _read_scores(directory: str) -> dict[str, int]:
-    """The scores `beam_write_scores` wrote, by table name."""
+def _read_scores(directory: str) -> dict[str, tuple[int, int]]:
+    """The (score, ranges scored) `beam_write_scores` wrote, by table name."""
     from apache_beam.io.filesystems import FileSystems
 
     scores = {}
     for metadata in FileSystems.match([f"{directory}/score-*.json"])[0].metadata_list:
         with FileSystems.open(metadata.path) as handle:
             document = json.loads(handle.read().decode("utf-8"))
-        scores[document["table"]] = int(document["score"])
+        scores[document["table"]] = int(document["score"]), int(document["ranges"])
+    return scores
+
+
+def checked_scores(found: dict[str, tuple[int, int]], expected_ranges: dict[str, int]) -> dict[str, int]:
+    """Each candidate's score, once every one of its ranges was scored (a count of public ranges, so the
+    message is public); DPReleaseError naming the table otherwise."""
+    scores = {}
+    for name, expected in expected_ranges.items():
+        score, ranges = found.get(name, (0, 0))
+        if ranges != expected:
+            raise DPReleaseError(f"table {name}: the Beam selection pipeline scored {ranges} of its {expected} ranges")
+        scores[name] = score
     return scores
 
 
@@ -306,18 +318,17 @@ class BeamEngine(Engine):
         wanted = estimates(released)
         candidates = [t for t in counting if t.name in wanted]
 
+        scorer = ScoreCandidates({t.name: t.release for t in candidates}, wanted)
+
         def score(pipeline, directory: str) -> None:
             (self._bounded(pipeline, counting_plan, source, key)
              | "Count" >> CountCells([t.layout for t in candidates])
-             | "Score" >> ScoreCandidates({t.name: t.release for t in candidates}, wanted)
+             | "Score" >> scorer
              | "Write" >> beam_write_scores(directory))
 
         scores = self._run("the Beam selection pipeline", score, _read_scores)
         progress("select", 2, 2)
-        missing = sorted(set(wanted) - set(scores))
-        if missing:
-            raise DPReleaseError(f"the Beam selection pipeline returned no score for tables {missing}")
-        return {name: scores[name] for name in wanted}
+        return checked_scores(scores, scorer.expected_ranges())
 
     def release_parts(self, plan: Plan, source: InputSource, key: ReleaseKey, staging, layout,
                       progress: ProgressHook = no_progress):

@@ -132,11 +132,6 @@ def _range_group(releases, steps: list[int], group: pa.Table) -> tuple[int, int,
     return table_id, start, stop, cells[real], group.column("count").to_numpy()[real]
 
 
-def _range_count(release, step: int) -> int:
-    """How many ranges of `step` measured entries a table has (each carries a marker)."""
-    return -(-release.n_measured // step)
-
-
 def _noise_function(plan: Plan, key: ReleaseKey, steps: list[int]):
     """Released values per cell, for the driver (releases estimated globally)."""
     releases, fail_first_attempt = [t.release for t in plan.tables], _fails_first_attempt()
@@ -438,7 +433,7 @@ class SparkEngine(Engine):
         scores = {}
         for name in wanted:
             i = ids[name]
-            expected = _range_count(counting[i].release, steps[i])
+            expected = counting[i].release.range_count(steps[i])
             if i not in found or found[i][1] != expected:
                 raise DPReleaseError(f"table {name}: the Spark selection job scored "
                                      f"{found.get(i, (0, 0))[1]} of its {expected} ranges")
@@ -464,7 +459,7 @@ class SparkEngine(Engine):
         counts = partial.groupBy("table_id", "range_id", "cell").agg(F.sum("count").alias("count"))
         chosen = set(range(len(plan.tables)) if table_ids is None else table_ids)
         ranges = [(i, r, -1, 0) for i, t in enumerate(plan.tables) if i in chosen
-                  for r in range(_range_count(t.release, steps[i]))]
+                  for r in range(t.release.range_count(steps[i]))]
         markers = spark.createDataFrame(ranges, "table_id int, range_id long, cell long, count long")
         records = source.estimated_rows() * len(plan.tables)  # at most one count per (row, table)
         partitions = max(_shuffle_partitions(spark, len(ranges)), -(-records // COUNTS_PER_PARTITION))

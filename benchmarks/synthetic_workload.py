@@ -7,8 +7,8 @@ all 14 attributes without a workload, one whose workload lists the 13 target pai
 target pair then weighs 7 times an other pair) and one whose workload lists the 78 target triples (a target
 pair weighs 15, an other pair 4), each followed by `synthesize`. Error: the mean over
 the workload's marginals of the L1 distance between the normalised tabulations of the synthetic and the
-true records (the measure of `synthetic_adult.py`). Both runs of a key are made in the same process, one
-after the other, so the ratio of their errors and times is a like-for-like comparison.
+true records (the measure of `synthetic_adult.py`). Every run gets a fresh key; the three modes of a repeat
+run in the same process one after the other, so their mean errors and times compare like for like.
 Evaluation only: it reads the true data.
 Usage: python benchmarks/synthetic_workload.py [--repeats 5] [--epsilons 0.3,1,3] [--target income>50K]
 """

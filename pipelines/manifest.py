@@ -232,6 +232,9 @@ NOISE_PENALTY = (", less round(sqrt(2/pi) * sigma * cells), AIM's Gaussian appro
                  "of measuring the pair (sigma: the pair tables' noise standard deviation; a public constant per pair)")
 
 
+WORKLOAD_VERSION = 4
+"""The first manifest version that can hold a workload (4 came with the noise penalty; no earlier dprelease
+scored a workload, so a manifest claiming an earlier version with one is refused by verify)."""
 WORKLOAD_WEIGHT = (", times the pair's workload weight, AIM's sum over the spec's workload of each marginal's "
                    "weight times the attributes the pair shares with it, divided by their greatest common divisor "
                    "(public; the score sensitivity is the unweighted one times the largest weight)")

@@ -299,8 +299,9 @@ class WorkloadMarginal(Frozen):
 
     attributes: list[str] = Field(min_length=1, description="Required. Attributes of the query whose joint "
                                                             "table the workload asks for (distinct).")
-    weight: int = Field(1, ge=1, le=MAX_WORKLOAD_WEIGHT, description="Defaulted (1). Its importance relative to "
-                                                                     "the workload's other marginals (an integer).")
+    weight: int = Field(1, ge=1, le=MAX_WORKLOAD_WEIGHT, strict=True,
+                        description="Defaulted (1). Its importance relative to the workload's other marginals (an "
+                                    "integer).")
 
 
 class MarginalsQuery(QueryBase):

@@ -39,7 +39,8 @@ from dprelease.accounting.periods import budget_periods, parse_period
 from dprelease.accounting.signing import SIGNATURE_FILE, check, fingerprint, load_public_key, well_formed
 
 from .limits import check_cell_limit
-from .manifest import DESCRIPTIVE_FIELDS, MANIFEST_VERSION, derived_section, domain_file_name, domain_file_names
+from .manifest import (DESCRIPTIVE_FIELDS, MANIFEST_VERSION, WORKLOAD_VERSION, derived_section, domain_file_name,
+                       domain_file_names)
 from .plan import MAX_DOMAIN_FILE_BYTES, Plan, build_plan
 from .postprocessing import EstimateVariances, estimate_variances, unit_tree
 from .layout import Layout, layout_of, release_files
@@ -569,6 +570,11 @@ def _check_derived(root: Path, manifest: dict, version: int, plan: Plan, embedde
         if key in manifest:
             report.problems.append(f"{key}: present, but a release of this spec has none (value "
                                    f"{brief(manifest[key], 200)})")
+    if version < WORKLOAD_VERSION:
+        for selection in plan.selections:
+            if selection.weights is not None:
+                report.problems.append(f"selections: {selection.query} has a workload, which manifests state from "
+                                       f"version {WORKLOAD_VERSION} on (this one says {version})")
     if manifest.get("input_validation") is not None:
         _compare("input_validation", manifest_record(plan), manifest["input_validation"], report.problems)
     listed = {e.get("path") for e in manifest.get("files", []) if isinstance(e, dict)} \

@@ -457,6 +457,16 @@ def test_a_workload_weights_the_scores_scales_the_sensitivity_and_verifies(tmp_p
         manifest_path.write_text(json.dumps(edited, indent=1))
         report = verify_release(root)
         assert not report.ok and any("selections" in p for p in report.problems), report.problems
+    # relabelled as version 3 (no noise penalty): a weighted plain score no dprelease ever computed
+    from dprelease.pipelines.manifest import NOISE_PENALTY
+
+    edited = json.loads(json.dumps(published))
+    edited["manifest_version"] = 3
+    edited["selections"][0]["score"] = edited["selections"][0]["score"].replace(NOISE_PENALTY, "")
+    manifest_path.write_text(json.dumps(edited, indent=1))
+    report = verify_release(root)
+    assert not report.ok and any("has a workload, which manifests state from version 4 on" in p
+                                 for p in report.problems), report.problems
 
 
 @pytest.mark.parametrize("workload, expected", [
@@ -465,6 +475,9 @@ def test_a_workload_weights_the_scores_scales_the_sensitivity_and_verifies(tmp_p
     ([{"attributes": ["inc"], "weight": 0}], "queries[1].workload[0].weight = 0: Input should be greater than or equal to 1"),
     ([{"attributes": ["inc"], "weight": 1001}], "queries[1].workload[0].weight = 1001: Input should be less than or equal to 1000"),
     ([], "queries[1].workload = []"),
+    ([{"attributes": ["inc"], "weight": "2"}], "queries[1].workload[0].weight = '2': Input should be a valid integer"),
+    ([{"attributes": ["inc"], "weight": 2.0}], "queries[1].workload[0].weight = 2.0: Input should be a valid integer"),
+    ([{"attributes": ["inc"], "weight": True}], "queries[1].workload[0].weight = True: Input should be a valid integer"),
 ])
 def test_a_bad_workload_is_refused_naming_the_field(tmp_path, workload, expected):
     done = cli("plan", str(mst_case(tmp_path / "c", workload=workload)))

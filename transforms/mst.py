@@ -93,8 +93,12 @@ def workload_weights(candidates: list[tuple[str, str]], workload: list[tuple[tup
     unweighted sensitivity times the largest weight (`accounting.sensitivity.mst_score_sensitivity`)."""
     if workload is None:
         return [1] * len(candidates)
-    weights = [sum(weight * len(set(pair) & set(attributes)) for attributes, weight in workload)
-               for pair in candidates]
+    # |r & s| = [a in s] + [b in s] for r = (a, b), so w_r = c_a + c_b with c_x the weight of the marginals holding x
+    per_attribute: dict[str, int] = {}
+    for attributes, weight in workload:
+        for attribute in set(attributes):
+            per_attribute[attribute] = per_attribute.get(attribute, 0) + weight
+    weights = [per_attribute.get(a, 0) + per_attribute.get(b, 0) for a, b in candidates]
     divisor = math.gcd(*weights)
     return [w // divisor for w in weights] if divisor else [0] * len(candidates)
 
@@ -146,7 +150,9 @@ def select_tree(key: ReleaseKey, name: str, attributes: list[str], candidates: l
         best = max(int(scores[i]) for i in open_pairs)
         # in Python integers, capped: the distance to the best, min(best - score, 2^62), is the lowest-is-best
         # form of the score max(score, best - 2^62), of the same sensitivity (best and score each move by at
-        # most it), and the cap changes no probability above exp(-1e8)
+        # most it); a capped candidate keeps at most exp(-epsilon * 2^62 / (2 * sensitivity)) of the best's
+        # weight (below exp(-1e8) without a workload; with the largest weights and a tiny epsilon it can matter,
+        # and the draw is still exact for the capped scores)
         lowest_best = np.array([[min(best - int(scores[i]), SCORE_DISTANCE_CAP) for i in open_pairs]], dtype=np.int64)
         pick = int(select_cells(selection_stream(key, name, round_), 0, 1, lowest_best, epsilon, sensitivity)[0])
         a, b = candidates[open_pairs[pick]]

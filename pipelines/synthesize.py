@@ -2,7 +2,9 @@
 
 TopDown's microdata detail file for dprelease: the records are drawn from the integer joint table that
 post-processing fits per geography unit for the release's marginals query (every published marginal
-is a margin of it; with several, a `select: mst` one, else the one with the most attributes), and each
+is a margin of it; with several, a `select: mst` one, else the one with the most attributes), or from a tree
+of its published 2-way tables (a `select: mst` query's chosen pairs; for a query whose joint is too large to
+fit, the maximum spanning tree of its pairs by dependence beyond noise), and each
 unit's records are split among the finest published hierarchy level's units by their published counts
 (which add up to the unit's total; for a hierarchy crossed with `by`, per `by` cell, scaled by largest
 remainders where the hierarchy's and the marginals' integers differ). A hierarchy without a marginals
@@ -18,6 +20,7 @@ file is reproducible by anyone.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +31,7 @@ import pyarrow.parquet as pq
 from dprelease.accounting.errors import DPReleaseError, SpecError
 from dprelease.transforms.domains import NATION, GeographyDomain
 
-from dprelease.transforms.units.tree_model import sample_tree
+from dprelease.transforms.units.tree_model import dependence_score, sample_tree, spanning_tree
 
 from .debiased import debiased_tables
 from .plan import Plan, TablePlan, table_name
@@ -149,14 +152,14 @@ def _records(plan: Plan, joints: dict, published: dict, max_records: int) -> tup
         raise SpecError(f"synthesize: hierarchy {hierarchy.name!r} is crossed with {by}, which marginals "
                         f"{marginals.name!r} does not all carry ({marginals.attributes}); records are dealt to the "
                         f"hierarchy's units by the attributes they have")
-    if marginals is not None and marginals.select == "all" and marginals.name not in joints:
-        raise SpecError(f"synthesize: the joint table of marginals {marginals.name!r} is too large to round (or much "
-                        f"larger than its tables); its tables were made integral one by one, so no records "
-                        f"reproduce them all")
+    if marginals is not None and marginals.select == "all" and marginals.name not in joints and marginals.way < 2:
+        raise SpecError(f"synthesize: the joint table of marginals {marginals.name!r} is too large to round and its "
+                        f"1-way tables carry no dependence to draw records from; its tables were made integral one "
+                        f"by one, so no records reproduce them all")
     geo_name = hierarchy.geography if hierarchy else (marginals.within or "").partition(".")[0] or None
     geo = plan.domains[geo_name] if geo_name else None
     columns: dict[str, pa.Array] = {}
-    if marginals is not None and marginals.select == "mst":
+    if marginals is not None and (marginals.select == "mst" or marginals.name not in joints):
         level = marginals.within.partition(".")[2] if marginals.within else NATION
         attributes = list(marginals.attributes)
         unit, attribute_codes = _tree_records(plan, marginals, hierarchy, level, published, max_records)
@@ -196,23 +199,42 @@ def _records(plan: Plan, joints: dict, published: dict, max_records: int) -> tup
 
 def _tree_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQuery | None, level: str, published: dict,
                   max_records: int) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Records of a `select: mst` query from its tree of published 2-way tables (`transforms.units.tree_model`),
-    as many per unit as the hierarchy publishes at the query's level (else as its 1-way tables add up to)."""
-    selection = next(s for s in plan.selections if s.query == query.name)
-    first = plan.table(table_name(query.name, (query.attributes[0],)))
-    units = first.dims[0].size if query.within else 1
-    root = published[first.name].reshape(units, -1)
+    """Records from a tree of published 2-way tables (`transforms.units.tree_model`), as many per unit as the
+    hierarchy publishes at the query's level (else as the root's table adds up to): a `select: mst` query's
+    chosen pairs; for a `select: all` query whose joint is too large to fit, the maximum spanning tree of its
+    pairs by `dependence_score` (pair tables published, or summed from its published t-way tables)."""
+    attributes = list(query.attributes)
+    if query.select == "mst":
+        pairs = list(next(s for s in plan.selections if s.query == query.name).chosen)
+        tables = [_pair_table(plan, query, a, b, published)[0] for a, b in pairs]
+        root = published[table_name(query.name, (attributes[0],))]
+    else:
+        found = {pair: _pair_table(plan, query, *pair, published) for pair in itertools.combinations(attributes, 2)}
+        pairs = spanning_tree(attributes, {pair: dependence_score(*found[pair]) for pair in found})
+        tables = [found[pair][0] for pair in pairs]
+        first = next(i for i, pair in enumerate(pairs) if attributes[0] in pair)
+        root = tables[first].sum(axis=2 if pairs[first][0] == attributes[0] else 1)
+    units = 1 if query.within is None else plan.domains[query.within.partition(".")[0]].level_size(level)
+    root = np.asarray(root).reshape(units, -1)
     totals = root.sum(axis=1)
     if hierarchy is not None and level in hierarchy.levels:
         totals = published[f"{hierarchy.name}.{level}"].reshape(units, -1).sum(axis=1)
     _check_size(int(totals.sum()), max_records)
-    pairs = list(selection.chosen)
-    tables = []
-    for a, b in pairs:
-        table = plan.table(table_name(query.name, (a, b)))
-        tables.append(published[table.name].reshape(units, table.dims[-2].size, table.dims[-1].size))
-    unit, codes = sample_tree(totals.astype(np.int64), root, list(query.attributes), pairs, tables, _public_seed(plan))
-    return unit, [codes[a] for a in query.attributes]
+    unit, codes = sample_tree(totals.astype(np.int64), root, attributes, pairs, tables, _public_seed(plan))
+    return unit, [codes[a] for a in attributes]
+
+
+def _pair_table(plan: Plan, query: MarginalsQuery, a: str, b: str, published: dict) -> tuple[np.ndarray, float]:
+    """The published table of attributes a and b (in the query's order) as (units, size a, size b), and the
+    noise variance of one of its cells: the query's own 2-way table, or the first of its t-way tables that holds
+    both, summed over its other attributes (their cells' variances summed)."""
+    combo = next(c for c in itertools.combinations(query.attributes, query.way) if a in c and b in c)
+    table = plan.table(table_name(query.name, combo))
+    sizes = [d.size for d in table.dims]
+    values = published[table.name].reshape(sizes if query.within else [1, *sizes])
+    others = tuple(1 + i for i, c in enumerate(combo) if c not in (a, b))
+    summed = int(np.prod([values.shape[i] for i in others], dtype=np.int64))
+    return values.sum(axis=others) if others else values, table.noise_variance() * summed
 
 
 def _public_seed(plan: Plan) -> int:

@@ -23,18 +23,22 @@ def cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", *args], capture_output=True, text=True)
 
 
-def mst_case(directory, budget=None, neighbouring="add_remove", **query):
-    """600 people; income follows education closely, so (edu, inc) is the pair worth measuring."""
-    rng = np.random.default_rng(3)
-    n = 600
+def dependent_people(rng, n: int) -> tuple[dict, dict]:
+    """(rows, the spec's columns for edu and inc) of n people in which income follows education closely."""
     edu = rng.integers(0, 3, n)
     inc = np.where(rng.random(n) < 0.95, (edu >= 1).astype(int), 1 - (edu >= 1).astype(int))
     rows = {"pid": list(range(n)), "geo": [GEO_LEAVES[i] for i in rng.integers(0, 6, n)],
             "age": rng.integers(0, 100, n).tolist(), "sex": rng.choice(["F", "M"], n).tolist(),
             "edu": [["school", "college", "degree"][e] for e in edu], "inc": [["low", "high"][i] for i in inc]}
+    return rows, {"edu": {"type": "categorical", "values": ["school", "college", "degree"]},
+                  "inc": {"type": "categorical", "values": ["low", "high"]}}
+
+
+def mst_case(directory, budget=None, neighbouring="add_remove", **query):
+    """600 people; income follows education closely, so (edu, inc) is the pair worth measuring."""
+    rows, columns = dependent_people(np.random.default_rng(3), 600)
     spec = small_spec(budget=budget or {"definition": "zcdp", "rho": 50, "delta": 1e-9}, neighbouring=neighbouring)
-    spec["columns"]["edu"] = {"type": "categorical", "values": ["school", "college", "degree"]}
-    spec["columns"]["inc"] = {"type": "categorical", "values": ["low", "high"]}
+    spec["columns"].update(columns)
     spec["queries"] = [
         {"name": "pop", "kind": "hierarchy", "geography": "geo", "levels": ["nation", "state", "county", "tract"]},
         {"name": "m", "kind": "marginals", "attributes": ATTRIBUTES, "way": 2, "within": "geo.state",

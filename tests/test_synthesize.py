@@ -160,3 +160,55 @@ def test_the_utility_report_measures_each_tabulation_against_the_noisy_measureme
         assert row["l1_to_measurements_per_record"] == row["l1_to_measurements"] / published_values.sum()
     again = cli("synthesize", str(result.release_dir), "--out", str(out))
     assert again.returncode == 2  # the records and the report are replaced only with --overwrite
+
+
+def wide_release(tmp_path, way: int):
+    """Six attributes whose joint is over 16 times their largest table, so post-processing makes the marginals
+    integral table by table (no joint to draw from); income follows education closely."""
+    from .test_mst import dependent_people
+
+    rng = np.random.default_rng(4)
+    rows, columns = dependent_people(rng, 900)
+    rows.update(c1=rng.choice(list("abcde"), 900).tolist(), c2=rng.choice(list("vwxyz"), 900).tolist())
+    spec = small_spec(budget={"definition": "zcdp", "rho": 50, "delta": 1e-9})
+    spec["columns"].update(columns, c1={"type": "categorical", "values": list("abcde")},
+                           c2={"type": "categorical", "values": list("vwxyz")})
+    attributes = ["age", "sex", "edu", "inc", "c1", "c2"]
+    spec["queries"] = [
+        {"name": "pop", "kind": "hierarchy", "geography": "geo", "levels": ["nation", "state", "county"]},
+        {"name": "m", "kind": "marginals", "attributes": attributes, "way": way, "within": "geo.state"}]
+    return run_release(write_case(tmp_path / "case", spec, rows), key_file=tmp_path / "k.key", ledger=None), attributes
+
+
+def test_marginals_without_a_joint_give_records_from_a_tree_of_their_published_tables(tmp_path):
+    """A `select: all` query made integral table by table: the records follow the maximum spanning tree of its
+    pairs (by dependence beyond noise, post-processing of the published tables), per state, as many as the
+    hierarchy publishes; every pair table is tabulated and reported, the dependent pair (edu, inc) close to
+    its published table, and the draw is reproducible."""
+    from dprelease.pipelines.postprocessing import marginals_path
+    from dprelease.pipelines.synthesize import synthesize
+
+    result, attributes = wide_release(tmp_path, 2)
+    assert marginals_path(result.plan, result.plan.spec.queries[1]) != "joint"
+    synthetic = synthesize(result.release_dir)
+    records = synthetic.records
+    root = result.release_dir
+    assert records.column_names == ["state", "county", *attributes]
+    assert counts(records, ["state"]) == published(root, "pop.state", ["state"])
+    assert counts(records, ["county"]) == published(root, "pop.county", ["county"])
+    rows = {row["table"]: row for row in synthetic.utility}
+    assert {f"m.{a}-{b}" for i, a in enumerate(attributes) for b in attributes[i + 1:]} <= set(rows)
+    assert rows["m.edu-inc"]["l1_to_published_per_record"] < 0.05  # in the tree: its published table, nearly
+    independent = published(root, "m.edu-inc", ["state", "edu", "inc"])
+    assert counts(records, ["edu", "inc"])[("college", "low")] < 0.2 * sum(
+        v for (s, e, i), v in independent.items() if e == "college")  # the dependence is kept
+    assert synthesize(result.release_dir).records.equals(records)
+
+
+def test_three_way_marginals_without_a_joint_give_records_from_their_pairs(tmp_path):
+    from dprelease.pipelines.synthesize import synthesize
+
+    result, attributes = wide_release(tmp_path, 3)
+    synthetic = synthesize(result.release_dir)
+    assert synthetic.records.num_rows == sum(published(result.release_dir, "pop.state", ["state"]).values())
+    assert {row["table"] for row in synthetic.utility} >= {"m.edu-inc-c1", "m.age-sex-edu"}

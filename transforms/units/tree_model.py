@@ -64,6 +64,29 @@ def shrunk_rows(rows: np.ndarray, child_margin: np.ndarray, variance: float) -> 
     return prior + keep * residual
 
 
+def dependence_score(table: np.ndarray, variance: float) -> float:
+    """How much a pair's table (units, a, b) departs from its margins' product, beyond its noise: the L1 distance
+    between the table (made nonnegative) and the product of its margins per unit, less AIM's expected L1 error
+    of its noise, sqrt(2/pi) sigma per cell (the criterion of MST's selection, here on published values).
+    Post-processing: published tables and their public noise variance."""
+    table = np.maximum(np.asarray(table, dtype=np.float64), 0.0)
+    totals = table.sum(axis=(1, 2), keepdims=True)
+    product = table.sum(axis=2, keepdims=True) * table.sum(axis=1, keepdims=True) / np.where(totals > 0, totals, 1.0)
+    return float(np.abs(table - product).sum() - np.sqrt(2 / np.pi) * np.sqrt(variance) * table.size)
+
+
+def spanning_tree(attributes: list[str], scores: dict[tuple[str, str], float]) -> list[tuple[str, str]]:
+    """The maximum spanning tree of `attributes` under the pairs' `scores` (Kruskal; ties by the pairs' order in
+    `scores`): the pairs a tree model keeps when every pair's table was published. Post-processing."""
+    from ..mst import Components
+
+    parts, chosen = Components(attributes), []
+    for pair in sorted(scores, key=lambda p: -scores[p]):  # stable: ties keep their order
+        if parts.join(*pair):
+            chosen.append(pair)
+    return chosen
+
+
 def tree_edges(attributes: list[str], pairs: list[tuple[str, str]]) -> list[tuple[str, str, int]]:
     """The pairs as (parent, child, index of the pair) edges directed away from the first attribute, in
     breadth-first order; every attribute reached (the pairs must span them)."""

@@ -13,6 +13,7 @@ a fresh key or seed; the wall time of each run (release + synthesis) is reported
 Evaluation only: it reads the true data. Needs, in its own environment:
   pip install -e . "opendp[mbi]==0.16.0" pandas datasynthesizer polars
 Usage: python benchmarks/synthetic_adult.py [--repeats 5] [--epsilons 0.3,1,3] [--methods dprelease,mst,...]
+       [--degree 2]  (DataSynthesizer's network degree)
 """
 from __future__ import annotations
 
@@ -148,7 +149,7 @@ def filled(records: np.ndarray, rng, sizes: list[int]) -> np.ndarray:
 
 
 def datasynthesizer_records(epsilon: float, columns: list[str], sizes: dict[str, int], work: Path, seed: int,
-                            n: int) -> np.ndarray:
+                            n: int, degree: int = 2) -> np.ndarray:
     import pandas as pd
     from DataSynthesizer.DataDescriber import DataDescriber
     from DataSynthesizer.DataGenerator import DataGenerator
@@ -157,7 +158,7 @@ def datasynthesizer_records(epsilon: float, columns: list[str], sizes: dict[str,
     domain.write_text(json.dumps({c: list(range(sizes[c])) for c in columns}))
     describer = DataDescriber(category_threshold=max(sizes.values()) + 1)
     describer.describe_dataset_in_correlated_attribute_mode(
-        str(DATA), k=2, epsilon=epsilon, attribute_to_is_categorical={c: True for c in columns},
+        str(DATA), k=degree, epsilon=epsilon, attribute_to_is_categorical={c: True for c in columns},
         categorical_attribute_domain_file=str(domain), seed=seed)
     description = work / f"description-{seed}.json"
     describer.save_dataset_description_to_file(str(description))
@@ -174,6 +175,7 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--ways", default="2,3", help="AIM runs once per workload way (its workload)")
     parser.add_argument("--json", type=Path, help="write every run's row here as well")
+    parser.add_argument("--degree", type=int, default=2, help="DataSynthesizer's Bayesian network degree k")
     args = parser.parse_args()
     truth, columns, domain = true_records()
     sizes = [domain[c] for c in columns]
@@ -198,7 +200,7 @@ def main() -> None:
                                 records = filled(*opendp_records(method, rho, columns, domain, way or 2), sizes)
                             else:
                                 records = datasynthesizer_records(float(epsilon), columns, domain, work, run,
-                                                                  truth.shape[0])
+                                                                  truth.shape[0], args.degree)
                             errors = {w: workload_error(records, truth, sizes, w) for w in (ways if way is None
                                                                                            else [way])}
                         seconds = time.perf_counter() - start

@@ -399,10 +399,11 @@ class SparkEngine(Engine):
 
     def score_candidates(self, plan: Plan, counting: list, one_way: list, estimates, source: InputSource,
                          key: ReleaseKey, progress: ProgressHook = no_progress) -> dict[str, int]:
-        """Two jobs over the records bounded as for `counting`: the 1-way tables released to the driver (the
-        values the release publishes), then each candidate scored in executors, range by range, from the
-        estimates the driver broadcasts, and the ranges' scores summed per table in the executors: the driver
-        receives one integer per candidate (no true count, nor any part of a score, reaches it)."""
+        """Two jobs over the records bounded as for `counting` (read, bounded and counted once, the counts
+        kept on the executors' local disks for both): the 1-way tables released to the driver (the values the
+        release publishes), then each candidate scored in executors, range by range, from the estimates the
+        driver broadcasts, and the ranges' scores summed per table in the executors: the driver receives one
+        integer per candidate (no true count, nor any part of a score, reaches it)."""
         from pyspark.sql import functions as F
 
         counting_plan = dataclasses.replace(plan, tables=tuple(counting))
@@ -412,7 +413,12 @@ class SparkEngine(Engine):
         steps = [t.release.range_length(NOISE_RANGE_CELLS) for t in counting]
         progress("select", 0, 2)
         with self._job() as spark:
-            released = (self._ranged_counts(spark, counting_plan, source, key, steps, one_way_ids)
+            # the input read and bounded once for both jobs: the counts of the 1-way and candidate tables kept
+            # on the executors' local disks (as every stage output is), not recomputed by the second job
+            released_names = {t.name for t in plan.tables}
+            candidates = [i for i, t in enumerate(counting) if t.name not in released_names]
+            counts = _stage_output(self._cell_counts(spark, counting_plan, source, key, steps, one_way_ids + candidates))
+            released = (self._grouped_ranges(spark, counting_plan, source, counts, steps, one_way_ids)
                         .applyInArrow(_noise_function(counting_plan, key, steps), "table_id int, cell long, noisy long")
                         .toArrow())
             assembled = self._assemble(counting_plan, released, one_way_ids)
@@ -421,7 +427,7 @@ class SparkEngine(Engine):
             candidate_ids = sorted(ids[name] for name in wanted)
             broadcast = spark.sparkContext.broadcast({ids[name]: value for name, value in wanted.items()})
             try:
-                scored = (self._ranged_counts(spark, counting_plan, source, key, steps, candidate_ids)
+                scored = (self._grouped_ranges(spark, counting_plan, source, counts, steps, candidate_ids)
                           .applyInArrow(_score_function(counting_plan, steps, broadcast), "table_id int, score long")
                           .groupBy("table_id").agg(F.sum("score").alias("score"), F.count("*").alias("ranges"))
                           .toArrow())
@@ -445,6 +451,13 @@ class SparkEngine(Engine):
         """The input read, bounded and counted in executors, grouped by (table, noise range) with a marker
         row for every range (so that ranges without records are released too); only `table_ids` when given
         (the records are bounded over every table of the plan either way)."""
+        return self._grouped_ranges(spark, plan, source, self._cell_counts(spark, plan, source, key, steps, table_ids),
+                                    steps, table_ids)
+
+    def _cell_counts(self, spark, plan: Plan, source: InputSource, key: ReleaseKey, steps: list[int],
+                     table_ids: list[int] | None = None):
+        """(table_id, range_id, cell, count) of every nonzero cell of the plan's tables (only `table_ids` when
+        given), the input read, bounded over every table of the plan and counted in executors."""
         from pyspark.sql import functions as F
 
         unit = source.unit_column
@@ -456,8 +469,17 @@ class SparkEngine(Engine):
                                    "table_id int, range_id long, cell long, count long")
         if table_ids is not None:
             partial = partial.where(F.col("table_id").isin(list(table_ids)))
-        counts = partial.groupBy("table_id", "range_id", "cell").agg(F.sum("count").alias("count"))
+        return partial.groupBy("table_id", "range_id", "cell").agg(F.sum("count").alias("count"))
+
+    def _grouped_ranges(self, spark, plan: Plan, source: InputSource, counts, steps: list[int],
+                        table_ids: list[int] | None = None):
+        """`counts` (of `_cell_counts`) of `table_ids` (every table when None) with a marker row for every
+        range of those tables, grouped by (table, noise range)."""
+        from pyspark.sql import functions as F
+
         chosen = set(range(len(plan.tables)) if table_ids is None else table_ids)
+        if table_ids is not None:
+            counts = counts.where(F.col("table_id").isin(list(table_ids)))
         ranges = [(i, r, -1, 0) for i, t in enumerate(plan.tables) if i in chosen
                   for r in range(t.release.range_count(steps[i]))]
         markers = spark.createDataFrame(ranges, "table_id int, range_id long, cell long, count long")

@@ -91,7 +91,8 @@ def bash_blocks(path) -> list[str]:
 
 def test_the_statistician_and_auditor_tutorials_run_as_written(tmp_path):
     """Every bash block of the two tutorials, in order, from a copy of the repository's layout (the Adult spec
-    beside the shared data), with the user's default ledger."""
+    beside the shared data), with the user's default ledger: the shipped Adult release planned, run, reported
+    and verified (also --recompute and --ledger) from the CLI."""
     import shutil
     import subprocess
 
@@ -107,6 +108,9 @@ def test_the_statistician_and_auditor_tutorials_run_as_written(tmp_path):
         assert done.returncode == 0, (block, done.stdout[-2000:], done.stderr[-2000:])
     assert (root / "examples" / "adult" / "releases" / "adult-2way.report.html").exists()
     assert json.loads((root / "plan.json").read_text())["tables"]
+    # the shipped Adult example end to end (the blocks ran and verified it): all 91 2-way tables at (1, 1e-9)
+    manifest = json.loads((root / "examples" / "adult" / "releases" / "adult-2way" / "manifest.json").read_text())
+    assert len(manifest["tables"]) == 91 and manifest["totals"]["epsilon_at_delta"] <= 1.0
 
 
 def run_adult_howto(tmp_path, page: str, blocks: int):

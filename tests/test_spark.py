@@ -69,7 +69,7 @@ def test_spark_post_processes_and_writes_parts_in_executors(demo, monkeypatch):
     """Small groups and parts: every post-processing stage runs in executor tasks (each group's first attempt
     fails after writing its parts, the retry rewrites the same bytes) under a driver cell cap far below the
     release's; the release equals the embedded engine's with the same layout, and verifies."""
-    layout = Layout(group_work=64, part_rows=64)
+    layout = Layout(group_work=512, part_rows=64)
     embedded = run_release(DEMO_SPEC, input_path=str(demo["data"]), out_dir=demo["root"] / "embedded-parts",
                            key_file=demo["key"], layout=layout)
     stages = []

@@ -446,13 +446,10 @@ class SparkEngine(Engine):
             scores[name] = int(found[i][0])
         return scores
 
-    def _ranged_counts(self, spark, plan: Plan, source: InputSource, key: ReleaseKey, steps: list[int],
-                       table_ids: list[int] | None = None):
+    def _ranged_counts(self, spark, plan: Plan, source: InputSource, key: ReleaseKey, steps: list[int]):
         """The input read, bounded and counted in executors, grouped by (table, noise range) with a marker
-        row for every range (so that ranges without records are released too); only `table_ids` when given
-        (the records are bounded over every table of the plan either way)."""
-        return self._grouped_ranges(spark, plan, source, self._cell_counts(spark, plan, source, key, steps, table_ids),
-                                    steps, table_ids)
+        row for every range of every table (so that ranges without records are released too)."""
+        return self._grouped_ranges(spark, plan, source, self._cell_counts(spark, plan, source, key, steps), steps)
 
     def _cell_counts(self, spark, plan: Plan, source: InputSource, key: ReleaseKey, steps: list[int],
                      table_ids: list[int] | None = None):

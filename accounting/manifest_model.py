@@ -131,13 +131,24 @@ class WorkloadWeight(Strict):
     weight: int
 
 
+class AttributeWeight(Strict):
+    """An attribute and its public weight in a `select: aim` selection's score (a candidate weighs the sum of its
+    attributes')."""
+
+    attribute: str
+    weight: int
+
+
 class SelectionRecord(Strict):
-    """A `select: mst` query's selection: rounds of the exponential mechanism and the pairs they chose."""
+    """A `select: mst` or `select: aim` query's selection: rounds of the exponential mechanism and the tables
+    they chose."""
 
     name: str
     query: str
-    method: Literal["mst"]
+    method: Literal["mst", "aim"]
+    degree: int | None = Field(None, description="aim: the most attributes a new attribute's table joins it to.")
     score: str
+    candidates_rule: str | None = Field(None, description="aim: which tables a round chooses among.")
     rounds: int
     candidates: int
     mechanism: Mechanism
@@ -145,9 +156,12 @@ class SelectionRecord(Strict):
     allocated: Exact
     loss: Exact
     chosen: list[list[str]] | None
-    pair_tables: PairTables
+    pair_tables: PairTables | None = Field(None, description="mst: the mechanism of every chosen pair's table.")
+    chosen_tables: PairTables | None = Field(None, description="aim: the mechanism of every chosen table.")
     workload_weights: list[WorkloadWeight] | None = Field(
-        None, description="Each candidate pair's workload weight (only with a workload in the spec).")
+        None, description="mst: each candidate pair's workload weight (only with a workload in the spec).")
+    attribute_weights: list[AttributeWeight] | None = Field(
+        None, description="aim: each attribute's workload weight (only with a workload in the spec).")
 
 
 class Totals(Strict):
@@ -306,7 +320,7 @@ class Manifest(Strict):
     """A published release's manifest: no true counts, no row counts, no key. `dprelease verify` recomputes
     every field from the embedded spec or checks it for consistency, except those described as descriptive."""
 
-    manifest_version: Literal[1, 2, 3, 4]
+    manifest_version: Literal[1, 2, 3, 4, 5]
     release_id: str
     dataset_id: str
     software: Software
@@ -320,7 +334,8 @@ class Manifest(Strict):
     totals: Totals
     implied_loss: ImpliedLoss
     selections: list[SelectionRecord] | None = Field(
-        None, description="Tables chosen from the data (`select: mst`), in the order chosen (absent without one).")
+        None, description="Tables chosen from the data (`select: mst` or `aim`), in the order chosen (absent without "
+                          "one).")
     invariants: list[Invariant]
     post_processing: list[Step]
     means: list[MeanRecord] | None = Field(

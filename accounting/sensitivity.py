@@ -127,28 +127,31 @@ def quantile_score_sensitivity(bounds: ContributionBounds, q: Fraction) -> Sensi
                                   f"2k*max(a, b-a) = {2 * k * step}, summed over cells")
 
 
-def mst_score_sensitivity(bounds: ContributionBounds, max_weight: int = 1) -> Sensitivity:
-    """Sensitivity of the MST selection score of a pair of attributes: the L1 distance sum_c |x_c - e_c|
-    between the pair's bounded count vector x and an estimate e made from already released measurements
-    (fixed while the selection runs: adaptive composition), times the pair's public workload weight (at
-    most `max_weight`; 1 without a workload).
+def mst_score_sensitivity(bounds: ContributionBounds, max_weight: int = 1, method: str = "mst") -> Sensitivity:
+    """Sensitivity of the selection score of a candidate table (an MST pair, or a `select: aim` table of 2 or 3
+    attributes): the L1 distance sum_c |x_c - e_c| between the table's bounded count vector x and an estimate e
+    made from already released measurements (fixed while the round runs: adaptive composition), times the
+    table's public workload weight (at most `max_weight`; 1 without a workload).
 
     Privacy: by the triangle inequality the distance moves by at most ||x - x'||_1, the count vector's L1
     sensitivity: adding or removing a unit of at most k records moves it by at most k; replacing one (its
     records moved to other cells: k cells down, k up) by at most 2k. A record replaced within its own cell
     moves nothing. A score weighted by w moves by w times as much, so by at most max_weight times. The
-    exponential mechanism is invariant to adding one constant to every candidate's score, so a score taken
-    as (largest - score), or less a public penalty, keeps this sensitivity.
+    exponential mechanism's distribution is unchanged by adding one constant to every candidate's score, so a
+    score taken as (largest - score) keeps this sensitivity, and a public per-candidate penalty (a function of
+    the domain and the calibrated noise only) moves no score between neighbours.
     """
     k = bounds.max_records_per_unit
     weighted = "" if max_weight == 1 else f", times the largest workload weight {max_weight}"
+    what = "MST score (L1 distance of a pair's counts" if method == "mst" else \
+        "AIM-style score (L1 distance of a candidate table's counts"
     if bounds.neighbouring == "add_remove":
         return Sensitivity(l1=k * max_weight, l2_squared=0,
-                           derivation=f"MST score (L1 distance of a pair's counts to a fixed estimate{weighted}), "
+                           derivation=f"{what} to a fixed estimate{weighted}), "
                                       f"add/remove one unit of at most k={k} records: "
                                       + (f"k = {k}" if max_weight == 1 else f"k * {max_weight} = {k * max_weight}"))
     return Sensitivity(l1=2 * k * max_weight, l2_squared=0,
-                       derivation=f"MST score (L1 distance of a pair's counts to a fixed estimate{weighted}), replace one "
+                       derivation=f"{what} to a fixed estimate{weighted}), replace one "
                                   f"unit of at most k={k} records (moved to other cells): "
                                   + (f"2k = {2 * k}" if max_weight == 1 else
                                      f"2k * {max_weight} = {2 * k * max_weight}"))

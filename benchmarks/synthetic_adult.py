@@ -1,5 +1,5 @@
 """Synthetic microdata on UCI Adult at one budget, per method: dprelease (`select: mst` release, then
-`synthesize`), OpenDP's MST and AIM (Private-PGM's `mbi`), DataSynthesizer (PrivBayes, degree 2), and the
+`synthesize`), dprelease_aim (the same with `select: aim`), OpenDP's MST and AIM (Private-PGM's `mbi`), DataSynthesizer (PrivBayes, degree 2), and the
 published mechanism the synthetic data must beat (dprelease's all-2-way marginals release, its published
 tables read directly: 2-way workload only), and the records `synthesize` draws from that release
 ("published_records": a tree of its published tables).
@@ -36,7 +36,7 @@ ADULT_SPEC = HERE.parent / "examples" / "adult" / "spec.yaml"
 DATA = HERE.parent.parent / "shared" / "data" / "adult" / "adult.csv"
 DOMAIN = DATA.with_name("adult-domain.json")
 DELTA = 1e-9
-METHODS = ("dprelease", "published", "published_records", "mst", "aim", "datasynthesizer")
+METHODS = ("dprelease", "dprelease_aim", "published", "published_records", "mst", "aim", "datasynthesizer")
 
 
 def true_records() -> tuple[np.ndarray, list[str], dict[str, int]]:
@@ -77,11 +77,11 @@ def run_dprelease(rho: Fraction, columns: list[str], work: Path, release_id: str
     return run_release(spec, key_file=work / f"{release_id}.key", ledger=None).release_dir
 
 
-def dprelease_records(rho: Fraction, columns: list[str], work: Path, run: str) -> np.ndarray:
+def dprelease_records(rho: Fraction, columns: list[str], work: Path, run: str, select: str = "mst") -> np.ndarray:
     from dprelease.pipelines.synthesize import synthesize
 
-    root = run_dprelease(rho, columns, work, f"mst-{run}", [{"name": "m", "kind": "marginals", "attributes": columns,
-                                                              "way": 2, "select": "mst"}])
+    root = run_dprelease(rho, columns, work, f"{select}-{run}", [{"name": "m", "kind": "marginals",
+                                                                   "attributes": columns, "way": 2, "select": select}])
     records = synthesize(root).records
     return np.stack([np.asarray(records.column(c).to_pylist(), dtype=np.int64) for c in columns], axis=1)
 
@@ -192,8 +192,9 @@ def main() -> None:
                         if method == "published":
                             errors = {2: published_error(rho, columns, work, f"{float(epsilon)}-{run}", truth, sizes)}
                         else:
-                            if method == "dprelease":
-                                records = dprelease_records(rho, columns, work, f"{float(epsilon)}-{run}")
+                            if method in ("dprelease", "dprelease_aim"):
+                                records = dprelease_records(rho, columns, work, f"{float(epsilon)}-{run}",
+                                                            "aim" if method == "dprelease_aim" else "mst")
                             elif method == "published_records":
                                 records = published_records(rho, columns, work, f"{float(epsilon)}-{run}")
                             elif method in ("mst", "aim"):

@@ -183,14 +183,15 @@ def _path_lines(plan) -> list[str]:
             "fitted_tables": "a joint per unit fitted, each table rounded on its own (the joint is much larger "
                              "than the tables)",
             "tables": "no joint (over the per-unit limit): each table rounded on its own",
-            "tree": "the tree of the chosen 2-way tables (MST): tables that add up, no joint formed"}
+            "tree": "the tree of the chosen 2-way tables (MST): tables that add up, no joint formed",
+            "junction": "the junction tree of the chosen tables (AIM-style): tables that add up, no joint formed"}
     for q in plan.spec.queries:
         if isinstance(q, MarginalsQuery):
             units = plan.table(next(t.name for t in plan.tables if t.query == q.name)).dims[0].size if q.within else 1
             path = marginals_path(plan, q)
             lines.append(f"Marginals {q.name}: {what[path]}; {joint_size(plan, q) // units:,} joint cells per unit"
                          + (f", {joint_size(plan, q):,} in all, fitted a chunk of units at a time"
-                            if path not in ("tables", "tree") else ""))
+                            if path not in ("tables", "tree", "junction") else ""))
     return lines
 
 
@@ -451,7 +452,7 @@ def synthesize(release_dir: Path, out: Path | None, overwrite: bool, max_records
     """Write synthetic microdata consistent with a release's hierarchy and marginal tables.
 
     Post-processing only: records drawn from the integer joint table behind the marginals (a `select: mst`
-    query's tree; with several marginals queries, one of them) and split among the finest hierarchy level's
+    query's tree, a `select: aim` query's junction tree; with several marginals queries, one of them) and split among the finest hierarchy level's
     units by their published counts (per `by` cell for a hierarchy crossed with `by`). The release is verified
     first; it prints which tables the records reproduce exactly. A utility
     report (<out>.utility.json) gives, per table the records tabulate to, the L1 distance of their tabulation

@@ -16,7 +16,7 @@ import os
 from dprelease.accounting.errors import SpecError
 
 from .manifest import accounting_section
-from .plan import Plan, selection_cells
+from .plan import AIM_ROUND_CELLS, MAX_SELECTION_PASSES, Plan, selection_cells, selection_passes
 
 DEFAULT_MAX_CELLS = 20_000_000
 MAX_CELLS_ENV = "DPRELEASE_MAX_CELLS"
@@ -68,16 +68,27 @@ def memory_statement(plan: Plan, engine: str, group_work: int) -> str:
                 f"{human_bytes(group_work * BYTES_PER_CELL)} per group at a time); the driver holds no cells")
     where = "driver" if engine in WORKER_ENGINES else "process"
     chosen = sum(s.rounds for s in plan.selections if s.chosen is None)
-    candidates = f" (and the {selection_cells(plan):,} cells of the candidate pairs it chooses {chosen} tables " \
-                 f"among)" if chosen else ""
+    candidates = f" (and the {selection_cells(plan):,} candidate cells it counts at once to choose {chosen} tables, " \
+                 f"in at most {selection_passes(plan):,} passes over the input)" if chosen else ""
     return f"a run needs about {human_bytes(estimated_memory_bytes(plan))} of {where} memory for them{candidates}"
 
 
 def check_plan_limits(plan: Plan, max_cells: int | None = None, engine: str = "embedded") -> None:
     """Everything about a plan's size and numbers that must hold before a run may reserve budget."""
     check_representable(plan)
+    check_selection_passes(plan)
     if plan.selections or not runs_in_workers(plan, engine):  # conservative for a selection: its candidates' cells are capped too
         check_cell_limit(plan, max_cells)
+
+
+def check_selection_passes(plan: Plan) -> None:
+    """Refuse (SpecError, exit 2) selections that could read the input more than MAX_SELECTION_PASSES times."""
+    passes = selection_passes(plan)
+    if passes > MAX_SELECTION_PASSES:
+        names = [s.query for s in plan.selections if s.chosen is None]
+        raise SpecError(f"queries {names}: choosing their tables could take up to {passes:,} passes over the input "
+                        f"(each round counts its candidate tables, at most {AIM_ROUND_CELLS:,} cells a pass), over the limit "
+                        f"of {MAX_SELECTION_PASSES}; coarsen the attributes (bins), list fewer, or use degree: 1")
 
 
 def check_representable(plan: Plan) -> None:
@@ -96,7 +107,7 @@ def check_cell_limit(plan: Plan, max_cells: int | None = None) -> None:
     if total <= limit:
         return
     if plan.selections and plan.n_cells <= limit:
-        raise SpecError(f"queries: choosing the tables of `select: mst` counts every candidate pair: {total:,} "
+        raise SpecError(f"queries: choosing the tables of `select: mst` or `aim` counts candidate tables: {total:,} "
                         f"public cells with the release's own tables, over the limit of {limit:,} (--max-cells or "
                         f"${MAX_CELLS_ENV}); coarsen the attributes (bins) or list fewer")
     largest = max(plan.tables, key=lambda t: t.layout.n_measured)

@@ -25,13 +25,13 @@ from .plan import SelectionPlan, Plan, TablePlan
 from .debiased import local_section
 from .postprocessing import EstimateVariances, estimate_variances, steps_applied
 
-MANIFEST_VERSION = 4
+MANIFEST_VERSION = 5
 """2: one global least-squares estimate behind the count tables, its per-cell variance in the tables and
 the manifest. 3: the ledger block states what the release cost (`charged`, also for a free re-run) beside
 what the run added (`charged_by_this_run`) and every budget period charged; invariants state which
 neighbours the guarantee covers. 4: a `select: mst` selection scores each pair less the expected L1 error of
-measuring it (`transforms.mst.noise_penalty`). verify still checks versions 1 to 3 against the rules of their
-time."""
+measuring it (`transforms.mst.noise_penalty`). 5: `select: aim` selections (a manifest claiming an earlier
+version with one is refused). verify still checks versions 1 to 4 against the rules of their time."""
 DEPENDENCIES = ["numpy", "pyarrow", "pydantic", "PyYAML", "cryptography", "click", "rich"]
 NEIGHBOURING_NOTE = {
     "add_remove": "neighbouring inputs differ by adding or removing one privacy unit with all its records",
@@ -240,11 +240,30 @@ WORKLOAD_WEIGHT = (", times the pair's workload weight, AIM's sum over the spec'
                    "(public; the score sensitivity is the unweighted one times the largest weight)")
 
 
+AIM_VERSION = 5
+"""The first manifest version that can hold a `select: aim` selection."""
+AIM_SCORE = ("L1 distance between the candidate's bounded counts and the model's estimate of its table: the table "
+             "of its separator (the attributes it shares with the tables chosen before it) fitted from the "
+             "released measurements so far as the junction path fits them (the unit total times the attribute's "
+             "noisy 1-way distribution in the first round), times the new attribute's noisy 1-way distribution "
+             "made nonnegative, rounded to integers per cell; less round(sqrt(2/pi) * sigma * cells), AIM's Gaussian "
+             "approximation of the expected L1 error of measuring it (sigma: the chosen tables' noise standard "
+             "deviation; a public constant per candidate)")
+AIM_CANDIDATES = ("every pair of attributes in the first round; afterwards every table of one attribute no chosen "
+                  "table holds and a separator of 1 to `degree` attributes inside one chosen table")
+AIM_WEIGHT = (", times the candidate's workload weight, AIM's sum over the spec's workload of each marginal's "
+              "weight times the attributes the candidate shares with it: the sum of its attributes' weights "
+              "listed here (public; the score sensitivity is the unweighted one times the largest weight a "
+              "candidate can have, the sum of the degree + 1 largest)")
+
+
 def selection_record(selection: SelectionPlan, version: int = MANIFEST_VERSION) -> dict:
-    """A `select: mst` query's selection as the manifest states it: the rounds, each round's epsilon (and
-    what it is accounted as), the score and its sensitivity, the candidates, the pairs chosen in order
-    (null in a plan made before the data was read) and the mechanism every chosen pair's table got, and with
-    a workload each candidate's weight. The score of a manifest before version 4 had no noise penalty."""
+    """A `select: mst` or `aim` query's selection as the manifest states it: the rounds, each round's epsilon
+    (and what it is accounted as), the score and its sensitivity, the candidates, the tables chosen in order
+    (null in a plan made before the data was read) and the mechanism every chosen table got, and with a
+    workload the weights. The score of a manifest before version 4 had no noise penalty."""
+    if selection.method == "aim":
+        return _aim_record(selection)
     record = {
         "name": selection.name, "query": selection.query, "method": "mst",
         "score": SELECTION_SCORE + (NOISE_PENALTY if version >= 4 else ""),
@@ -257,6 +276,22 @@ def selection_record(selection: SelectionPlan, version: int = MANIFEST_VERSION) 
         record["score"] += WORKLOAD_WEIGHT
         record["workload_weights"] = [{"pair": list(pair), "weight": weight}
                                       for pair, weight in zip(selection.candidates, selection.weights)]
+    return record
+
+
+def _aim_record(selection: SelectionPlan) -> dict:
+    """A `select: aim` selection as the manifest states it (version 5 on)."""
+    record = {
+        "name": selection.name, "query": selection.query, "method": "aim", "degree": selection.degree,
+        "score": AIM_SCORE, "candidates_rule": AIM_CANDIDATES,
+        "rounds": selection.rounds, "candidates": len(selection.candidates),
+        **measurement_record(selection.event),
+        "chosen": None if selection.chosen is None else [list(clique) for clique in selection.chosen],
+        "chosen_tables": measurement_record(selection.pair_event),
+    }
+    if selection.attribute_weights is not None:
+        record["score"] += AIM_WEIGHT
+        record["attribute_weights"] = [{"attribute": a, "weight": w} for a, w in selection.attribute_weights]
     return record
 
 

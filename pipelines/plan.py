@@ -7,6 +7,8 @@ bounds, the exact budget allocation, the calibrated mechanisms and their expecte
 from __future__ import annotations
 
 import itertools
+import math
+from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -21,6 +23,7 @@ from dprelease.accounting.sensitivity import (ContributionBounds, Sensitivity, c
                                               mst_score_sensitivity, quantile_score_sensitivity, sum_sensitivity,
                                               unit_count_sensitivity)
 from dprelease.transforms.aggregate import TableLayout
+from dprelease.transforms.aim import attribute_weights, junction_steps, largest_weight
 from dprelease.transforms.mst import Components, workload_weights
 from dprelease.transforms.domains import (NATION, CategoricalDomain, Dimension, Domain, GeographyDomain,
                                           IntegerDomain, MeasureDomain, dimension, measure_key)
@@ -112,37 +115,50 @@ class MeanOutput:
 Pair = tuple[str, str]
 """Two attributes of a marginals query (spec references, in the query's order): one 2-way table."""
 
+Clique = tuple[str, ...]
+"""Attributes of a marginals query (in the query's order) whose table a selection may choose."""
+
 
 @dataclass(frozen=True)
 class SelectionPlan:
-    """The adaptive part of a `select: mst` marginals query (MST, McKenna, Miklau and Sheldon 2021).
+    """The adaptive part of a `select: mst` or `select: aim` marginals query.
 
-    `rounds` = attributes - 1 exponential-mechanism selections, each among the candidate pairs that join two
-    components of the tree chosen so far, score: the L1 distance between a pair's bounded counts and the
-    estimate from the measured 1-way tables (integer; see `transforms.mst`), calibrated to `event`'s score
-    sensitivity; then each chosen pair's table is measured like any table, with `pair_event`'s mechanism
-    (every pair the same share). `chosen` is None until the run selects (the plan before data is read).
+    `rounds` = attributes - 1 exponential-mechanism selections, calibrated to `event`'s score sensitivity, each
+    chosen table then measured like any table with `pair_event`'s mechanism (every chosen table the same share).
+    mst (MST, McKenna, Miklau and Sheldon 2021): each round among the candidate pairs that join two components of
+    the tree chosen so far, scored against the estimate from the measured 1-way tables (`transforms.mst`).
+    aim (AIM-style, McKenna et al. 2022): each round among the tables of a new attribute and a separator of up to
+    `degree` attributes inside a table already chosen, scored against the model of the measurements so far, the
+    chosen table measured before the next round (`transforms.aim`). `candidates`: every table a round could
+    choose. `chosen` is None until the run selects (the plan before data is read).
 
     Privacy: the selections compose with the measurements (`Plan.events`): `event` accounts all `rounds`
-    (pure: rounds * epsilon; zCDP: rounds * epsilon^2 / 8, bounded range) and the pair measurements are
-    accounted at their planned share whichever pairs are chosen, so the total is known before any data is read.
+    (pure: rounds * epsilon; zCDP: rounds * epsilon^2 / 8, bounded range) and the chosen tables' measurements
+    are accounted at their planned share whichever tables are chosen, so the total is known before any data is
+    read.
     """
 
     query: str
-    candidates: tuple[Pair, ...]
+    candidates: tuple[Clique, ...]
     rounds: int
     event: MeasurementEvent
     pair_event: MeasurementEvent
-    chosen: tuple[Pair, ...] | None = None
+    chosen: tuple[Clique, ...] | None = None
     weights: tuple[int, ...] | None = None
-    """Each candidate's workload weight (`transforms.mst.workload_weights`); None without a workload (all 1)."""
+    """mst: each candidate's workload weight (`transforms.mst.workload_weights`); None without a workload (all 1)."""
+    method: str = "mst"
+    degree: int = 1
+    """aim: the most attributes a new attribute's table joins it to."""
+    attribute_weights: tuple[tuple[str, int], ...] | None = None
+    """aim: each attribute's workload weight (`transforms.aim.attribute_weights`), a clique weighing their sum;
+    None without a workload (every clique 1)."""
 
     @property
     def name(self) -> str:
         return self.event.table
 
     def events(self) -> list[MeasurementEvent]:
-        """The selection and, while the pairs are still to be chosen, their measurements (once each)."""
+        """The selection and, while the tables are still to be chosen, their measurements (once each)."""
         pending = [self.pair_event] * self.rounds if self.chosen is None else []
         return [self.event, *pending]
 
@@ -322,14 +338,14 @@ def table_name(query: str, combo) -> str:
 
 
 ONE_WAY_SHARE, SELECTION_SHARE, PAIR_SHARE = Fraction(9, 20), Fraction(1, 10), Fraction(9, 20)
-"""How a `select: mst` query's budget splits: its 1-way tables, the selection of its 2-way tables, and those
-2-way tables (each group's share equal among its members). Measured on Adult at epsilon = 1 (benchmarks/
+"""How a `select: mst` or `aim` query's budget splits: its 1-way tables, the selection of its other tables, and
+those tables (each group's share equal among its members). Measured on Adult at epsilon = 1 (benchmarks/
 synthetic_adult.py): 9/20, 1/10, 9/20 (OpenDP's 0.9 measuring share) gives 5% less workload error than
 MST's paper's thirds."""
 
 
 def _query_tables(query, spec: ReleaseSpec, domains, chosen: tuple[Pair, ...] | None = None) -> list[TableShape]:
-    """Every table a query asks for (a `select: mst` query: its 1-way tables and the `chosen` pairs)."""
+    """Every table a query asks for (a `select: mst` or `aim` query: its 1-way tables and the `chosen` tables)."""
     if isinstance(query, HistogramQuery):
         return [TableShape(query.name, _dims(query.by, domains))]
     if isinstance(query, CountUnitsQuery):
@@ -346,11 +362,11 @@ def _query_tables(query, spec: ReleaseSpec, domains, chosen: tuple[Pair, ...] | 
         prefix = _dims([query.within], domains) if query.within else []
         tables = []
         combos = itertools.combinations(query.attributes, query.way)
-        if query.select == "mst":
+        if query.selects:
             r = len(query.attributes)
             combos = [(a,) for a in query.attributes] + list(chosen or [])
         for combo in combos:
-            weight = Fraction(1) if query.select == "all" else ONE_WAY_SHARE / r if len(combo) == 1 else \
+            weight = Fraction(1) if not query.selects else ONE_WAY_SHARE / r if len(combo) == 1 else \
                 PAIR_SHARE / (r - 1)
             tables.append(TableShape(table_name(query.name, combo), prefix + _dims(list(combo), domains),
                                      weight=weight))
@@ -401,6 +417,10 @@ def allocation_budget(spec: ReleaseSpec) -> Fraction:
     return rho
 
 
+class SelectionError(SpecError):
+    """The tables a manifest or a run says a selection chose cannot be what it chooses (exit 2)."""
+
+
 def check_spanning_tree(query: MarginalsQuery, pairs) -> tuple[Pair, ...]:
     """The pairs as a tuple when they are a spanning tree of the query's attributes, each a candidate (its
     attributes in the query's order); SpecError (naming the problem) otherwise."""
@@ -409,96 +429,167 @@ def check_spanning_tree(query: MarginalsQuery, pairs) -> tuple[Pair, ...]:
     parts = Components(attributes)
     pairs = tuple(tuple(p) for p in pairs)
     if len(pairs) != len(attributes) - 1:
-        raise SpecError(f"selection of {query.name!r}: {len(pairs)} pairs chosen; a spanning tree of "
+        raise SelectionError(f"selection of {query.name!r}: {len(pairs)} pairs chosen; a spanning tree of "
                         f"{len(attributes)} attributes has {len(attributes) - 1}")
     for pair in pairs:
         if pair not in candidates:
-            raise SpecError(f"selection of {query.name!r}: {list(pair)} is not a pair of its attributes "
+            raise SelectionError(f"selection of {query.name!r}: {list(pair)} is not a pair of its attributes "
                             f"(in the query's order)")
         if not parts.join(*pair):
-            raise SpecError(f"selection of {query.name!r}: {list(pair)} closes a cycle; the pairs must form a tree")
+            raise SelectionError(f"selection of {query.name!r}: {list(pair)} closes a cycle; the pairs must form a tree")
     return pairs
+
+
+def check_junction_tree(query: MarginalsQuery, cliques) -> tuple[Clique, ...]:
+    """The cliques as a tuple when they grow a junction tree of the query's attributes one attribute a round
+    (`transforms.aim.junction_steps`); SpecError (naming the problem) otherwise."""
+    cliques = tuple(tuple(c) for c in cliques)
+    try:
+        junction_steps(list(query.attributes), list(cliques), query.aim_degree)
+    except ValueError as error:
+        raise SelectionError(f"selection of {query.name!r}: {error}") from None
+    return cliques
 
 
 def _selection(query: MarginalsQuery, share: Fraction, bounds: ContributionBounds, definition: str,
                chosen) -> SelectionPlan:
-    """The selection of a `select: mst` query: its exponential mechanism and the chosen pairs' mechanism,
-    each calibrated to its exact share of the query's budget."""
+    """The selection of a `select: mst` or `aim` query: its exponential mechanism and the chosen tables'
+    mechanism, each calibrated to its exact share of the query's budget."""
     r = len(query.attributes)
-    candidates = tuple(itertools.combinations(query.attributes, 2))
     workload = None if query.workload is None else [(tuple(m.attributes), m.weight) for m in query.workload]
-    weights = tuple(workload_weights(list(candidates), workload)) if workload is not None else None
-    score = mst_score_sensitivity(bounds, max(weights) if weights else 1)
+    weights = per_attribute = None
+    if query.select == "aim":
+        degree = query.aim_degree
+        candidates = tuple(c for size in range(2, degree + 2) for c in itertools.combinations(query.attributes, size))
+        if workload is not None:
+            per_attribute = tuple(attribute_weights(list(query.attributes), workload).items())
+        score = mst_score_sensitivity(bounds, largest_weight(dict(per_attribute or ()), degree), "aim")
+    else:
+        degree = 1
+        candidates = tuple(itertools.combinations(query.attributes, 2))
+        weights = tuple(workload_weights(list(candidates), workload)) if workload is not None else None
+        score = mst_score_sensitivity(bounds, max(weights) if weights else 1)
     selection_share = share * SELECTION_SHARE
     selection = MeasurementEvent(f"{query.name}.selection",
                                  calibrate_selection(selection_share, r - 1, definition, f"selection {query.name}"),
                                  score, selection_share)
     pair_share = share * PAIR_SHARE / (r - 1)
     counts = count_sensitivity(bounds)
-    where = f"2-way tables of {query.name}"
+    where = f"{'chosen' if query.select == 'aim' else '2-way'} tables of {query.name}"
     mechanism = calibrate_laplace(pair_share, counts, where) if definition == "pure" else \
         calibrate_gaussian(pair_share, counts, where)
-    pairs = check_spanning_tree(query, chosen) if chosen is not None else None
-    return SelectionPlan(query.name, candidates, r - 1, selection,
-                         MeasurementEvent(f"{query.name}.pair", mechanism, counts, pair_share), pairs, weights)
+    if chosen is None:
+        tables = None
+    else:
+        tables = check_junction_tree(query, chosen) if query.select == "aim" else check_spanning_tree(query, chosen)
+    measured = f"{query.name}.{'clique' if query.select == 'aim' else 'pair'}"
+    return SelectionPlan(query.name, candidates, r - 1, selection, MeasurementEvent(measured, mechanism, counts, pair_share),
+                         tables, weights, query.select, degree, per_attribute)
 
 
 def build_plan(spec: ReleaseSpec, base_dir: Path, reader: DomainReader | None = None,
-               chosen: dict[str, tuple[Pair, ...]] | None = None) -> Plan:
+               chosen: dict[str, tuple[Clique, ...]] | None = None) -> Plan:
     """Plan a release from its spec. Privacy: sensitivity comes from `count_sensitivity` of the
     declared bounds; each table's mechanism is calibrated to its exact share of the budget. Domain files
-    are read by `reader` (default: relative to `base_dir`). `chosen`: the pairs each `select: mst` query
-    chose (from a run or a manifest); without them the plan is the one before data is read."""
+    are read by `reader` (default: relative to `base_dir`). `chosen`: the tables each `select: mst` or `aim`
+    query chose (from a run or a manifest); without them the plan is the one before data is read."""
     return plan_over(spec, build_domains(spec, base_dir, reader), chosen)
 
 
-def with_selections(plan: Plan, chosen: dict[str, tuple[Pair, ...]]) -> Plan:
-    """The plan once its selections are made: the chosen pairs' tables in place of the pending ones (the
-    same budget, mechanisms and totals)."""
+def with_selections(plan: Plan, chosen: dict[str, tuple[Clique, ...]]) -> Plan:
+    """The plan once its selections are made: the chosen tables in place of the pending ones (the same budget,
+    mechanisms and totals)."""
     return plan_over(plan.spec, plan.domains, chosen)
 
 
-def candidate_tables(plan: Plan, selection: SelectionPlan) -> list[TablePlan]:
-    """Every candidate pair's table of a selection (layout only, no mechanism: they are scored, not
-    released)."""
+def candidate_tables(plan: Plan, selection: SelectionPlan, cliques=None, released: bool = False) -> list[TablePlan]:
+    """The tables of a selection's candidates (every candidate, or `cliques`): layout only, no mechanism (they
+    are scored, not released), or with `released` the mechanism each chosen table gets (the same noise the
+    measurement stage draws: noise is a function of the key, the table's name and the cell)."""
     query = plan.query(selection.query)
     prefix = _dims([query.within], plan.domains) if query.within else []
     tables = []
-    for pair in selection.candidates:
-        name = table_name(query.name, pair)
-        dims = prefix + _dims(list(pair), plan.domains)
-        tables.append(TablePlan(name, query.name, query.kind, tuple(dims), _layout(name, dims, plan.domains), None,
+    for clique in selection.candidates if cliques is None else cliques:
+        name = table_name(query.name, clique)
+        dims = prefix + _dims(list(clique), plan.domains)
+        event = MeasurementEvent(name, selection.pair_event.mechanism, selection.pair_event.sensitivity,
+                                 selection.pair_event.allocated) if released else None
+        tables.append(TablePlan(name, query.name, query.kind, tuple(dims), _layout(name, dims, plan.domains), event,
                                 None))
     return tables
 
 
 def _check_selection_names(tables: list[TablePlan], selections: list[SelectionPlan]) -> None:
-    """Refuse (SpecError, before any data is read) a release in which a candidate pair's table, a selection or
-    its pairs' record would share a name with any other table: the selection stage keys counts by name."""
+    """Refuse (SpecError, before any data is read) a release in which a candidate table, a selection or its
+    chosen tables' record would share a name with any other table: the selection stage keys counts by name."""
     if not selections:
         return
     names = [t.name for t in tables] + [n for s in selections for n in (s.name, s.pair_event.table)]
     for s in selections:
         chosen = set(s.chosen or ())
-        names += [table_name(s.query, pair) for pair in s.candidates if pair not in chosen]
-    repeated = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) != len(names) else []
+        names += [table_name(s.query, clique) for clique in s.candidates if clique not in chosen]
+    repeated = sorted(n for n, count in Counter(names).items() if count > 1)
     if repeated:
-        raise SpecError(f"queries: with `select: mst`, these names would each belong to two tables (or to a table "
-                        f"and the selection): {repeated[:10]}; rename the columns (a '-' in a column name can make "
-                        f"a pair's name equal another's)")
+        methods = sorted({f"select: {s.method}" for s in selections})
+        raise SpecError(f"queries: with `{'` and `'.join(methods)}`, these names would each belong to two tables (or "
+                        f"to a table and the selection): {repeated[:10]}; rename the columns (a '-' in a column name "
+                        f"can make a candidate's name equal another's)")
+
+
+AIM_ROUND_CELLS = 1 << 22
+"""Most candidate cells a `select: aim` round counts in one pass over the input (a round's candidates are
+counted in passes of at most this many cells, or one candidate where it alone is larger): 32 MiB of counts."""
+MAX_SELECTION_PASSES = 400
+"""Most passes over the input the selections of a release may make (`selection_passes`, an upper bound from
+the plan): each pass reads, bounds and counts every record again."""
+
+
+def selection_passes(plan: Plan) -> int:
+    """An upper bound on the passes over the input a run's selections make (public: from the plan). mst: one.
+    aim: per round, at most 2 ceil(cells / AIM_ROUND_CELLS) + 1 passes (`selection._passes` packs candidates in
+    order, so two consecutive passes hold more than AIM_ROUND_CELLS), the round's cells bounded by every
+    candidate's together and by its count of candidates times the largest: the separators of at most `degree`
+    of the attributes held (every attribute of the first round's pairs) with every attribute not held."""
+    passes = 0
+    for s in plan.selections:
+        if s.chosen is not None:
+            continue
+        if s.method == "mst":
+            passes += 1
+            continue
+        sizes = [t.n_cells for t in candidate_tables(plan, s)]
+        attributes = s.rounds + 1
+        for round_ in range(s.rounds):
+            held = round_ + 1
+            count = math.comb(attributes, 2) if round_ == 0 else \
+                sum(math.comb(held, k) for k in range(1, s.degree + 1)) * (attributes - held)
+            cells = min(sum(sizes), count * max(sizes))
+            passes += 2 * -(-cells // AIM_ROUND_CELLS) + 1
+    return passes
 
 
 def selection_cells(plan: Plan) -> int:
-    """Cells the selection stage counts: every candidate pair's table (public: from the plan)."""
-    return sum(t.n_cells for s in plan.selections if s.chosen is None for t in candidate_tables(plan, s))
+    """Cells the selection stage holds at once (public: from the plan): mst, every candidate pair's table; aim, a
+    pass of candidates (at most `AIM_ROUND_CELLS`, or the largest candidate) and the table the round before
+    chose (at most the largest candidate; the tables chosen earlier are kept as released values)."""
+    cells = 0
+    for s in plan.selections:
+        if s.chosen is not None:
+            continue
+        sizes = [t.n_cells for t in candidate_tables(plan, s)]
+        if s.method == "aim":
+            cells += min(sum(sizes), max(AIM_ROUND_CELLS, max(sizes))) + max(sizes)
+        else:
+            cells += sum(sizes)
+    return cells
 
 
-def plan_over(spec: ReleaseSpec, domains: dict[str, Domain], chosen: dict[str, tuple[Pair, ...]] | None) -> Plan:
+def plan_over(spec: ReleaseSpec, domains: dict[str, Domain], chosen: dict[str, tuple[Clique, ...]] | None) -> Plan:
     """`build_plan` over domains already built."""
     chosen = chosen or {}
-    unknown = sorted(set(chosen) - {q.name for q in spec.queries if getattr(q, "select", "all") == "mst"})
+    unknown = sorted(set(chosen) - {q.name for q in spec.queries if getattr(q, "selects", False)})
     if unknown:
-        raise SpecError(f"selections: {unknown} name no `select: mst` query")
+        raise SpecError(f"selections: {unknown} name no `select: mst` or `select: aim` query")
     bounds = ContributionBounds(spec.contribution.max_records_per_unit, spec.neighbouring)
     sensitivity = count_sensitivity(bounds)
     total = allocation_budget(spec)
@@ -508,7 +599,7 @@ def plan_over(spec: ReleaseSpec, domains: dict[str, Domain], chosen: dict[str, t
     definition = "pure" if spec.budget.definition == "pure" else "rho"
     selections: list[SelectionPlan] = []
     for query, share in zip(spec.queries, query_shares):
-        selected = isinstance(query, MarginalsQuery) and query.select == "mst"
+        selected = isinstance(query, MarginalsQuery) and query.selects
         if selected:
             selections.append(_selection(query, share, bounds, definition, chosen.get(query.name)))
         shapes = _query_tables(query, spec, domains, selections[-1].chosen if selected else None)

@@ -50,12 +50,12 @@ def plan_records(plan: Plan, estimate) -> list[dict[str, Any]]:
 
 
 def _selection_records(selection) -> list[dict[str, Any]]:
-    """A `select: mst` query's selection (its rounds of the exponential mechanism; cells: its candidate pairs)
-    and, before the run chose them, its 2-way tables as one record (cells unknown: None; each gets the same
-    mechanism whichever pairs are chosen)."""
+    """A `select: mst` or `aim` query's selection (its rounds of the exponential mechanism; cells: the tables a
+    round could choose) and, before the run chose them, its chosen tables as one record (cells unknown: None;
+    each gets the same mechanism whichever tables are chosen)."""
     m, sens = selection.event.mechanism, selection.event.sensitivity
     record = dict.fromkeys(PLAN_COLUMNS)
-    record.update(table=selection.name, statistic="mst selection", cells=len(selection.candidates), l1=sens.l1,
+    record.update(table=selection.name, statistic=f"{selection.method} selection", cells=len(selection.candidates), l1=sens.l1,
                   budget=float(selection.event.allocated), mechanism="exponential",
                   noise=f"EM eps={float(m.epsilon):.4g} x {m.selections}")
     if selection.chosen is not None:
@@ -63,7 +63,8 @@ def _selection_records(selection) -> list[dict[str, Any]]:
     pair = selection.pair_event
     pending = dict.fromkeys(PLAN_COLUMNS)
     noise = _noise_text(pair.mechanism)
-    pending.update(table=f"{selection.query}.<{selection.rounds} pairs chosen>", statistic="count", l1=pair.sensitivity.l1,
+    chosen = "pairs" if selection.method == "mst" else "tables"
+    pending.update(table=f"{selection.query}.<{selection.rounds} {chosen} chosen>", statistic="count", l1=pair.sensitivity.l1,
                    l2=pair.sensitivity.l2_squared ** 0.5, budget=float(pair.allocated * selection.rounds),
                    mechanism=pair.mechanism.kind, noise=noise, noise_std=pair.mechanism.variance() ** 0.5,
                    margin_95=pair.mechanism.margin_95())

@@ -48,9 +48,12 @@ table-by-table path. Public: from the plan."""
 
 
 def marginals_path(plan: Plan, query: MarginalsQuery) -> str:
-    """'joint', 'fitted_tables', 'tables' or 'tree': how a marginals query's integer tables are made (public)."""
+    """'joint', 'fitted_tables', 'tables', 'tree' (`select: mst`) or 'junction' (`select: aim`): how a marginals
+    query's integer tables are made (public)."""
     if query.select == "mst":
         return "tree"
+    if query.select == "aim":
+        return "junction"
     tables = [t for t in plan.tables if t.query == query.name]
     units = tables[0].dims[0].size if query.within else 1
     per_unit = joint_size(plan, query) // units
@@ -96,6 +99,14 @@ STEPS = {
                       "(James-Stein factor from the public noise variance) and fitted to that value's count by "
                       "least squares and controlled rounding: nonnegative integer tables that add up exactly (each "
                       "pair's margins are the 1-way tables) and that `synthesize`'s records reproduce",
+    "marginals_junction": ESTIMATE + "; per unit, the junction tree of the chosen tables (AIM-style selection), "
+                          "grown in the order they were chosen: the first table's first attribute fitted to the unit "
+                          "total, then each chosen table's rows (its new attribute given each value of its separator, "
+                          "the attributes it shares with the tables before it), cells at rare values (estimated count "
+                          "below one noise standard deviation) pooled, shrunk toward the new attribute's 1-way "
+                          "estimate (James-Stein factor from the public noise variance) and fitted to the "
+                          "separator's count by least squares and controlled rounding: nonnegative integer tables "
+                          "that add up exactly and that `synthesize`'s records reproduce",
     "histogram": ESTIMATE + "; rounded to the nearest integer, negative values set to 0",
     "count_units": "negative noisy unit counts set to 0",
     "sum_nonnegative": "negative noisy sums set to 0 (the clamp's lower bound is >= 0)",

@@ -1,10 +1,14 @@
-"""The selection stage of a run: the tables a `select: mst` marginals query measures, chosen from the data.
+"""The selection stage of a run: the tables a `select: mst` or `select: aim` marginals query measures, chosen
+from the data.
 
-Runs after the budget is reserved and the key bound, before the measurements: the engine counts every
-candidate pair (bounded exactly as the release's own tables are), the query's 1-way tables are released
-with the noise the measurement stage will draw for them again (noise is a pure function of key, table and
-cell), and `transforms.mst` chooses the tree. The run then continues with the plan of the chosen tables.
-Privacy: accounted in the plan before any data is read (`plan.SelectionPlan`); only the chosen pairs leave
+Runs after the budget is reserved and the key bound, before the measurements. mst: the engine counts every
+candidate pair (bounded exactly as the release's own tables are), the query's 1-way tables are released with
+the noise the measurement stage will draw for them again (noise is a pure function of key, table and cell),
+and `transforms.mst` chooses the tree. aim: round by round, the engine counts the round's candidates, the
+tables measured so far are released (the same noise again) and fitted (`transforms.aim.model_estimates`), and
+one candidate is chosen; its table is released in the next round. The run then continues with the plan of the
+chosen tables.
+Privacy: accounted in the plan before any data is read (`plan.SelectionPlan`); only the chosen tables leave
 this stage, and they are published in the manifest.
 """
 from __future__ import annotations
@@ -14,11 +18,13 @@ import logging
 import numpy as np
 
 from dprelease.accounting.errors import SpecError
+from dprelease.transforms.aim import clique_of, clique_weight, model_estimates, round_candidates
 from dprelease.transforms.csprng import ReleaseKey
-from dprelease.transforms.mst import independent_estimates, noise_penalty, select_tree
+from dprelease.transforms.mst import CliqueEstimate, draw_round, independent_estimates, noise_penalty, select_tree
 
 from .engines.base import Engine, ProgressHook, no_progress
-from .plan import Pair, Plan, SelectionPlan, TablePlan, candidate_tables, table_name, with_selections
+from .plan import (AIM_ROUND_CELLS, Clique, Plan, SelectionPlan, TablePlan, candidate_tables, table_name,
+                   with_selections)
 from .source import InputSource
 
 LOG = logging.getLogger("dprelease")
@@ -29,7 +35,8 @@ def check_engine_selects(plan: Plan, engine: Engine) -> None:
     score its candidates."""
     if plan.selections and not engine.scores_candidates:
         names = [s.query for s in plan.selections]
-        raise SpecError(f"queries {names}: `select: mst` needs an engine that scores candidate tables; the "
+        raise SpecError(f"queries {names}: `select: mst` and `select: aim` need an engine that scores candidate "
+                        f"tables; the "
                         f"{engine.name} engine does not (run it with --engine embedded, spark or beam)")
 
 
@@ -38,23 +45,30 @@ def select_tables(plan: Plan, engine: Engine, source: InputSource, key: ReleaseK
     """The plan with every selection made (itself when it has none)."""
     if not plan.selections:
         return plan
-    candidates = {s.query: candidate_tables(plan, s) for s in plan.selections}
-    one_way = {s.query: _one_way_tables(plan, s) for s in plan.selections}
+    trees = [s for s in plan.selections if s.method == "mst"]
+    chosen = _select_trees(plan, trees, engine, source, key, progress) if trees else {}
+    for selection in plan.selections:
+        if selection.method == "aim":
+            chosen[selection.query] = _grow(plan, selection, engine, source, key, progress)
+        LOG.info("selection %s: chose %d tables", selection.name, len(chosen[selection.query]))
+    return with_selections(plan, chosen)
+
+
+def _select_trees(plan: Plan, selections: list[SelectionPlan], engine: Engine, source: InputSource, key: ReleaseKey,
+                  progress: ProgressHook) -> dict[str, tuple[Clique, ...]]:
+    """Every `select: mst` query's tree, from one count of all their candidate pairs."""
+    candidates = {s.query: candidate_tables(plan, s) for s in selections}
+    one_way = {s.query: _one_way_tables(plan, s) for s in selections}
     # the release's own tables too: the same encoded columns, so the same records are bounded and kept
     counting = list(plan.tables) + [t for ts in candidates.values() for t in ts]
 
-    def estimates(noisy: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        return {name: estimate for s in plan.selections
+    def estimates(noisy: dict[str, np.ndarray]) -> dict[str, CliqueEstimate]:
+        return {name: estimate for s in selections
                 for name, estimate in _estimates(plan, s, one_way[s.query], candidates[s.query], noisy).items()}
 
     scores = engine.score_candidates(plan, counting, [t for ts in one_way.values() for t in ts], estimates, source,
                                      key, progress)
-    chosen = {}
-    for selection in plan.selections:
-        chosen[selection.query] = _choose(plan, selection, candidates[selection.query], scores, key)
-        LOG.info("selection %s: chose %d of %d pairs", selection.name, len(chosen[selection.query]),
-                 len(selection.candidates))
-    return with_selections(plan, chosen)
+    return {s.query: _choose(plan, s, candidates[s.query], scores, key) for s in selections}
 
 
 def _one_way_tables(plan: Plan, selection: SelectionPlan) -> list[TablePlan]:
@@ -62,19 +76,24 @@ def _one_way_tables(plan: Plan, selection: SelectionPlan) -> list[TablePlan]:
     return [plan.table(table_name(query.name, (a,))) for a in query.attributes]
 
 
+def _units(one_way: list[TablePlan]) -> int:
+    """Units of the query's `within` level (1 without one)."""
+    return one_way[0].dims[0].size if len(one_way[0].dims) == 2 else 1
+
+
 def _estimates(plan: Plan, selection: SelectionPlan, one_way: list[TablePlan], candidates: list[TablePlan],
-               noisy: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Each candidate's independent estimate, as (unit totals, share of a, share of b), from the query's
-    released 1-way tables. Post-processing of released values only."""
-    units = one_way[0].dims[0].size if len(one_way[0].dims) == 2 else 1
+               noisy: dict[str, np.ndarray]) -> dict[str, CliqueEstimate]:
+    """Each candidate pair's independent estimate from the query's released 1-way tables. Post-processing of
+    released values only."""
+    units = _units(one_way)
     totals, shares = independent_estimates([noisy[t.name].reshape(units, -1) for t in one_way])
     index = {a: i for i, a in enumerate(plan.query(selection.query).attributes)}
-    return {table.name: (totals, shares[index[a]], shares[index[b]])
+    return {table.name: CliqueEstimate.pair(totals, shares[index[a]], shares[index[b]])
             for (a, b), table in zip(selection.candidates, candidates)}
 
 
 def _choose(plan: Plan, selection: SelectionPlan, candidates: list[TablePlan], scores: dict[str, int],
-            key: ReleaseKey) -> tuple[Pair, ...]:
+            key: ReleaseKey) -> tuple[Clique, ...]:
     """One query's tree: the rounds of the exponential mechanism on its candidates' scores, each less the
     expected L1 error of measuring that pair (`noise_penalty`: public, so the sensitivity is unchanged) and
     times the pair's workload weight (public; the sensitivity is the plan's, times the largest weight)."""
@@ -84,3 +103,62 @@ def _choose(plan: Plan, selection: SelectionPlan, candidates: list[TablePlan], s
     penalised = [w * (scores[t.name] - noise_penalty(t.n_cells, variance)) for w, t in zip(weights, candidates)]
     return select_tree(key, selection.name, list(plan.query(selection.query).attributes),
                        list(selection.candidates), penalised, mechanism.epsilon, selection.event.sensitivity.l1)
+
+
+def _grow(plan: Plan, selection: SelectionPlan, engine: Engine, source: InputSource, key: ReleaseKey,
+          progress: ProgressHook) -> tuple[Clique, ...]:
+    """A `select: aim` query's cliques, round by round: the round's candidates (`transforms.aim.round_candidates`)
+    counted in passes of at most `AIM_ROUND_CELLS` cells, each scored against the model of the tables released
+    so far (the 1-way tables and the cliques chosen in earlier rounds), less the expected L1 error of measuring
+    it (`noise_penalty`, public) and times its workload weight (public); then one exponential-mechanism draw."""
+    query = plan.query(selection.query)
+    attributes = list(query.attributes)
+    one_way = _one_way_tables(plan, selection)
+    units = _units(one_way)
+    sizes = {a: t.dims[-1].size for a, t in zip(attributes, one_way)}
+    variance = selection.pair_event.mechanism.variance()
+    weights = dict(selection.attribute_weights or ())
+    cliques: list[Clique] = []
+    released: dict[str, np.ndarray] = {}  # the noisy values of every table released so far (public)
+    for round_ in range(selection.rounds):
+        steps = round_candidates(attributes, cliques, selection.degree)
+        members = [clique_of(attributes, separator + (new,)) for separator, new in steps]
+        tables = candidate_tables(plan, selection, members)
+        # the table the round before chose is released (counted, its noise drawn) with this round's first pass
+        newest = candidate_tables(plan, selection, cliques[-1:], released=True)
+        scores: dict[str, int] = {}
+        for batch in _passes(list(range(len(steps))), tables):
+            def estimates(noisy: dict[str, np.ndarray], batch=batch) -> dict[str, CliqueEstimate]:
+                released.update(noisy)
+                found = model_estimates(
+                    attributes, {a: released[t.name].reshape(units, -1) for a, t in zip(attributes, one_way)},
+                    cliques, [released[table_name(query.name, c)].reshape(units, *[sizes[a] for a in c])
+                              for c in cliques], variance, [steps[i] for i in batch], sizes)
+                return {tables[i].name: estimate for i, estimate in zip(batch, found)}
+
+            counting = list(plan.tables) + newest + [tables[i] for i in batch]
+            scores.update(engine.score_candidates(plan, counting, one_way + newest, estimates, source, key, progress))
+            newest = [t for t in newest if t.name not in released]
+        penalised = [clique_weight(weights, clique) * (scores[t.name] - noise_penalty(t.n_cells, variance))
+                     for clique, t in zip(members, tables)]
+        pick = draw_round(key, selection.name, round_, penalised, selection.event.mechanism.epsilon,
+                          selection.event.sensitivity.l1)
+        cliques.append(members[pick])
+        LOG.info("selection %s: round %d of %d chose %s among %d candidates", selection.name, round_ + 1,
+                 selection.rounds, "-".join(members[pick]), len(members))
+    return tuple(cliques)
+
+
+def _passes(indices: list[int], tables: list[TablePlan]) -> list[list[int]]:
+    """The candidates split into passes of at most `AIM_ROUND_CELLS` cells each (a larger candidate alone), in
+    order. Public: from the plan."""
+    passes: list[list[int]] = []
+    cells = 0
+    for i in indices:
+        if passes and cells + tables[i].n_cells <= AIM_ROUND_CELLS:
+            passes[-1].append(i)
+            cells += tables[i].n_cells
+        else:
+            passes.append([i])
+            cells = tables[i].n_cells
+    return passes

@@ -285,17 +285,23 @@ class HistogramQuery(QueryBase):
     by: list[str] = Field(default_factory=list, description="Defaulted ([]: the total). Columns or geo levels 'geo.county'.")
 
 
+MAX_AIM_DEGREE = 2
+"""Largest `degree` of a `select: aim` query: its cliques have at most 3 attributes (every round counts each
+candidate table in full, so larger cliques multiply the cells a round counts)."""
+DEFAULT_AIM_DEGREE = 2
+
 MAX_WORKLOAD_WEIGHT = 1000
 """Largest weight of a workload marginal: weights are relative, and the selection's sensitivity grows with
 the largest pair weight they give."""
 MAX_WORKLOAD_MARGINALS = 10_000
 """Most marginals a workload may list (all 3-way marginals of 40 attributes are 9,880). With the weight cap a
-pair weighs at most 2 * 1000 * 10,000 = 2 * 10^7, so the score sensitivity (at most 2 * 10,000 records per unit
-times that) and a selection epsilon's denominator (2^20) stay within the selection kernel's 62 bits."""
+pair weighs at most 2 * 1000 * 10,000 = 2 * 10^7 (a `select: aim` triple 3 * 10^7), so the score sensitivity (at
+most 2 * 10,000 records per unit times that) and a selection epsilon's denominator (2^20) stay within the
+selection kernel's 62 bits."""
 
 
 class WorkloadMarginal(Frozen):
-    """One marginal of a `select: mst` query's workload: the statistics the synthetic data should serve best."""
+    """One marginal of a `select: mst` or `select: aim` query's workload: the statistics the synthetic data should serve best."""
 
     attributes: list[str] = Field(min_length=1, description="Required. Attributes of the query whose joint "
                                                             "table the workload asks for (distinct).")
@@ -307,35 +313,55 @@ class WorkloadMarginal(Frozen):
 class MarginalsQuery(QueryBase):
     kind: Literal["marginals"]
     attributes: list[str] | None = Field(
-        None, min_length=1, description="Required, except with select: mst (default there: every column of the spec "
+        None, min_length=1, description="Required, except with select: mst or aim (default there: every column of the spec "
                                         "that is not a geography or collected under randomized_response, in the "
                                         "spec's order). Attributes whose t-way combinations are tabulated.")
     way: int = Field(2, ge=1, description="Defaulted (2). t: the size of each combination.")
     within: str | None = Field(None, description="Optional. A geography level every marginal is crossed with, 'geo.county'.")
-    select: Literal["all", "mst"] = Field(
+    select: Literal["all", "mst", "aim"] = Field(
         "all", description="Defaulted (all): measure every t-way combination. 'mst' (way 2 only): measure every "
                            "attribute's 1-way table, choose a spanning tree of 2-way tables with the exponential "
                            "mechanism (MST, McKenna et al. 2021; each pair scored less the expected error of measuring it, as in AIM) "
                            "and measure those; the query's budget splits 45% 1-way "
                            "tables, 10% selection, 45% 2-way tables, and the chosen tables are recorded in the "
-                           "manifest.")
+                           "manifest. 'aim' (way 2 only): AIM-style adaptive rounds (McKenna et al. 2022): after the "
+                           "1-way tables, each round chooses with the exponential mechanism one table of a new "
+                           "attribute and up to `degree` attributes of a table already measured, scored against the "
+                           "model fitted to the measurements so far, and measures it before the next round (the same "
+                           "budget split).")
+    degree: int | None = Field(
+        None, ge=1, le=MAX_AIM_DEGREE, strict=True,
+        description=f"Optional, with select: aim only (default 2): the most attributes a new attribute's table joins "
+                    f"it to (1 to {MAX_AIM_DEGREE}; 1 grows a tree of 2-way tables, 2 measures 3-way tables).")
     workload: list[WorkloadMarginal] | None = Field(
-        None, min_length=1, max_length=MAX_WORKLOAD_MARGINALS, description="Optional, with select: mst only (default: every pair of the attributes, "
+        None, min_length=1, max_length=MAX_WORKLOAD_MARGINALS, description="Optional, with select: mst or aim only (default: every table of the attributes, "
                                         "alike). The marginals the synthetic data should serve, weighted: each "
-                                        "candidate pair's score is multiplied by its AIM weight (McKenna et al. "
-                                        "2022), the sum over the workload of weight x the attributes the pair "
+                                        "candidate table's score is multiplied by its AIM weight (McKenna et al. "
+                                        "2022), the sum over the workload of weight x the attributes the table "
                                         "shares with the marginal, and the selection's sensitivity by the largest "
                                         "such weight.")
 
+    @property
+    def selects(self) -> bool:
+        """Whether the query's tables beyond the 1-way ones are chosen from the data (`select: mst` or `aim`)."""
+        return self.select != "all"
+
+    @property
+    def aim_degree(self) -> int:
+        """The degree of a `select: aim` query (2 unless given)."""
+        return self.degree if self.degree is not None else DEFAULT_AIM_DEGREE
+
     @model_serializer(mode="wrap")
     def _omit_default_select(self, handler):
-        """The canonical form leaves `select` and `workload` out at their defaults, so specs written before them
+        """The canonical form leaves `select`, `degree` and `workload` out at their defaults, so specs written before them
         keep their hash."""
         document = handler(self)
         if document.get("select") == "all":
             del document["select"]
         if document.get("workload") is None:
             document.pop("workload", None)
+        if document.get("degree") is None:
+            document.pop("degree", None)
         return document
 
 
@@ -448,7 +474,7 @@ class ReleaseSpec(Frozen):
     @model_validator(mode="before")
     @classmethod
     def _mst_attributes(cls, document: Any) -> Any:
-        """A `select: mst` marginals query without attributes takes every column that is neither a geography nor
+        """A `select: mst` or `select: aim` marginals query without attributes takes every column that is neither a geography nor
         collected under randomized response (public: the spec's own declarations), written into the spec so its
         hash and manifest say which."""
         if not isinstance(document, dict) or not isinstance(document.get("queries"), list) \
@@ -459,7 +485,7 @@ class ReleaseSpec(Frozen):
                                                          or column.get("randomized_response") is not None))]
         queries = []
         for query in document["queries"]:
-            if isinstance(query, dict) and query.get("kind") == "marginals" and query.get("select") == "mst" \
+            if isinstance(query, dict) and query.get("kind") == "marginals" and query.get("select") in ("mst", "aim") \
                     and query.get("attributes") is None:
                 query = {**query, "attributes": columns}
             queries.append(query)

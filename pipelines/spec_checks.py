@@ -15,6 +15,9 @@ per-batch partial sums exact in doubles."""
 MAX_MST_ATTRIBUTES = 200
 """Most attributes of a `select: mst` query: 19,900 candidate pairs, each scored once (planning and verify
 build every candidate)."""
+MAX_AIM_ATTRIBUTES = 60
+"""Most attributes of a `select: aim` query: the plan checks the names of every table a round could choose
+(35,990 pairs and triples of 60 attributes), and a round scores up to a few thousand candidates."""
 
 
 def _check_clamp(path: str, column: IntegerColumn, problems: list[str]) -> None:
@@ -87,11 +90,16 @@ def _check_refs(spec: ReleaseSpec, refs: list[str], path: str, problems: list[st
 
 
 def _check_workload(query: MarginalsQuery, path: str, problems: list[str]) -> None:
-    """A workload belongs to a `select: mst` query and names its attributes, each once per marginal."""
+    """A workload belongs to a `select: mst` or `aim` query and names its attributes, each once per marginal; a
+    degree belongs to a `select: aim` query."""
+    if query.degree is not None and query.select != "aim":
+        problems.append(f"{path}.degree = {query.degree}: only a `select: aim` query takes a degree (select = "
+                        f"{query.select!r})")
     if query.workload is None:
         return
-    if query.select != "mst":
-        problems.append(f"{path}.workload: only a `select: mst` query takes a workload (select = {query.select!r})")
+    if not query.selects:
+        problems.append(f"{path}.workload: only a `select: mst` or `select: aim` query takes a workload (select = "
+                        f"{query.select!r})")
         return
     for i, marginal in enumerate(query.workload):
         for j, attribute in enumerate(marginal.attributes):
@@ -126,15 +134,21 @@ def cross_reference_problems(spec: ReleaseSpec) -> list[str]:
             _check_measure(spec, query, path, problems)
         elif isinstance(query, MarginalsQuery):
             if query.attributes is None:
-                problems.append(f"{path}.attributes: required (only a `select: mst` query takes every column by "
-                                f"default)")
+                problems.append(f"{path}.attributes: required (only a `select: mst` or `select: aim` query takes "
+                                f"every column by default)")
                 continue
             _check_refs(spec, query.attributes, f"{path}.attributes", problems)
             if query.way > len(query.attributes):
                 problems.append(f"{path}.way = {query.way}: must be <= number of attributes ({len(query.attributes)})")
-            if query.select == "mst" and (query.way != 2 or not 2 <= len(query.attributes) <= MAX_MST_ATTRIBUTES):
-                problems.append(f"{path}.select = 'mst': needs way = 2 and 2 to {MAX_MST_ATTRIBUTES} attributes "
+            limit = MAX_MST_ATTRIBUTES if query.select == "mst" else MAX_AIM_ATTRIBUTES
+            if query.selects and (query.way != 2 or not 2 <= len(query.attributes) <= limit):
+                problems.append(f"{path}.select = {query.select!r}: needs way = 2 and 2 to {limit} attributes "
                                 f"(got way = {query.way}, {len(query.attributes)} attribute(s))")
+            if query.selects:
+                for j, ref in enumerate(query.attributes):
+                    if isinstance(spec.columns.get(ref.partition(".")[0]), GeographyColumn):
+                        problems.append(f"{path}.attributes[{j}] = {ref!r}: a `select: {query.select}` query's "
+                                        f"attributes cannot be a geography (cross its tables with one by `within`)")
             _check_workload(query, path, problems)
             if query.within is not None:
                 resolved = _resolve(spec, query.within, f"{path}.within", problems)
@@ -176,10 +190,10 @@ def _refuse_randomized(spec: ReleaseSpec, query, path: str, problems: list[str])
         if crossed:
             problems.append(f"{path}.by = {query.by}: {crossed} collected under randomized_response; only count "
                             f"tables (histogram, marginals, hierarchy by) are debiased, not a {query.kind} query's")
-    if isinstance(query, MarginalsQuery) and query.select == "mst" and query.attributes:
+    if isinstance(query, MarginalsQuery) and query.selects and query.attributes:
         crossed = [a for a in query.attributes if a in randomized]
         if crossed:
-            problems.append(f"{path}.attributes: {crossed} collected under randomized_response; a `select: mst` "
+            problems.append(f"{path}.attributes: {crossed} collected under randomized_response; a `select: {query.select}` "
                             f"query is for synthetic records, which cannot be drawn from reports (leave it out, "
                             f"or measure it with select: all)")
 

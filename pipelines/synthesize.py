@@ -2,9 +2,10 @@
 
 TopDown's microdata detail file for dprelease: the records are drawn from the integer joint table that
 post-processing fits per geography unit for the release's marginals query (every published marginal
-is a margin of it; with several, a `select: mst` one, else the one with the most attributes), or from a tree
-of its published 2-way tables (a `select: mst` query's chosen pairs; for a query whose joint is too large to
-fit, the maximum spanning tree of its pairs by dependence beyond noise), and each
+is a margin of it; with several, a `select: mst` or `aim` one, else the one with the most attributes), or from
+a tree of its published 2-way tables (a `select: mst` query's chosen pairs; for a query whose joint is too
+large to fit, the maximum spanning tree of its pairs by dependence beyond noise), or from the junction tree of a
+`select: aim` query's chosen tables, and each
 unit's records are split among the finest published hierarchy level's units by their published counts
 (which add up to the unit's total; for a hierarchy crossed with `by`, per `by` cell, scaled by largest
 remainders where the hierarchy's and the marginals' integers differ). A hierarchy without a marginals
@@ -31,7 +32,8 @@ import pyarrow.parquet as pq
 from dprelease.accounting.errors import DPReleaseError, SpecError
 from dprelease.transforms.domains import NATION, GeographyDomain
 
-from dprelease.transforms.units.tree_model import dependence_score, sample_tree, spanning_tree
+from dprelease.transforms.aim import clique_steps, oriented
+from dprelease.transforms.units.tree_model import dependence_score, sample_junction, sample_tree, spanning_tree
 
 from .debiased import debiased_tables
 from .plan import Plan, TablePlan, table_name
@@ -100,9 +102,9 @@ def utility_of(name: str, tabulated: np.ndarray, measured: np.ndarray, published
 
 
 def _source_marginals(queries: list[MarginalsQuery]) -> MarginalsQuery | None:
-    """The marginals query records are drawn from: a `select: mst` one first, then the one with the most
+    """The marginals query records are drawn from: a `select: mst` or `aim` one first, then the one with the most
     attributes (the first in the spec among equals). Every other query's tables are tabulated and reported."""
-    return min(queries, key=lambda q: (q.select != "mst", -len(q.attributes or ()), queries.index(q)), default=None)
+    return min(queries, key=lambda q: (not q.selects, -len(q.attributes or ()), queries.index(q)), default=None)
 
 
 def _source_hierarchy(queries: list[HierarchyQuery]) -> HierarchyQuery | None:
@@ -159,7 +161,7 @@ def _records(plan: Plan, joints: dict, published: dict, max_records: int) -> tup
     geo_name = hierarchy.geography if hierarchy else (marginals.within or "").partition(".")[0] or None
     geo = plan.domains[geo_name] if geo_name else None
     columns: dict[str, pa.Array] = {}
-    if marginals is not None and (marginals.select == "mst" or marginals.name not in joints):
+    if marginals is not None and (marginals.selects or marginals.name not in joints):
         level = marginals.within.partition(".")[2] if marginals.within else NATION
         attributes = list(marginals.attributes)
         unit, attribute_codes = _tree_records(plan, marginals, hierarchy, level, published, max_records)
@@ -204,6 +206,9 @@ def _tree_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQuery |
     chosen pairs; for a `select: all` query whose joint is too large to fit, the maximum spanning tree of its
     pairs by `dependence_score` (pair tables published, or summed from its published t-way tables)."""
     attributes = list(query.attributes)
+    units = 1 if query.within is None else plan.domains[query.within.partition(".")[0]].level_size(level)
+    if query.select == "aim":
+        return _junction_records(plan, query, hierarchy, level, units, published, max_records)
     if query.select == "mst":
         pairs = list(next(s for s in plan.selections if s.query == query.name).chosen)
         tables = [_pair_table(plan, query, a, b, published)[0] for a, b in pairs]
@@ -214,13 +219,38 @@ def _tree_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQuery |
         tables = [found[pair][0] for pair in pairs]
         first = next(i for i, pair in enumerate(pairs) if attributes[0] in pair)
         root = tables[first].sum(axis=2 if pairs[first][0] == attributes[0] else 1)
-    units = 1 if query.within is None else plan.domains[query.within.partition(".")[0]].level_size(level)
     root = np.asarray(root).reshape(units, -1)
+    totals = _record_totals(hierarchy, level, units, root, published, max_records)
+    unit, codes = sample_tree(totals, root, attributes, pairs, tables, _public_seed(plan))
+    return unit, [codes[a] for a in attributes]
+
+
+def _record_totals(hierarchy: HierarchyQuery | None, level: str, units: int, root: np.ndarray, published: dict,
+                   max_records: int) -> np.ndarray:
+    """Records per unit: as many as the hierarchy publishes at the query's level, else as the root's table adds
+    up to; SpecError over `max_records`."""
     totals = root.sum(axis=1)
     if hierarchy is not None and level in hierarchy.levels:
         totals = published[f"{hierarchy.name}.{level}"].reshape(units, -1).sum(axis=1)
     _check_size(int(totals.sum()), max_records)
-    unit, codes = sample_tree(totals.astype(np.int64), root, attributes, pairs, tables, _public_seed(plan))
+    return totals.astype(np.int64)
+
+
+def _junction_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQuery | None, level: str, units: int,
+                      published: dict, max_records: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Records along a `select: aim` query's junction tree of published tables (`tree_model.sample_junction`):
+    the first chosen table's first attribute first, then each chosen table's new attribute dealt per value of its
+    separator, in the order the tables were chosen."""
+    attributes = list(query.attributes)
+    cliques = list(next(s for s in plan.selections if s.query == query.name).chosen)
+    sizes = {a: plan.table(table_name(query.name, (a,))).dims[-1].size for a in attributes}
+    steps = []
+    for (separator, new), clique in zip(clique_steps(cliques), cliques):
+        table = published[table_name(query.name, clique)].reshape(units, *[sizes[a] for a in clique])
+        steps.append((separator, new, oriented(table, clique, separator, new)))
+    root = published[table_name(query.name, (cliques[0][0],))].reshape(units, -1)
+    totals = _record_totals(hierarchy, level, units, root, published, max_records)
+    unit, codes = sample_junction(totals, cliques[0][0], root, steps, _public_seed(plan))
     return unit, [codes[a] for a in attributes]
 
 

@@ -39,9 +39,9 @@ from dprelease.accounting.periods import budget_periods, parse_period
 from dprelease.accounting.signing import SIGNATURE_FILE, check, fingerprint, load_public_key, well_formed
 
 from .limits import check_cell_limit
-from .manifest import (DESCRIPTIVE_FIELDS, MANIFEST_VERSION, WORKLOAD_VERSION, derived_section, domain_file_name,
+from .manifest import (AIM_VERSION, DESCRIPTIVE_FIELDS, MANIFEST_VERSION, WORKLOAD_VERSION, derived_section, domain_file_name,
                        domain_file_names)
-from .plan import MAX_DOMAIN_FILE_BYTES, Plan, build_plan
+from .plan import MAX_DOMAIN_FILE_BYTES, Plan, SelectionError, build_plan
 from .postprocessing import EstimateVariances, estimate_variances, unit_tree
 from .layout import Layout, layout_of, release_files
 from .safe_files import UnsafeFile, open_file, read_inside, read_regular, regular_directory, safe_relative, tree_entries
@@ -50,7 +50,7 @@ from .validation import manifest_record
 from .verify_tables import check_consistency, check_recomputed, check_table_files
 
 MANIFEST = "manifest.json"
-SUPPORTED_VERSIONS = (1, 2, 3, 4)
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5)
 HEX16 = re.compile(r"^[0-9a-f]{16}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_MANIFEST_BYTES = 64 << 20
@@ -309,16 +309,20 @@ def _replan(root: Path, manifest: dict, report: VerifyReport):
         return None
     try:
         return build_plan(original, root, _release_reader(root), chosen), original
+    except SelectionError as error:
+        report.problems.append(f"selections: {brief(str(error), 2000)}")
+        return None
     except DPReleaseError as error:
         report.problems.append(f"spec: cannot be re-planned over the release's domain files: {brief(str(error), 2000)}")
         return None
 
 
 def _recorded_selections(manifest: dict, spec, report: VerifyReport) -> dict | None:
-    """The pairs each `select: mst` query of the spec chose, as the manifest records them (checked to be a
-    spanning tree of the query's attributes by the plan); None, with the problem, when they are missing or
-    malformed."""
-    wanted = [q.name for q in spec.queries if getattr(q, "select", "all") == "mst"]
+    """The tables each `select: mst` or `aim` query of the spec chose, as the manifest records them (checked by
+    the plan to be a spanning tree of the query's attributes, or a junction tree grown one attribute a round);
+    None, with the problem, when they are missing or malformed."""
+    wanted = [q.name for q in spec.queries if getattr(q, "selects", False)]
+    methods = {q.name: q.select for q in spec.queries if getattr(q, "selects", False)}
     records = manifest.get("selections", [])
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         report.problems.append("selections: not a list of mappings")
@@ -327,17 +331,19 @@ def _recorded_selections(manifest: dict, spec, report: VerifyReport) -> dict | N
     for record in records:
         query, pairs = record.get("query"), record.get("chosen")
         if query not in wanted or query in chosen:
-            report.problems.append(f"selections: {brief(query, 100)} is not a `select: mst` query of the spec "
-                                   "(or is listed twice)")
+            report.problems.append(f"selections: {brief(query, 100)} is not a `select: mst` or `select: aim` query "
+                                   "of the spec (or is listed twice)")
             return None
-        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and
+        sizes = (2,) if methods[query] == "mst" else (2, 3)
+        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) in sizes and
                                                   all(isinstance(a, str) for a in p) for p in pairs):
-            report.problems.append(f"selections: {query}: `chosen` is not a list of attribute pairs")
+            report.problems.append(f"selections: {query}: `chosen` is not a list of attribute "
+                                   f"{'pairs' if methods[query] == 'mst' else 'tables'}")
             return None
         chosen[query] = tuple(tuple(p) for p in pairs)
     missing = [q for q in wanted if q not in chosen]
     if missing:
-        report.problems.append(f"selections: the pairs chosen by {missing} are missing")
+        report.problems.append(f"selections: the tables chosen by {missing} are missing")
         return None
     return chosen
 
@@ -570,6 +576,11 @@ def _check_derived(root: Path, manifest: dict, version: int, plan: Plan, embedde
         if key in manifest:
             report.problems.append(f"{key}: present, but a release of this spec has none (value "
                                    f"{brief(manifest[key], 200)})")
+    if version < AIM_VERSION:
+        for selection in plan.selections:
+            if selection.method == "aim":
+                report.problems.append(f"selections: {selection.query} is a `select: aim` selection, which manifests "
+                                       f"state from version {AIM_VERSION} on (this one says {version})")
     if version < WORKLOAD_VERSION:
         for selection in plan.selections:
             if selection.weights is not None:
@@ -621,7 +632,9 @@ def verify_release(release_dir: Path, public_key: Path | None = None, *, ledger:
             report.problems.append(f"spec: {error}")
             plan = None
     version = manifest.get("manifest_version")
-    version = version if version in SUPPORTED_VERSIONS else MANIFEST_VERSION
+    if type(version) is not int:  # noqa: E721 (5.0 or True would compare equal to a supported version)
+        report.problems.append(f"manifest_version: {brief(version, 40)} is not an integer")
+    version = version if type(version) is int and version in SUPPORTED_VERSIONS else MANIFEST_VERSION
     layout = layout_of(manifest, version, report.problems)
     _check_files(root, manifest, report, size_bounds(plan, layout) if plan is not None else {})
     if plan is None:

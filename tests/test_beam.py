@@ -328,7 +328,7 @@ def test_candidates_are_scored_over_every_range_and_a_missing_range_is_refused()
 
     from dprelease.pipelines.engines.beam import checked_scores
     from dprelease.transforms.beam import ScoreCandidates
-    from dprelease.transforms.mst import independent_estimates, pair_estimate, pair_score
+    from dprelease.transforms.mst import CliqueEstimate, independent_estimates, pair_estimate, pair_score
     from dprelease.transforms.release_values import TableRelease
 
     rng = np.random.default_rng(9)
@@ -337,7 +337,7 @@ def test_candidates_are_scored_over_every_range_and_a_missing_range_is_refused()
     counts[20:40] = 0  # a whole range without records: still scored
     totals, (share_a, share_b) = independent_estimates([rng.integers(-3, 30, size=(units, n)) for n in (a, b)])
     release = TableRelease("m.x-y", counts.size, None)
-    scorer = ScoreCandidates({"m.x-y": release}, {"m.x-y": (totals, share_a, share_b)}, range_cells=20)
+    scorer = ScoreCandidates({"m.x-y": release}, {"m.x-y": CliqueEstimate.pair(totals, share_a, share_b)}, range_cells=20)
     expected = pair_score(counts.reshape(units, a, b), pair_estimate(totals, share_a, share_b))
     assert scorer.expected_ranges() == {"m.x-y": 3}
     cells = np.flatnonzero(counts)

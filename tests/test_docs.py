@@ -133,13 +133,16 @@ def run_adult_howto(tmp_path, page: str, blocks: int):
 
 def test_the_synthetic_microdata_howto_runs_as_written(tmp_path):
     """Every bash block of the how-to, in order: plan, budget, run, verify and synthesize of an MST release, then
-    of one with a workload."""
+    of one with a workload, then of an AIM-style one."""
     import pyarrow.parquet as pq
 
-    root, done = run_adult_howto(tmp_path, "synthetic.md", 3)
+    root, done = run_adult_howto(tmp_path, "synthetic.md", 4)
     assert "Not reproduced" not in done.stdout
-    assert pq.read_metadata(root / "adult-synthetic.parquet").num_rows > 40_000
-    assert pq.read_metadata(root / "adult-income.parquet").num_rows > 40_000
+    for records in ("adult-synthetic", "adult-income", "adult-aim"):
+        assert pq.read_metadata(root / f"{records}.parquet").num_rows > 40_000
+    [aim] = json.loads((root / "examples" / "adult" / "releases" / "adult-synthetic-aim" / "manifest.json").read_text()
+                       )["selections"]
+    assert aim["method"] == "aim" and len(aim["chosen"]) == 13
     [selection] = json.loads((root / "examples" / "adult" / "releases" / "adult-synthetic-income" /
                               "manifest.json").read_text())["selections"]
     weights = {tuple(w["pair"]): w["weight"] for w in selection["workload_weights"]}

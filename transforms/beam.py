@@ -331,7 +331,7 @@ def _score_range(element, measured: dict[str, int], steps: dict[str, int], estim
 
     (name, start), parts = element
     stop = min(start + steps[name], measured[name])
-    yield name, (range_score(dense_range(start, stop, *_sparse_parts(parts)), start, *estimates[name]), 1)
+    yield name, (range_score(dense_range(start, stop, *_sparse_parts(parts)), start, estimates[name]), 1)
 
 
 def _sum_scores(values: Iterable[tuple[int, int]]) -> tuple[int, int]:

@@ -18,6 +18,7 @@ executors and Beam workers, whole tables in the embedded engine); only the chose
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
@@ -49,28 +50,60 @@ def pair_estimate(totals: np.ndarray, share_a: np.ndarray, share_b: np.ndarray) 
     return np.rint(product).astype(np.int64)
 
 
-def range_score(counts: np.ndarray, start: int, totals: np.ndarray, share_a: np.ndarray,
-                share_b: np.ndarray) -> int:
-    """The L1 distance between cells [start, start + len(counts)) of a pair's bounded counts and the same cells
-    of its independent estimate (`pair_estimate`, the same arithmetic cell by cell): a worker scores its own
-    range of cells, and the ranges' scores add up to `pair_score` of the whole table. Private: the exponential
+@dataclass(frozen=True)
+class CliqueEstimate:
+    """What a candidate table is scored against: per unit, its separator's estimated table times the new
+    attribute's distribution, rounded per cell, estimate[unit, s, x] = rint(separator[unit, s] * share[unit, x]),
+    with s the cell of the table's other dimensions (in its own order) and x the new attribute's value.
+    An MST pair (a, b) is the clique of separator a with separator = totals x share_a (`pair`): the same
+    arithmetic as `pair_estimate`. Post-processing of released values only (picklable: the engines' workers
+    score with it)."""
+
+    separator: np.ndarray
+    """(units, separator cells) float64: the separator's estimated counts per unit."""
+    share: np.ndarray
+    """(units, new attribute's size) float64: the new attribute's distribution per unit."""
+    sizes: tuple[int, ...]
+    """The table's dimension sizes after the unit's (its own order)."""
+    child_axis: int
+    """Which of `sizes` is the new attribute."""
+
+    @classmethod
+    def pair(cls, totals: np.ndarray, share_a: np.ndarray, share_b: np.ndarray) -> "CliqueEstimate":
+        """A pair's independent estimate (`pair_estimate`) as a clique estimate: separator a, new attribute b."""
+        return cls(totals[:, None] * share_a, share_b, (share_a.shape[1], share_b.shape[1]), 1)
+
+    def cells(self, start: int, stop: int) -> np.ndarray:
+        """The rounded estimate of the table's cells [start, stop) (int64), cell by cell."""
+        width = int(np.prod(self.sizes, dtype=np.int64))
+        unit, rest = np.divmod(np.arange(start, stop, dtype=np.int64), width)
+        digits = np.unravel_index(rest, self.sizes)
+        separator_cell = np.zeros(rest.size, dtype=np.int64)
+        for axis, digit in enumerate(digits):
+            if axis != self.child_axis:
+                separator_cell = separator_cell * self.sizes[axis] + digit
+        product = self.separator[unit, separator_cell] * self.share[unit, digits[self.child_axis]]
+        return np.rint(product).astype(np.int64)
+
+
+def range_score(counts: np.ndarray, start: int, estimate: CliqueEstimate) -> int:
+    """The L1 distance between cells [start, start + len(counts)) of a candidate's bounded counts and the same
+    cells of its estimate (`CliqueEstimate.cells`, the same arithmetic cell by cell): a worker scores its own
+    range of cells, and the ranges' scores add up to the score of the whole table. Private: the exponential
     mechanism's input only."""
-    a, b = share_a.shape[1], share_b.shape[1]
-    unit, rest = np.divmod(np.arange(start, start + len(counts), dtype=np.int64), a * b)
-    i, j = np.divmod(rest, b)
-    estimate = np.rint(totals[unit] * share_a[unit, i] * share_b[unit, j]).astype(np.int64)
-    return int(np.abs(np.asarray(counts, dtype=np.int64) - estimate).sum())
+    values = estimate.cells(start, start + len(counts))
+    return int(np.abs(np.asarray(counts, dtype=np.int64) - values).sum())
 
 
 def scores_from_counts(key: ReleaseKey, counts: dict[str, np.ndarray], one_way: list, estimates,
                        range_target: int) -> dict[str, int]:
     """Every candidate's score from whole bounded count vectors held in one process (the embedded engine):
-    the 1-way tables released (`one_way`: their TableReleases; the values the release publishes), mapped by
-    `estimates` to each candidate's (totals, share_a, share_b), and each candidate scored over all its cells."""
+    the tables released (`one_way`: their TableReleases; the values the release publishes), mapped by
+    `estimates` to each candidate's `CliqueEstimate`, and each candidate scored over all its cells."""
     from .release_values import release_table
 
     noisy = {t.name: release_table(key, t, counts[t.name], range_target) for t in one_way}
-    return {name: range_score(counts[name], 0, *estimate) for name, estimate in estimates(noisy).items()}
+    return {name: range_score(counts[name], 0, estimate) for name, estimate in estimates(noisy).items()}
 
 
 def noise_penalty(cells: int, variance: float) -> int:
@@ -133,28 +166,36 @@ def selection_stream(key: ReleaseKey, name: str, round_: int) -> CellStream:
     return CellStream(key.derive(f"dprelease/select/{name}/round-{round_}"))
 
 
+def draw_round(key: ReleaseKey, name: str, round_: int, scores: list[int], epsilon: Fraction, sensitivity: int) -> int:
+    """One round's exponential mechanism: the index of the score picked, with probability proportional to
+    exp(epsilon * score / (2 * sensitivity)) (the kernel's lowest-is-best form on best - score, which gives the
+    same distribution), from the round's own keyed stream (`selection_stream`).
+
+    Privacy: epsilon-DP (and epsilon^2 / 8-zCDP) when no score moves by more than `sensitivity` between
+    neighbouring inputs."""
+    from .samplers import select_cells
+
+    best = max(int(s) for s in scores)
+    # in Python integers, capped: the distance to the best, min(best - score, 2^62), is the lowest-is-best
+    # form of the score max(score, best - 2^62), of the same sensitivity (best and score each move by at
+    # most it); a capped candidate keeps at most exp(-epsilon * 2^62 / (2 * sensitivity)) of the best's
+    # weight (below exp(-1e8) without a workload; with the largest weights and a tiny epsilon it can matter,
+    # and the draw is still exact for the capped scores)
+    lowest_best = np.array([[min(best - int(s), SCORE_DISTANCE_CAP) for s in scores]], dtype=np.int64)
+    return int(select_cells(selection_stream(key, name, round_), 0, 1, lowest_best, epsilon, sensitivity)[0])
+
+
 def select_tree(key: ReleaseKey, name: str, attributes: list[str], candidates: list[tuple[str, str]],
                 scores: list[int], epsilon: Fraction, sensitivity: int) -> tuple[tuple[str, str], ...]:
     """The pairs of a spanning tree of `attributes`, chosen round by round: each round the exponential
-    mechanism picks one of the candidates joining two components, with probability proportional to
-    exp(epsilon * score / (2 * sensitivity)) (the kernel's lowest-is-best form on largest - score, which
-    gives the same distribution).
+    mechanism (`draw_round`) picks one of the candidates joining two components.
 
     Privacy: `len(attributes) - 1` epsilon-DP selections on scores of the given sensitivity."""
-    from .samplers import select_cells
-
     parts = Components(attributes)
     chosen = []
     for round_ in range(len(attributes) - 1):
         open_pairs = [i for i, (a, b) in enumerate(candidates) if parts.root(a) != parts.root(b)]
-        best = max(int(scores[i]) for i in open_pairs)
-        # in Python integers, capped: the distance to the best, min(best - score, 2^62), is the lowest-is-best
-        # form of the score max(score, best - 2^62), of the same sensitivity (best and score each move by at
-        # most it); a capped candidate keeps at most exp(-epsilon * 2^62 / (2 * sensitivity)) of the best's
-        # weight (below exp(-1e8) without a workload; with the largest weights and a tiny epsilon it can matter,
-        # and the draw is still exact for the capped scores)
-        lowest_best = np.array([[min(best - int(scores[i]), SCORE_DISTANCE_CAP) for i in open_pairs]], dtype=np.int64)
-        pick = int(select_cells(selection_stream(key, name, round_), 0, 1, lowest_best, epsilon, sensitivity)[0])
+        pick = draw_round(key, name, round_, [scores[i] for i in open_pairs], epsilon, sensitivity)
         a, b = candidates[open_pairs[pick]]
         parts.join(a, b)
         chosen.append((a, b))

@@ -155,7 +155,7 @@ def _score_function(plan: Plan, steps: list[int], estimates):
 
     def score(group: pa.Table) -> pa.Table:
         table_id, start, stop, cells, counts = _range_group(releases, steps, group)
-        value = range_score(dense_range(start, stop, cells, counts), start, *estimates.value[table_id])
+        value = range_score(dense_range(start, stop, cells, counts), start, estimates.value[table_id])
         return pa.table({"table_id": pa.array([table_id], pa.int32()), "score": pa.array([value], pa.int64())})
 
     return score

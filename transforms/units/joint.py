@@ -330,6 +330,33 @@ def _tree_path(shape: JointShape, totals: np.ndarray, estimates: list[np.ndarray
     return out
 
 
+def _junction_path(shape: JointShape, totals: np.ndarray, estimates: list[np.ndarray]) -> list[np.ndarray]:
+    """The 'junction' path: a `select: aim` query's 1-way tables and its chosen tables (in the order they were
+    chosen, each adding one attribute) made nonnegative integers that add up exactly
+    (`tree_model.junction_tables`), from their estimates."""
+    from ..aim import clique_steps, oriented, oriented_back
+    from .tree_model import junction_tables
+
+    units = totals.size
+    names = [str(a) for a in range(len(shape.sizes))]
+    one_way_index = {t.axes[0]: i for i, t in enumerate(shape.tables) if len(t.axes) == 1}
+    chosen = [i for i, t in enumerate(shape.tables) if len(t.axes) > 1]
+    cliques = [tuple(names[a] for a in shape.tables[i].axes) for i in chosen]
+    steps = []
+    for (separator, new), clique, i in zip(clique_steps(cliques), cliques, chosen):
+        table = estimates[i].reshape((units,) + tuple(shape.sizes[a] for a in shape.tables[i].axes))
+        steps.append((separator, new, oriented(table, clique, separator, new)))
+    one_way, tables = junction_tables(totals, cliques[0][0], estimates[one_way_index[int(cliques[0][0])]], steps,
+                                      {names[a]: estimates[i] for a, i in one_way_index.items()},
+                                      [shape.tables[i].variance for i in chosen])
+    out: list[np.ndarray] = [np.empty(0)] * len(shape.tables)
+    for a, i in one_way_index.items():
+        out[i] = one_way[names[a]].reshape(units, -1)
+    for (separator, new), clique, i, table in zip(clique_steps(cliques), cliques, chosen, tables):
+        out[i] = np.ascontiguousarray(oriented_back(table, clique, separator, new)).reshape(units, -1)
+    return out
+
+
 def marginal_tables(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarray], estimates: list[np.ndarray],
                     iterations: int, path: str, joints: list | None = None) -> list[np.ndarray]:
     """The published integer tables of every unit (per table, units x table cells), a chunk of units at a time
@@ -337,16 +364,18 @@ def marginal_tables(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarra
       'joint'          the fitted joint rounded to the unit total; every table a margin of it (consistent);
       'fitted_tables'  each table, a margin of the fitted joint, rounded to the unit total on its own;
       'tables'         no joint: each table's estimate made nonnegative and rounded to the unit total;
-      'tree'           a `select: mst` query (1-way tables and a spanning tree of pairs): `_tree_path`.
+      'tree'           a `select: mst` query (1-way tables and a spanning tree of pairs): `_tree_path`;
+      'junction'       a `select: aim` query (1-way tables and a junction tree grown by rounds): `_junction_path`.
     `joints`, when given, receives each chunk's rounded joint (path 'joint')."""
     totals = np.asarray(totals, dtype=np.int64)
     out = [np.empty((totals.size, shape.table_cells(t)), dtype=np.int64) for t in shape.tables]
-    width = chunk_units(sum(shape.table_cells(t) for t in shape.tables) if path == "tree" else shape.cells)
+    width = chunk_units(sum(shape.table_cells(t) for t in shape.tables) if path in ("tree", "junction") else shape.cells)
     for start in range(0, totals.size, width):
         rows = slice(start, min(start + width, totals.size))
         unit_totals = totals[rows]
-        if path == "tree":
-            for i, table in enumerate(_tree_path(shape, unit_totals, [e[rows] for e in estimates])):
+        if path in ("tree", "junction"):
+            kernel = _tree_path if path == "tree" else _junction_path
+            for i, table in enumerate(kernel(shape, unit_totals, [e[rows] for e in estimates])):
                 out[i][rows] = table
             continue
         if path == "tables":

@@ -1,13 +1,15 @@
-"""Records from a tree of 2-way tables, per unit: the graphical model MST fits (a junction tree whose cliques
-are the measured pairs and whose separators are single attributes), drawn without ever forming the joint.
+"""Records from a junction tree of measured tables, per unit, drawn without ever forming the joint: the
+graphical model MST fits (cliques: the measured pairs; separators: single attributes) and the one a
+`select: aim` query grows (cliques of up to degree + 1 attributes, each adding one attribute to a separator
+inside an earlier clique).
 
-Per unit, the root attribute's records follow its 1-way table; then, edge by edge away from the root, the
-records holding value v of the parent are dealt child values in proportion to row v of the pair's table
-(the child given the parent, as the tree model says), fitted by least squares to nonnegative integers
-that add up to the parent's count exactly, the records in an order shuffled by a public seed so a child's value
+Per unit, the root attribute's records follow its 1-way table; then, clique by clique away from the root, the
+records holding value v of the separator are dealt values of the new attribute in proportion to row v of the
+clique's table (the new attribute given its separator, as the model says), fitted by least squares to
+nonnegative integers that add up to the separator's count exactly, the records in an order shuffled by a public seed so a child's value
 is independent of the attributes already drawn given its parent. Where the pair's table and the parent's
 records agree (the published tables are consistent), the records tabulate to the pair's table exactly.
-Cost: O(records x attributes + units x pair cells); no array has the joint's size.
+Cost: O(records x attributes + units x clique cells); no array has the joint's size.
 Post-processing: published tables and a public seed only.
 """
 from __future__ import annotations
@@ -107,54 +109,109 @@ def tree_edges(attributes: list[str], pairs: list[tuple[str, str]]) -> list[tupl
     return edges
 
 
+Step = tuple[tuple[str, ...], str, np.ndarray]
+"""One clique of a junction tree, in the order the model grows: (separator, new attribute, the clique's table
+(units, separator sizes..., new attribute's size)). The separator lies inside the root or an earlier clique."""
+
+
+def separator_counts(separator: tuple[str, ...], one_way: dict, fitted: list[tuple[tuple[str, ...], np.ndarray]]
+                     ) -> np.ndarray:
+    """The integer table of `separator` per unit (units, sizes in its order): a 1-way table, or the margin of the
+    first fitted clique that holds it (every clique holding it has the same margin: the tables add up)."""
+    if len(separator) == 1:
+        return one_way[separator[0]]
+    attributes, table = next((a, t) for a, t in fitted if set(separator) <= set(a))
+    dropped = tuple(1 + i for i, a in enumerate(attributes) if a not in separator)
+    kept = [a for a in attributes if a in separator]
+    margin = table.sum(axis=dropped) if dropped else table
+    return np.transpose(margin, [0] + [1 + kept.index(a) for a in separator])
+
+
+def junction_tables(unit_totals: np.ndarray, root: str, root_table: np.ndarray, steps: list[Step],
+                    margins: dict | None = None, variances: list[float] | None = None
+                    ) -> tuple[dict, list[np.ndarray]]:
+    """Nonnegative integer tables of a junction tree that add up exactly, per unit: (each attribute's 1-way table
+    (units, size), each step's clique table (units, separator sizes..., new attribute's size)). The root's
+    table is `root_table` fitted to the unit totals; then clique by clique, row s of its table (the new
+    attribute given separator value s), shrunk toward the new attribute's margin when `margins` (each
+    attribute's estimated 1-way table) and the cliques' noise `variances` are given (`shrunk_rows`), is fitted
+    to the separator's count of s (`fitted_rows`). So every clique's margin on its separator is the table that
+    separator already has, and all add up to the unit totals.
+    Post-processing: a unit's tables depend on that unit's inputs only."""
+    units = unit_totals.size
+    one_way = {root: fitted_rows(root_table.reshape(units, -1), unit_totals)}
+    fitted: list[tuple[tuple[str, ...], np.ndarray]] = []
+    for i, (separator, child, table) in enumerate(steps):
+        rows = np.asarray(table, dtype=np.float64)
+        separator_cells, child_size = int(np.prod(rows.shape[1:-1])), rows.shape[-1]
+        flat = rows.reshape(units * separator_cells, child_size)
+        if margins is not None:
+            flat = shrunk_rows(flat, np.repeat(margins[child], separator_cells, axis=0), variances[i])
+        dealt = fitted_rows(flat, separator_counts(separator, one_way, fitted).reshape(-1)).reshape(rows.shape)
+        one_way[child] = dealt.sum(axis=tuple(range(1, dealt.ndim - 1)))
+        fitted.append((separator + (child,), dealt))
+    return one_way, [table for _, table in fitted]
+
+
+def sample_junction(unit_totals: np.ndarray, root: str, root_table: np.ndarray, steps: list[Step], seed: int,
+                    margins: dict | None = None, variances: list[float] | None = None) -> tuple[np.ndarray, dict]:
+    """(each record's unit, each attribute's code per record) for `unit_totals` records per unit, tabulating
+    exactly to `junction_tables` of the same inputs (which are the inputs themselves when those add up already).
+    Records are grouped by unit, then by root value; each clique's new values are dealt to the records of each
+    separator value in an order shuffled by `seed` (public), so a new value is independent of the attributes
+    already drawn given its separator (the junction tree's model)."""
+    units = unit_totals.size
+    one_way, tables = junction_tables(unit_totals, root, root_table, steps, margins, variances)
+    rng = np.random.default_rng(seed)
+    root_counts = one_way[root]
+    unit = np.repeat(np.arange(units), unit_totals.astype(np.int64))
+    codes = {root: np.repeat(np.tile(np.arange(root_counts.shape[1]), units), root_counts.ravel())}
+    for (separator, child, _), dealt in zip(steps, tables):
+        group = unit
+        for attribute, size in zip(separator, dealt.shape[1:-1]):
+            group = group * size + codes[attribute]
+        separator_cells, child_size = int(np.prod(dealt.shape[1:-1])), dealt.shape[-1]
+        order = np.lexsort((rng.random(group.size), group))
+        child_codes = np.empty(group.size, dtype=np.int64)
+        child_codes[order] = np.repeat(np.tile(np.arange(child_size), units * separator_cells), dealt.ravel())
+        codes[child] = child_codes
+    return unit, codes
+
+
+def _tree_steps(attributes: list[str], pairs: list[tuple[str, str]], pair_tables: list[np.ndarray]
+                ) -> tuple[list[tuple[str, str, int]], list[Step]]:
+    """A tree of pairs as junction steps away from the first attribute (`tree_edges`), each pair's table as
+    (units, parent, child)."""
+    edges = tree_edges(attributes, pairs)
+    steps = []
+    for parent, child, i in edges:
+        table = np.asarray(pair_tables[i], dtype=np.float64)
+        steps.append(((parent,), child, table if pairs[i][0] == parent else np.swapaxes(table, 1, 2)))
+    return edges, steps
+
+
 def tree_tables(unit_totals: np.ndarray, root_table: np.ndarray, attributes: list[str],
                 pairs: list[tuple[str, str]], pair_tables: list[np.ndarray], margins: dict | None = None,
                 variances: list[float] | None = None) -> tuple[dict, list[np.ndarray]]:
-    """Nonnegative integer tables of a tree model that add up exactly, per unit: (each attribute's 1-way table
-    (units, size), each pair's table (units, size a, size b)). The root's table is `root_table` fitted to the
-    unit totals; down each edge, row v of the pair (the child given parent value v), shrunk toward the child's
-    margin when `margins` (each attribute's estimated 1-way table) and the pairs' noise `variances` are given
-    (`shrunk_rows`), is fitted to the parent's count of v (`fitted_rows`). So every pair's table has the 1-way tables of its attributes as margins, and
-    all add up to the unit totals.
+    """`junction_tables` of a tree of 2-way tables rooted at the first attribute: (each attribute's 1-way table
+    (units, size), each pair's table (units, size a, size b)), nonnegative integers that add up exactly, per
+    unit (every pair's margins are the 1-way tables).
     Post-processing: a unit's tables depend on that unit's inputs only."""
-    units = unit_totals.size
-    one_way = {attributes[0]: fitted_rows(root_table.reshape(units, -1), unit_totals)}
+    edges, steps = _tree_steps(attributes, pairs, pair_tables)
+    one_way, dealt = junction_tables(unit_totals, attributes[0], root_table, steps, margins,
+                                     None if variances is None else [variances[i] for _, _, i in edges])
     out: list[np.ndarray | None] = [None] * len(pairs)
-    for parent, child, i in tree_edges(attributes, pairs):
-        table = np.asarray(pair_tables[i], dtype=np.float64)
-        rows = table if pairs[i][0] == parent else np.swapaxes(table, 1, 2)  # (units, parent, child)
-        parent_size, child_size = rows.shape[1], rows.shape[2]
-        flat = rows.reshape(units * parent_size, child_size)
-        if margins is not None:
-            flat = shrunk_rows(flat, np.repeat(margins[child], parent_size, axis=0), variances[i])
-        dealt = fitted_rows(flat, one_way[parent].reshape(-1))
-        dealt = dealt.reshape(units, parent_size, child_size)
-        one_way[child] = dealt.sum(axis=1)
-        out[i] = dealt if pairs[i][0] == parent else np.swapaxes(dealt, 1, 2)
+    for (parent, _, i), table in zip(edges, dealt):
+        out[i] = table if pairs[i][0] == parent else np.swapaxes(table, 1, 2)
     return one_way, out
 
 
 def sample_tree(unit_totals: np.ndarray, root_table: np.ndarray, attributes: list[str],
                 pairs: list[tuple[str, str]], pair_tables: list[np.ndarray], seed: int, margins: dict | None = None,
                 variances: list[float] | None = None) -> tuple[np.ndarray, dict]:
-    """(each record's unit, each attribute's code per record) for `unit_totals` records per unit, tabulating
-    exactly to `tree_tables` of the same inputs (which are the inputs themselves when those add up already).
-
-    `root_table`: (units, size) table of the first attribute; `pair_tables[i]`: (units, size a, size b) table
-    of pairs[i] = (a, b). Records are grouped by unit, then by root value; each edge's child values are dealt
-    to the parent's records in an order shuffled by `seed` (public)."""
-    units = unit_totals.size
-    one_way, tables = tree_tables(unit_totals, root_table, attributes, pairs, pair_tables, margins, variances)
-    rng = np.random.default_rng(seed)
-    root_counts = one_way[attributes[0]]
-    unit = np.repeat(np.arange(units), unit_totals.astype(np.int64))
-    codes = {attributes[0]: np.repeat(np.tile(np.arange(root_counts.shape[1]), units), root_counts.ravel())}
-    for parent, child, i in tree_edges(attributes, pairs):
-        dealt = tables[i] if pairs[i][0] == parent else np.swapaxes(tables[i], 1, 2)  # (units, parent, child)
-        parent_size, child_size = dealt.shape[1], dealt.shape[2]
-        group = unit * parent_size + codes[parent]
-        order = np.lexsort((rng.random(group.size), group))
-        child_codes = np.empty(group.size, dtype=np.int64)
-        child_codes[order] = np.repeat(np.tile(np.arange(child_size), units * parent_size), dealt.ravel())
-        codes[child] = child_codes
-    return unit, codes
+    """`sample_junction` along a tree of 2-way tables rooted at the first attribute: records tabulating exactly
+    to `tree_tables` of the same inputs. `root_table`: (units, size) table of the first attribute;
+    `pair_tables[i]`: (units, size a, size b) table of pairs[i] = (a, b)."""
+    edges, steps = _tree_steps(attributes, pairs, pair_tables)
+    return sample_junction(unit_totals, attributes[0], root_table, steps, seed, margins,
+                           None if variances is None else [variances[i] for _, _, i in edges])

@@ -1,0 +1,276 @@
+"""`select: aim` marginals: AIM-style adaptive rounds accounted before any data is read, each round chosen
+against the model of the tables released so far, the junction tree of chosen tables recorded in the manifest
+and checked by verify, post-processed into tables that add up, drawn from by `synthesize`, and the same on
+Spark and Beam."""
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from dprelease.pipelines.plan import build_plan, with_selections
+from dprelease.pipelines.spec import load_spec
+from dprelease.transforms.aim import (attribute_weights, clique_steps, clique_weight, junction_steps, largest_weight,
+                                      model_estimates, round_candidates)
+
+from .conftest import small_spec, write_case
+from .test_mst import ATTRIBUTES, assert_same_selection_and_release, cli, dependent_people
+
+
+def aim_case(directory, budget=None, neighbouring="add_remove", people: int = 600, **query):
+    """600 people; income follows education closely, so (edu, inc) is the table worth measuring first."""
+    rows, columns = dependent_people(np.random.default_rng(3), people)
+    spec = small_spec(budget=budget or {"definition": "zcdp", "rho": 50, "delta": 1e-9}, neighbouring=neighbouring)
+    spec["columns"].update(columns)
+    spec["queries"] = [
+        {"name": "pop", "kind": "hierarchy", "geography": "geo", "levels": ["nation", "state", "county", "tract"]},
+        {"name": "m", "kind": "marginals", "attributes": ATTRIBUTES, "within": "geo.state", "select": "aim", **query}]
+    return write_case(directory, spec, rows)
+
+
+def test_round_candidates_grow_a_junction_tree_one_attribute_at_a_time():
+    attributes = ["a", "b", "c", "d"]
+    assert round_candidates(attributes, [], 2) == [(("a",), "b"), (("a",), "c"), (("a",), "d"), (("b",), "c"),
+                                                   (("b",), "d"), (("c",), "d")]
+    second = round_candidates(attributes, [("b", "d")], 2)
+    assert second == [(("b",), "a"), (("b",), "c"), (("d",), "a"), (("d",), "c"), (("b", "d"), "a"),
+                      (("b", "d"), "c")]
+    assert round_candidates(attributes, [("b", "d")], 1) == second[:4]  # degree 1: single separators only
+    cliques = [("b", "d"), ("a", "b", "d"), ("a", "c")]
+    assert junction_steps(attributes, cliques, 2) == [(("b",), "d"), (("b", "d"), "a"), (("a",), "c")]
+    assert clique_steps(cliques) == junction_steps(attributes, cliques, 2)
+    for wrong, problem in (([("b", "d"), ("a", "b", "d")], "has 3"),
+                           ([("a", "b", "d"), ("b", "c"), ("c", "d")], "must be a pair"),
+                           ([("b", "d"), ("a", "c"), ("c", "d")], "must add one new attribute"),
+                           ([("b", "d"), ("a", "b"), ("a", "c", "d")], "lies inside no earlier clique"),
+                           ([("b", "d"), ("a", "b", "d"), ("a", "b", "c", "d")], "1 to 2 attributes"),
+                           ([("d", "b"), ("a", "b"), ("a", "c")], "in its order")):
+        with pytest.raises(ValueError, match=problem):
+            junction_steps(attributes, wrong, 2)
+
+
+def test_workload_weights_are_aims_per_attribute_and_the_largest_candidate_bounds_them():
+    attributes = ["a", "b", "c", "d"]
+    assert attribute_weights(attributes, None) == {} and clique_weight({}, ("a", "b", "c")) == 1
+    weights = attribute_weights(attributes, [(("a", "b"), 2), (("b", "c"), 4), (("d",), 2)])
+    assert weights == {"a": 1, "b": 3, "c": 2, "d": 1}  # 2, 6, 4, 2 over their gcd 2
+    # AIM's w_r = sum over the workload of weight * |r & s|: (a, b, c) shares 2 with (a, b), 2 with (b, c)
+    assert clique_weight(weights, ("a", "b", "c")) * 2 == 2 * 2 + 4 * 2 + 2 * 0
+    assert largest_weight(weights, 2) == 6 and largest_weight(weights, 1) == 5 and largest_weight({}, 2) == 1
+
+
+@pytest.mark.parametrize("definition", ["pure", "zcdp"])
+@pytest.mark.parametrize("neighbouring", ["add_remove", "replace"])
+def test_the_plan_accounts_every_round_before_any_data_is_read(tmp_path, definition, neighbouring):
+    budget = {"definition": "pure", "epsilon": 2} if definition == "pure" else \
+        {"definition": "zcdp", "rho": "1/2", "delta": 1e-9}
+    plan = build_plan(*load_spec(aim_case(tmp_path / "c", budget, neighbouring)))
+    [selection] = plan.selections
+    assert selection.method == "aim" and selection.degree == 2 and selection.rounds == 3
+    assert len(selection.candidates) == 6 + 4 and plan.pending  # every pair and triple a round could choose
+    share = Fraction(1, 2) * plan.allocation_budget
+    assert selection.event.allocated == share / 10 and selection.pair_event.allocated == share * Fraction(9, 20) / 3
+    assert selection.event.sensitivity.l1 == (2 if neighbouring == "replace" else 1)
+    chosen = with_selections(plan, {"m": (("edu", "inc"), ("sex", "edu", "inc"), ("age", "sex"))})
+    assert not chosen.pending and (chosen.totals.pure_epsilon, chosen.totals.rho) == (plan.totals.pure_epsilon,
+                                                                                       plan.totals.rho)
+    assert chosen.table("m.sex-edu-inc").event.mechanism == selection.pair_event.mechanism
+    done = cli("plan", str(tmp_path / "c" / "spec.yaml"), "--json")
+    records = {r["table"]: r for r in json.loads(done.stdout)["tables"]}
+    assert records["m.selection"]["statistic"] == "aim selection" and "m.<3 tables chosen>" in records
+
+
+def test_an_aim_release_runs_verifies_adds_up_and_synthesizes(tmp_path):
+    path = aim_case(tmp_path / "c")
+    ledger = tmp_path / "ledger.sqlite"
+    assert cli("ledger", "set-budget", "test-data", "--rho", "100", "--ledger", str(ledger)).returncode == 0
+    done = cli("run", str(path), "--key-file", str(tmp_path / "k.key"), "--ledger", str(ledger))
+    assert done.returncode == 0, done.stderr
+    root = path.parent / "out" / "test-release"
+    manifest = json.loads((root / "manifest.json").read_text())
+    [record] = manifest["selections"]
+    assert manifest["manifest_version"] == 5 and record["method"] == "aim" and record["degree"] == 2
+    assert record["chosen"][0] == ["edu", "inc"]  # by far the most dependent pair
+    junction_steps(ATTRIBUTES, [tuple(c) for c in record["chosen"]], 2)
+    assert any(len(c) == 3 for c in record["chosen"])  # at rho = 25 a triple beats its noise
+    names = [f"m.{'-'.join(c)}" for c in record["chosen"]]
+    assert set(names) | {f"m.{a}" for a in ATTRIBUTES} <= {t["name"] for t in manifest["tables"]}
+    for args in ([], ["--recompute"], ["--ledger", str(ledger)]):
+        checked = cli("verify", str(root), *args)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    tables = {n: pq.read_table(root / "tables" / f"{n}.parquet").to_pandas() for n in names}
+    one_way = {a: pq.read_table(root / "tables" / f"m.{a}.parquet").to_pandas() for a in ATTRIBUTES}
+    for clique, name in zip(record["chosen"], names):  # every chosen table's margins are the 1-way tables
+        assert (tables[name]["count"] >= 0).all()
+        for attribute in clique:
+            margin = tables[name].groupby(["state", attribute], sort=False)["count"].sum().reset_index()
+            joined = one_way[attribute].merge(margin, on=["state", attribute], suffixes=("", "_table"))
+            assert (joined["count"] == joined["count_table"]).all() and len(joined) == len(one_way[attribute])
+    out = tmp_path / "synthetic.parquet"
+    synthesized = cli("synthesize", str(root), "--out", str(out))
+    assert synthesized.returncode == 0, synthesized.stderr
+    assert "Not reproduced" not in " ".join(synthesized.stdout.split())
+    records = pq.read_table(out).to_pandas()
+    for clique, name in zip(record["chosen"], names):  # the records reproduce every chosen table
+        tabulated = records.groupby(["state", *clique]).size()
+        published = tables[name].set_index(["state", *clique])["count"]
+        assert tabulated.reindex(published.index, fill_value=0).tolist() == published.tolist()
+    state = pq.read_table(root / "tables" / "pop.state.parquet").to_pandas()
+    assert len(records) == int(state["count"].sum())
+
+
+def test_verify_refuses_an_edited_aim_selection(tmp_path):
+    path = aim_case(tmp_path / "c")
+    assert cli("run", str(path), "--key-file", str(tmp_path / "k.key"), "--no-ledger").returncode == 0
+    root = path.parent / "out" / "test-release"
+    original = (root / "manifest.json").read_text()
+    edits = (
+        (lambda r: r.update(chosen=[["edu", "inc"], ["age", "sex"], ["sex", "edu"]]), "must add one new attribute"),
+        (lambda r: r.update(chosen=[["edu", "inc"], ["sex", "edu", "inc"]]), "has 3"),
+        (lambda r: r.update(chosen=[["edu", "inc"], ["age", "sex", "edu", "inc"], ["age", "sex"]]),
+         "not a list of attribute tables"),
+        (lambda r: r.update(degree=1), "selections"),
+        (lambda r: r["sensitivity"].update(l1=2), "selections"),
+    )
+    for edit, expected in edits:
+        manifest = json.loads(original)
+        edit(manifest["selections"][0])
+        (root / "manifest.json").write_text(json.dumps(manifest))
+        checked = cli("verify", str(root))
+        assert checked.returncode == 1 and expected in " ".join((checked.stdout + checked.stderr).split()), \
+            checked.stdout + checked.stderr
+    manifest = json.loads(original)
+    manifest["manifest_version"] = 4
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    checked = cli("verify", str(root))
+    assert checked.returncode == 1 and "which manifests state from version 5 on" in " ".join(checked.stderr.split())
+    manifest["manifest_version"] = 5.0  # equal to 5 in Python, but not the integer dprelease writes
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    checked = cli("verify", str(root))
+    assert checked.returncode == 1 and "manifest_version: 5.0 is not an integer" in checked.stderr
+
+
+@pytest.mark.parametrize("query, expected", [
+    ({"degree": 1, "select": "mst"}, "degree = 1: only a `select: aim` query takes a degree"),
+    ({"degree": 3}, "queries[1].degree = 3: Input should be less than or equal to 2"),
+    ({"degree": "2"}, "queries[1].degree = '2': Input should be a valid integer"),
+    ({"way": 3}, "select = 'aim': needs way = 2"),
+    ({"workload": [{"attributes": ["age", "job"]}]}, "workload[0].attributes[1] = 'job'"),
+    ({"attributes": ["age", "geo.county", "edu", "inc"], "within": None},
+     "attributes[1] = 'geo.county': a `select: aim` query's attributes cannot be a geography"),
+])
+def test_a_bad_aim_query_is_refused_naming_the_field(tmp_path, query, expected):
+    done = cli("plan", str(aim_case(tmp_path / "c", **query)))
+    assert done.returncode == 2 and expected in " ".join(done.stderr.split()), done.stderr
+
+
+def test_selections_that_could_read_the_input_too_often_are_refused_before_any_data(tmp_path):
+    """20 attributes of 100 values: up to 1.1 billion candidate cells a round, hundreds of passes over the input
+    each; the plan says so and refuses (exit 2), before any key, budget or data. Degree 1 fits."""
+    spec = small_spec()
+    wide = {f"x{i}": {"type": "integer", "min": 0, "max": 99} for i in range(20)}
+    spec["columns"].update(wide)
+    spec["queries"] = [{"name": "m", "kind": "marginals", "attributes": list(wide), "select": "aim"}]
+    done = cli("plan", str(write_case(tmp_path / "c", spec)))
+    assert done.returncode == 2 and "passes over the input" in done.stderr and "degree: 1" in done.stderr
+    spec["queries"][0]["degree"] = 1
+    done = cli("plan", str(write_case(tmp_path / "d", spec)))
+    assert done.returncode == 0 and "passes over the input" in " ".join(done.stdout.split()), done.stderr
+
+
+def test_a_workload_scales_the_aim_sensitivity_by_the_largest_candidate_weight(tmp_path):
+    path = aim_case(tmp_path / "c", workload=[{"attributes": ["edu", "inc"], "weight": 3}, {"attributes": ["age"]}])
+    [selection] = build_plan(*load_spec(path)).selections
+    assert dict(selection.attribute_weights) == {"age": 1, "sex": 0, "edu": 3, "inc": 3}
+    assert selection.event.sensitivity.l1 == 7  # the triple (age, edu, inc): 1 + 3 + 3
+    done = cli("run", str(path), "--key-file", str(tmp_path / "k.key"), "--no-ledger")
+    assert done.returncode == 0, done.stderr
+    root = path.parent / "out" / "test-release"
+    record = json.loads((root / "manifest.json").read_text())["selections"][0]
+    assert {w["attribute"]: w["weight"] for w in record["attribute_weights"]} == {"age": 1, "sex": 0, "edu": 3,
+                                                                                  "inc": 3}
+    assert cli("verify", str(root)).returncode == 0
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["selections"][0]["attribute_weights"][0]["weight"] = 2
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    assert cli("verify", str(root)).returncode == 1
+
+
+def test_a_round_scores_against_the_model_of_the_tables_released_before_it():
+    """After (a, b) is measured, the estimate of a candidate (a, b, c) is the fitted (a, b) table times c's
+    distribution; of (b, c), that table's b margin times c's distribution: adaptivity, not independence."""
+    attributes, sizes, units = ["a", "b", "c"], {"a": 2, "b": 3, "c": 4}, 2
+    ab = np.array([[[90, 5, 5], [5, 5, 90]], [[40, 40, 20], [10, 10, 80]]], dtype=np.float64)
+    c = np.array([[50, 70, 30, 50], [20, 40, 60, 80]], dtype=np.float64)  # the same unit totals, 200
+    one_way = {"a": ab.sum(axis=2), "b": ab.sum(axis=1), "c": c}
+    candidates = round_candidates(attributes, [("a", "b")], 2)
+    estimates = model_estimates(attributes, one_way, [("a", "b")], [ab], 1e-6, candidates, sizes)
+    share_c = one_way["c"] / one_way["c"].sum(axis=1, keepdims=True)
+    found = dict(zip(candidates, estimates))
+    triple = found[(("a", "b"), "c")]
+    assert np.allclose(triple.separator, ab.reshape(units, -1), atol=1) and np.allclose(triple.share, share_c)
+    expected = np.rint(triple.separator[:, :, None] * share_c[:, None, :]).astype(np.int64).ravel()
+    assert np.array_equal(triple.cells(0, expected.size), expected)
+    pair = found[(("b",), "c")]
+    assert np.allclose(pair.separator, ab.sum(axis=1), atol=1) and pair.sizes == (3, 4) and pair.child_axis == 1
+
+
+def test_junction_tables_add_up_and_a_unit_gets_the_same_tables_alone_or_in_a_batch():
+    from dprelease.transforms.aim import oriented
+    from dprelease.transforms.units.tree_model import junction_tables, sample_junction
+
+    rng = np.random.default_rng(5)
+    sizes = {"a": 3, "b": 7, "c": 2, "d": 40}
+    cliques = [("b", "c"), ("a", "b", "c"), ("a", "d")]
+    units = 9
+    totals = rng.integers(0, 300, units)
+    margins = {x: rng.normal(totals[:, None] / n, 20, (units, n)) for x, n in sizes.items()}
+    raw = [rng.normal(totals.reshape(-1, *[1] * len(c)) / np.prod([sizes[x] for x in c]), 20,
+                      (units, *[sizes[x] for x in c])) for c in cliques]
+    steps = [(s, n, oriented(t, c, s, n)) for (s, n), c, t in zip(clique_steps(cliques), cliques, raw)]
+    one_way, out = junction_tables(totals, "b", margins["b"], steps, margins, [400.0] * 3)
+    for (separator, new, _), table in zip(steps, out):
+        assert table.dtype == np.int64 and (table >= 0).all()
+        assert np.array_equal(table.sum(axis=tuple(range(1, table.ndim - 1))), one_way[new])
+        for i, attribute in enumerate(separator):
+            others = tuple(1 + j for j in range(table.ndim - 1) if j != i)
+            assert np.array_equal(table.sum(axis=others), one_way[attribute])
+    assert np.array_equal(out[1].sum(axis=3), out[0])  # (a, b, c) joins a to its separator (b, c): that pair's table
+    assert all(np.array_equal(one_way[x].sum(axis=1), totals) for x in sizes)
+    alone = junction_tables(totals[4:5], "b", margins["b"][4:5], [(s, n, t[4:5]) for s, n, t in steps],
+                            {x: m[4:5] for x, m in margins.items()}, [400.0] * 3)
+    assert all(np.array_equal(alone[1][i][0], out[i][4]) for i in range(len(steps)))
+    unit, codes = sample_junction(totals, "b", margins["b"], steps, 1, margins, [400.0] * 3)
+    for (separator, new, _), table in zip(steps, out):
+        tabulated = np.zeros_like(table)
+        np.add.at(tabulated, (unit, *[codes[x] for x in separator], codes[new]), 1)
+        assert np.array_equal(tabulated, table)
+
+
+@pytest.mark.parametrize("engine", ["spark", "beam"])
+def test_spark_and_beam_grow_the_same_tables_and_publish_the_same_release(tmp_path, engine):
+    """Every round's candidates scored in Spark executors and Beam workers from the driver's model of the tables
+    released so far (only integer scores reach the driver): the same cliques and, file for file, the release the
+    embedded engine publishes."""
+    path = aim_case(tmp_path / "c", budget={"definition": "zcdp", "rho": "4", "delta": 1e-9},
+                    attributes=["sex", "edu", "inc"])
+    assert_same_selection_and_release(tmp_path, path, engine)
+
+
+def test_the_largest_aim_workload_a_spec_allows_fits_the_selection_kernel():
+    """A triple of attributes each in every one of 10,000 workload marginals of weight 1000, at k = 10,000 under
+    replace: 2 * sensitivity * the selection epsilon's denominator stays within the kernel's 62 bits, so no run
+    can fail there after its budget is charged."""
+    from dprelease.accounting.mechanisms import _MAX_DENOMINATOR
+    from dprelease.accounting.sensitivity import ContributionBounds, mst_score_sensitivity
+    from dprelease.pipelines.spec import (MAX_AIM_DEGREE, MAX_RECORDS_PER_UNIT, MAX_WORKLOAD_MARGINALS,
+                                          MAX_WORKLOAD_WEIGHT)
+
+    per_attribute = {a: MAX_WORKLOAD_WEIGHT * MAX_WORKLOAD_MARGINALS for a in "abcd"}
+    heaviest = largest_weight(per_attribute, MAX_AIM_DEGREE)
+    assert heaviest == (MAX_AIM_DEGREE + 1) * MAX_WORKLOAD_WEIGHT * MAX_WORKLOAD_MARGINALS
+    sensitivity = mst_score_sensitivity(ContributionBounds(MAX_RECORDS_PER_UNIT, "replace"), heaviest, "aim").l1
+    assert 2 * sensitivity * _MAX_DENOMINATOR <= 2 ** 62

@@ -88,9 +88,14 @@ def test_gls_is_consistent_on_every_pair_and_equals_dense_gls():
 
 
 @pytest.mark.parametrize("tables", [mixed(), hierarchy([4.0, 9.0, 2.0, 5.0], by=(B, C)),
-                                    hierarchy([4.0, 0.0, 2.0, 5.0], by=(B,)) + [CountTable("bc", (level("county"), B, C), 3.0)]],
-                         ids=["mixed", "hierarchy-by", "hierarchy-by-and-marginals"])
+                                    hierarchy([4.0, 0.0, 2.0, 5.0], by=(B,)) + [CountTable("bc", (level("county"), B, C), 3.0)],
+                                    [CountTable("abc", (A, B, C), 3.0), CountTable("ab", (A, B), 1.5),
+                                     CountTable("bc", (B, C), 4.0), CountTable("a", (A,), 7.0),
+                                     CountTable("c", (C,), 0.0), CountTable("total", (), 2.0)]],
+                         ids=["mixed", "hierarchy-by", "hierarchy-by-and-marginals", "marginals-unequal-and-invariant"])
 def test_variances_are_exact_where_links_across_levels_are_totals(tables):
+    """Against the textbook dense GLS covariance; a block of marginals of unequal variances (with a 3-way table
+    and an invariant) is solved in closed form per residual (`estimation._block_variances`)."""
     variances, exact = gls_variances(tables, GEOGRAPHIES)
     _, expected = dense_gls(tables, noisy_for(tables))
     assert exact

@@ -15,6 +15,7 @@ post-processing, so every output keeps the measurements' guarantee. Nothing here
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,9 +109,12 @@ def linked_pairs(tables: list[CountTable], geographies: dict[str, GeographyDomai
         candidates.append((-size, i, j, common))
     candidates.sort(key=lambda c: (c[0], c[1], c[2]))
     kept: list[tuple[int, int, Coarsening]] = []
+    adjacent: dict[int, list[tuple[int, Coarsening]]] = {k: [] for k in range(len(tables))}
     for _, i, j, common in candidates:
-        if not _joined(i, j, common, kept, geographies):
+        if not _joined(i, j, common, adjacent, geographies):
             kept.append((i, j, common))
+            adjacent[i].append((j, common))
+            adjacent[j].append((i, common))
     return kept
 
 
@@ -120,16 +124,17 @@ def projection_size(target: Coarsening, table: CountTable, geographies: dict[str
     return int(np.prod(geo + [sizes[a] for a in target.attributes]))
 
 
-def _joined(i: int, j: int, common: Coarsening, kept, geographies) -> bool:
-    """Is there a path i -> j over kept pairs whose coarsenings each determine `common`?"""
+def _joined(i: int, j: int, common: Coarsening, adjacent: dict[int, list[tuple[int, Coarsening]]],
+            geographies) -> bool:
+    """Is there a path i -> j over kept pairs (`adjacent`: each table's kept pairs) whose coarsenings each
+    determine `common`?"""
     reached, frontier = {i}, [i]
     while frontier:
         node = frontier.pop()
-        for a, b, edge in kept:
-            if node not in (a, b) or not common.within(edge, geographies):
-                continue
-            other = b if node == a else a
-            if other not in reached:
+        for other, edge in adjacent[node]:
+            if other not in reached and common.within(edge, geographies):
+                if other == j:
+                    return True
                 reached.add(other)
                 frontier.append(other)
     return j in reached
@@ -268,21 +273,40 @@ def _precision(variance: float) -> float:
 
 
 def _block_variances(block: list[CountTable], geographies) -> tuple[dict[str, float], float]:
-    """One unit's block of attribute tables: each table's per-cell GLS variance within the block, and
-    the variance of the block's estimate of the unit total."""
+    """One unit's block of attribute tables: each table's per-cell GLS variance within the block, and the
+    variance of the block's estimate of the unit total, in closed form (as ResidualPlanner, Xiao et al. 2023).
+
+    Each table's cells split into orthogonal residual components, one per subset S of its attributes (the part
+    of its S-margin orthogonal to every coarser margin). Consistency on every shared margin makes a residual
+    one unknown for all tables holding S, and a table A measures it with independent noise of variance
+    v_A * prod(n_i, i in A - S) per component (summing the cells of the other attributes); so the GLS estimate
+    of residual S is the inverse-variance average, of precision I_S = sum over tables A holding S of
+    1 / (v_A prod(n_i, i in A - S)), and a cell of table B has variance
+    sum over S in B of prod(1 - 1/n_i, i in S) / (I_S prod(n_i^2, i in B - S)); the total's is 1 / I_empty.
+    An invariant (v = 0) makes the residuals it holds exact. Public: the plan's structure and variances only."""
     local = [CountTable(t.name, tuple(_attributes(t, geographies)), t.variance) for t in block]
-    variances = np.concatenate([np.full(t.n_cells, float(t.variance)) for t in local])
-    offsets = np.concatenate([[0], np.cumsum([t.n_cells for t in local])])
-    constraints = constraint_matrix(local, {})
+    sizes = {d.column: d.size for t in local for d in t.dims}
+    held = [frozenset(d.column for d in t.dims) for t in local]
+    precision: dict[frozenset, float] = {}
+
+    def information(subset: frozenset) -> float:
+        if subset not in precision:
+            found = [(t, attributes) for t, attributes in zip(local, held) if subset <= attributes]
+            precision[subset] = np.inf if any(t.variance == 0 for t, _ in found) else math.fsum(
+                1.0 / (float(t.variance) * math.prod(sizes[a] for a in attributes - subset)) for t, attributes in found)
+        return precision[subset]
+
     internal = {}
-    for t, start in zip(local, offsets[:-1]):
-        probe = np.zeros(offsets[-1])
-        probe[start] = variances[start]
-        internal[t.name] = float(variances[start] - _correction(constraints, variances, constraints @ probe)[start])
-    ones = np.zeros(offsets[-1])
-    ones[:offsets[1]] = 1.0
-    spread = variances * ones - _correction(constraints, variances, constraints @ (variances * ones))
-    return internal, float(max(ones @ spread, 0.0))
+    for t, attributes in zip(local, held):
+        terms = []
+        for k in range(len(attributes) + 1):
+            for subset in map(frozenset, itertools.combinations(sorted(attributes), k)):
+                if not np.isinf(information(subset)):
+                    terms.append(math.prod(1 - 1 / sizes[a] for a in subset)
+                                 / (information(subset) * math.prod(sizes[a] ** 2 for a in attributes - subset)))
+        internal[t.name] = math.fsum(terms)
+    total = information(frozenset())
+    return internal, 0.0 if np.isinf(total) else 1.0 / total
 
 
 def _tree_variances(precisions: list[np.ndarray], parents: list[np.ndarray | None]) -> list[np.ndarray]:

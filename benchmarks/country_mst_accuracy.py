@@ -1,14 +1,17 @@
-"""Accuracy of `select: mst` within county at a country's scale, against measuring every pair: after
-`benchmarks/country_mst.sh` made both releases (country_mst_spec.yaml and its `select: all` twin), the L1
+"""Accuracy of `select: mst` and `select: aim` within county at a country's scale, against measuring every pair:
+after `benchmarks/country_mst.sh` made the releases (country_mst_spec.yaml, its `select: aim` and `select: all`
+twins), the L1
 error of every 2-way table within county (10 pairs of age, income, sex, race, ethnicity; 3,577 counties),
 summed over cells and counties and divided by the population, for
   - the `select: all` release's published tables (every pair measured at 1/10 of the query's budget);
-  - the MST release's synthetic records (`dprelease synthesize`), tabulated (4 pairs measured, 6 from the tree);
+  - the MST and AIM releases' synthetic records (`dprelease synthesize`), tabulated (MST: 4 pairs measured, 6 from
+    the tree; AIM: 4 tables of 2 or 3 attributes measured);
 against the true tables of the bounded records (the embedded engine's exact counts).
 Usage: python benchmarks/country_mst_accuracy.py [ROWS]   (default 10000000; run from anywhere)
 """
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -61,31 +64,34 @@ def main(rows: int) -> None:
     population = truth["population.nation"].sum()
     pairs = [t for t in plan.tables if t.query == "county"]
     all_dir = out / "releases" / "country-all-2026"
-    mst_dir = out / "releases" / "country-mst-2026"
     manifest = json.loads((all_dir / "manifest.json").read_text())
-    mst_manifest = json.loads((mst_dir / "manifest.json").read_text())
-    chosen = {"county." + "-".join(pair) for s in mst_manifest["selections"] for pair in s["chosen"]}
-    with tempfile.TemporaryDirectory() as scratch:
-        synthetic = Path(scratch) / "records.parquet"
-        start = time.perf_counter()
-        subprocess.run(["dprelease", "synthesize", str(mst_dir), "--out", str(synthetic)], check=True,
-                       stdout=subprocess.DEVNULL)
-        print(f"synthesize: {time.perf_counter() - start:.1f} s")
-        records = pq.read_table(synthetic)
-    print(f"{'pair':28s} {'all 2-way':>10s} {'MST':>10s}  (L1 / population; MST measured the pair: *)")
-    errors = {"all": [], "mst": [], "mst_measured": [], "mst_tree": []}
+    selected = {name: out / "releases" / f"country-{name}-2026" for name in ("mst", "aim")}
+    selected = {name: path for name, path in selected.items() if (path / "manifest.json").exists()}
+    chosen, tabulated = {}, {}
+    for name, path in selected.items():
+        record = json.loads((path / "manifest.json").read_text())["selections"][0]
+        chosen[name] = {f"county.{a}-{b}" for c in record["chosen"] for a, b in itertools.combinations(c, 2)}
+        with tempfile.TemporaryDirectory() as scratch:
+            synthetic = Path(scratch) / "records.parquet"
+            start = time.perf_counter()
+            subprocess.run(["dprelease", "synthesize", str(path), "--out", str(synthetic)], check=True,
+                           stdout=subprocess.DEVNULL)
+            print(f"synthesize {name}: {time.perf_counter() - start:.1f} s")
+            records = pq.read_table(synthetic)
+        tabulated[name] = {table.name: tabulate(records, plan, table) for table in pairs}
+    print(f"{'pair':28s} {'all 2-way':>10s} " + " ".join(f"{n:>10s}" for n in selected)
+          + "  (L1 / population; * the pair is a margin of a table the selection measured)")
+    errors: dict[str, list] = {"all": [], **{n: [] for n in selected}}
     for table in pairs:
         published = read_table(all_dir, manifest, table.name).column("count").to_numpy()
-        mst = tabulate(records, plan, table)
-        e_all = np.abs(published - truth[table.name]).sum() / population
-        e_mst = np.abs(mst - truth[table.name]).sum() / population
-        errors["all"].append(e_all)
-        errors["mst"].append(e_mst)
-        errors["mst_measured" if table.name in chosen else "mst_tree"].append(e_mst)
-        print(f"{table.name:28s} {e_all:10.4f} {e_mst:10.4f}  {'*' if table.name in chosen else ''}")
-    print(f"mean over the 10 pairs: all 2-way {np.mean(errors['all']):.4f}, MST {np.mean(errors['mst']):.4f} "
-          f"(measured pairs {np.mean(errors['mst_measured']):.4f}, tree pairs {np.mean(errors['mst_tree']):.4f}); "
-          f"population {population:,}")
+        errors["all"].append(np.abs(published - truth[table.name]).sum() / population)
+        line = f"{table.name:28s} {errors['all'][-1]:10.4f}"
+        for name in selected:
+            errors[name].append(np.abs(tabulated[name][table.name] - truth[table.name]).sum() / population)
+            line += f" {errors[name][-1]:9.4f}{'*' if table.name in chosen[name] else ' '}"
+        print(line)
+    print("mean over the 10 pairs: " + ", ".join(f"{n} {np.mean(e):.4f}" for n, e in errors.items())
+          + f"; population {population:,}")
 
 
 if __name__ == "__main__":

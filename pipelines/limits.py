@@ -23,6 +23,9 @@ MAX_CELLS_ENV = "DPRELEASE_MAX_CELLS"
 BYTES_PER_CELL = 200
 """Estimated peak driver memory per public cell: int64 counts, noise, noisy and published vectors,
 post-processing work arrays, and the label columns of the Parquet/CSV writers."""
+SELECTION_BYTES_PER_CELL = 16
+"""Estimated peak memory per cell of a candidate table a selection counts: its int64 counts and the counting's
+temporary (candidates are scored a range of cells at a time, never published)."""
 
 
 def max_cells_setting(value: int | None = None) -> int:
@@ -49,8 +52,14 @@ def runs_in_workers(plan: Plan, engine: str) -> bool:
 
 
 def estimated_memory_bytes(plan: Plan) -> int:
-    """The cells a run holds at once (a selection's candidate pairs too), in bytes."""
-    return (plan.n_cells + selection_cells(plan)) * BYTES_PER_CELL
+    """The cells a run holds at once (a selection's candidate tables too), in bytes."""
+    return plan.n_cells * BYTES_PER_CELL + selection_cells(plan) * SELECTION_BYTES_PER_CELL
+
+
+def weighted_cells(plan: Plan) -> int:
+    """The cells the cap counts: the release's own, and a selection's candidate cells at their share of a
+    release cell's memory (SELECTION_BYTES_PER_CELL of BYTES_PER_CELL)."""
+    return plan.n_cells + -(-selection_cells(plan) * SELECTION_BYTES_PER_CELL // BYTES_PER_CELL)
 
 
 def human_bytes(count: int) -> str:
@@ -103,13 +112,14 @@ def check_representable(plan: Plan) -> None:
 def check_cell_limit(plan: Plan, max_cells: int | None = None) -> None:
     """Refuse (SpecError, exit 2) a release whose tables together exceed the cell cap."""
     limit = max_cells_setting(max_cells)
-    total = plan.n_cells + selection_cells(plan)
+    total = weighted_cells(plan)
     if total <= limit:
         return
     if plan.selections and plan.n_cells <= limit:
-        raise SpecError(f"queries: choosing the tables of `select: mst` or `aim` counts candidate tables: {total:,} "
-                        f"public cells with the release's own tables, over the limit of {limit:,} (--max-cells or "
-                        f"${MAX_CELLS_ENV}); coarsen the attributes (bins) or list fewer")
+        raise SpecError(f"queries: choosing the tables of `select: mst` or `aim` counts candidate tables: "
+                        f"{selection_cells(plan):,} candidate cells at once, as much memory as {total - plan.n_cells:,} "
+                        f"release cells; with the release's own {plan.n_cells:,}, over the limit of {limit:,} "
+                        f"(--max-cells or ${MAX_CELLS_ENV}); coarsen the attributes (bins) or list fewer")
     largest = max(plan.tables, key=lambda t: t.layout.n_measured)
     entries = (f"{largest.n_cells:,} cells x {largest.layout.buckets} quantile buckets" if largest.layout.buckets > 1
                else f"{largest.n_cells:,} cells")

@@ -274,3 +274,34 @@ def test_the_largest_aim_workload_a_spec_allows_fits_the_selection_kernel():
     assert heaviest == (MAX_AIM_DEGREE + 1) * MAX_WORKLOAD_WEIGHT * MAX_WORKLOAD_MARGINALS
     sensitivity = mst_score_sensitivity(ContributionBounds(MAX_RECORDS_PER_UNIT, "replace"), heaviest, "aim").l1
     assert 2 * sensitivity * _MAX_DENOMINATOR <= 2 ** 62
+
+
+def test_passes_over_kept_bounded_records_count_what_reading_the_input_counts(tmp_path, monkeypatch):
+    """Units of 3 records bounded to 2, every round split into many passes: the embedded engine's later passes
+    count from the bounded records its second pass kept; the release (tables chosen, every file) is the one
+    that reading and bounding the input on every pass publishes."""
+    import dprelease.pipelines.engines.embedded as embedded
+    import dprelease.pipelines.selection as selection
+    from dprelease.pipelines.run import run_release
+
+    rows, columns = dependent_people(np.random.default_rng(8), 900)
+    rows["pid"] = [i // 3 for i in range(900)]
+    spec = small_spec(budget={"definition": "zcdp", "rho": 20, "delta": 1e-9}, contribution={"max_records_per_unit": 2})
+    spec["columns"].update(columns)
+    spec["queries"] = [{"name": "m", "kind": "marginals", "attributes": ATTRIBUTES, "within": "geo.state",
+                        "select": "aim"}]
+    path = write_case(tmp_path / "c", spec, rows)
+    monkeypatch.setattr(selection, "AIM_ROUND_CELLS", 10)  # one candidate a pass
+    kept = run_release(path, key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / "kept")
+    score = embedded.EmbeddedEngine.score_candidates
+
+    def reading_every_pass(self, *args, **kwargs):
+        self.close()
+        self._bounded = None
+        return score(self, *args, **kwargs)
+
+    monkeypatch.setattr(embedded.EmbeddedEngine, "score_candidates", reading_every_pass)
+    read = run_release(path, key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / "read")
+    manifests = [json.loads((r.release_dir / "manifest.json").read_text()) for r in (kept, read)]
+    assert manifests[0]["selections"] == manifests[1]["selections"]
+    assert [f["sha256"] for f in manifests[0]["files"]] == [f["sha256"] for f in manifests[1]["files"]]

@@ -188,9 +188,12 @@ def test_names_a_pair_could_share_are_refused_before_any_data_is_read(tmp_path):
 
 
 def test_the_cell_limit_counts_every_candidate_pair(tmp_path):
+    """The release's own cells fit the cap; its candidate pairs' counts, at their share of memory, do not."""
     path = mst_case(tmp_path / "c")
-    done = cli("run", str(path), "--no-ledger", "--max-cells", "100", "--key-file", str(tmp_path / "k.key"))
+    plan = build_plan(*load_spec(path))
+    done = cli("run", str(path), "--no-ledger", "--max-cells", str(plan.n_cells), "--key-file", str(tmp_path / "k.key"))
     assert done.returncode == 2 and "counts candidate tables" in " ".join(done.stderr.split())
+    assert "219 candidate cells at once, as much memory as 18 release cells" in " ".join(done.stderr.split())
 
 
 def test_a_run_that_fails_after_its_selection_stays_charged_and_republishes_free(tmp_path, monkeypatch):

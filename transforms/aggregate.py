@@ -129,19 +129,29 @@ def unravel_cells(sizes: tuple[int, ...]) -> list[np.ndarray]:
 
 
 def bounded_counts(layouts: list[TableLayout], codes: dict[str, np.ndarray], sizes: list[int],
-                   units: pa.Array | pa.ChunkedArray | None, k: int, subkey: bytes) -> list[np.ndarray]:
-    """True measurement vectors of every table over records that hold all records of their units (a partition).
+                   units: pa.Array | pa.ChunkedArray | None, k: int, subkey: bytes, sink=None) -> list[np.ndarray]:
+    """True measurement vectors of every table over records that hold all records of their units (a partition);
+    `sink(codes, rows)`, when given, also receives the codes of the records kept.
 
     Privacy: with `units`, each unit's records are first bounded to k (`bound_contributions`);
     with None every record is its own unit and is counted as is.
     """
-    n_rows = len(next(iter(codes.values()))) if codes else 0
+    codes, n_rows, keep = bounded_records(codes, sizes, units, k, subkey)
+    if sink is not None:
+        sink(codes, n_rows)
     unit_ids = None
-    if units is not None and n_rows:
-        columns = list(codes)
-        keep = bound_contributions(units, record_keys([codes[c] for c in columns], sizes), k, subkey)
-        codes = {c: values[keep] for c, values in codes.items()}
-        n_rows = int(keep.sum())
-        if any(layout.statistic == "units" for layout in layouts):
-            unit_ids = dense_unit_ids(units.filter(pa.array(keep)))
+    if keep is not None and any(layout.statistic == "units" for layout in layouts):
+        unit_ids = dense_unit_ids(units.filter(pa.array(keep)))
     return [layout.measure_vector(codes, n_rows, unit_ids) for layout in layouts]
+
+
+def bounded_records(codes: dict[str, np.ndarray], sizes: list[int], units: pa.Array | pa.ChunkedArray | None, k: int,
+                    subkey: bytes) -> tuple[dict[str, np.ndarray], int, np.ndarray | None]:
+    """(the codes of the records kept, their number, the mask kept or None) of records that hold all records of
+    their units (a partition). Privacy: with `units`, each unit's records bounded to k (`bound_contributions`,
+    keyed by the records' codes of every column in `codes`); with None every record is its own unit, kept."""
+    n_rows = len(next(iter(codes.values()))) if codes else 0
+    if units is None or not n_rows:
+        return codes, n_rows, None
+    keep = bound_contributions(units, record_keys([codes[c] for c in codes], sizes), k, subkey)
+    return {c: values[keep] for c, values in codes.items()}, int(keep.sum()), keep

@@ -99,11 +99,14 @@ def scores_from_counts(key: ReleaseKey, counts: dict[str, np.ndarray], one_way: 
                        range_target: int) -> dict[str, int]:
     """Every candidate's score from whole bounded count vectors held in one process (the embedded engine):
     the tables released (`one_way`: their TableReleases; the values the release publishes), mapped by
-    `estimates` to each candidate's `CliqueEstimate`, and each candidate scored over all its cells."""
+    `estimates` to each candidate's `CliqueEstimate`, and each candidate scored over all its cells, `range_target`
+    cells at a time (the ranges' scores add up to the whole table's; memory stays a range's)."""
     from .release_values import release_table
 
     noisy = {t.name: release_table(key, t, counts[t.name], range_target) for t in one_way}
-    return {name: range_score(counts[name], 0, estimate) for name, estimate in estimates(noisy).items()}
+    return {name: sum(range_score(counts[name][start:start + range_target], start, estimate)
+                      for start in range(0, counts[name].size, range_target))
+            for name, estimate in estimates(noisy).items()}
 
 
 def noise_penalty(cells: int, variance: float) -> int:

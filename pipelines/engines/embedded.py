@@ -76,14 +76,41 @@ class SpillPartitions:
                 yield pa.ipc.open_file(source).read_all()
 
 
+class _RecordSink:
+    """The codes of bounded records, appended batch by batch to an Arrow IPC file created owner-only (0600)."""
+
+    def __init__(self, path: Path):
+        self.path, self._writer = path, None
+
+    def __call__(self, codes: dict[str, np.ndarray], rows: int) -> None:
+        if not rows:
+            return
+        table = pa.table({c: pa.array(values) for c, values in codes.items()})
+        if self._writer is None:
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            self._writer = pa.ipc.new_file(str(self.path), table.schema)
+        self._writer.write_table(table)
+
+    def __enter__(self) -> "_RecordSink":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
 class EmbeddedEngine(Engine):
     name = "embedded"
 
     def __init__(self, workers: int | None = None):
         self.workers = workers or os.cpu_count() or 1
+        self._spill: tempfile.TemporaryDirectory | None = None
+        self._bounded: tuple | None = None  # (signature, path) of the selection's bounded records
 
-    def true_counts(self, plan: Plan, source: InputSource, key: ReleaseKey, progress: ProgressHook) -> dict[str, np.ndarray]:
-        """Bounded measurement vectors of every table. Private: only `noisy_measurements` may see them."""
+    def true_counts(self, plan: Plan, source: InputSource, key: ReleaseKey, progress: ProgressHook,
+                    sink=None) -> dict[str, np.ndarray]:
+        """Bounded measurement vectors of every table (`sink(codes, rows)` also receives the codes of the records
+        kept). Private: only `noisy_measurements` and the selection may see them."""
         columns = plan.encoded_columns()
         encoders = {c: ColumnEncoder(plan.domains[c]) for c in columns}
         sizes = [plan.domains[c].size for c in columns]
@@ -103,21 +130,21 @@ class EmbeddedEngine(Engine):
                     if unit:
                         spill.add(table)
                     else:
-                        self._accumulate(plan, table, None, sizes, subkey, counts)
+                        self._accumulate(plan, table, None, sizes, subkey, counts, sink)
                 progress("read", done + 1, len(files))
             for part in spill.tables():
-                self._accumulate(plan, part, part.column(UNIT), sizes, subkey, counts)
+                self._accumulate(plan, part, part.column(UNIT), sizes, subkey, counts, sink)
                 del part
         return counts
 
     @staticmethod
     def _accumulate(plan: Plan, table: pa.Table, units, sizes: list[int], subkey: bytes,
-                    counts: dict[str, np.ndarray]) -> None:
+                    counts: dict[str, np.ndarray], sink=None) -> None:
         # the codes dict is built inline so the kernel holds its only reference and can drop
         # the unbounded arrays once filtered (peak memory)
         partial = bounded_counts([t.layout for t in plan.tables],
                                  {c: table.column(c).to_numpy() for c in plan.encoded_columns()},
-                                 sizes, units, plan.bounds.max_records_per_unit, subkey)
+                                 sizes, units, plan.bounds.max_records_per_unit, subkey, sink)
         for t, values in zip(plan.tables, partial):
             counts[t.name] += values
 
@@ -125,10 +152,47 @@ class EmbeddedEngine(Engine):
 
     def score_candidates(self, plan: Plan, counting: list, one_way: list, estimates, source: InputSource,
                          key: ReleaseKey, progress: ProgressHook = no_progress) -> dict[str, int]:
+        """The first call reads, encodes and bounds the input as `true_counts` does, and keeps the codes of the
+        records kept in a private spill file (0600, in a 0700 directory removed by `close`); later calls of the run
+        over the same columns (a `select: aim` query's passes) count their tables from it: the same records, since
+        bounding is keyed by the key and the codes of every encoded column, which the passes share."""
         from dprelease.transforms.mst import scores_from_counts
 
-        counts = self.true_counts(dataclasses.replace(plan, tables=tuple(counting)), source, key, progress)
+        counting_plan = dataclasses.replace(plan, tables=tuple(counting))
+        signature = (id(source), key.derive("dprelease/bound"), tuple(counting_plan.encoded_columns()))
+        if self._bounded is not None and self._bounded[0] == signature:
+            released = {t.name for t in plan.tables}
+            needed = [t for t in counting if t.name not in released or t.name in {w.name for w in one_way}]
+            counts = self._counts_from(self._bounded[1], dataclasses.replace(plan, tables=tuple(needed)))
+        else:
+            self.close()
+            self._spill = tempfile.TemporaryDirectory(prefix=f"{spill_prefix(plan.spec.release_id)}{leftover_tag()}")
+            path = Path(self._spill.name) / "bounded.arrow"
+            with _RecordSink(path) as sink:
+                counts = self.true_counts(counting_plan, source, key, progress, sink)
+            self._bounded = (signature, path)
         return scores_from_counts(key, counts, [t.release for t in one_way], estimates, NOISE_RANGE_CELLS)
+
+    @staticmethod
+    def _counts_from(path: Path, plan: Plan) -> dict[str, np.ndarray]:
+        """Count tables of `plan` over bounded records kept by `_RecordSink` (no unit or measure statistics)."""
+        counts = {t.name: np.zeros(t.layout.n_measured, dtype=np.int64) for t in plan.tables}
+        if not path.exists():
+            return counts
+        with pa.memory_map(str(path)) as source:
+            reader = pa.ipc.open_file(source)
+            for i in range(reader.num_record_batches):
+                batch = reader.get_batch(i)
+                codes = {c: batch.column(c).to_numpy() for c in plan.encoded_columns()}
+                for t in plan.tables:
+                    counts[t.name] += t.layout.measure_vector(codes, batch.num_rows)
+        return counts
+
+    def close(self) -> None:
+        """Remove the selection's spill of bounded records (if any)."""
+        if self._spill is not None:
+            self._spill.cleanup()
+        self._spill = self._bounded = None
 
     def noise(self, plan: Plan, key: ReleaseKey, progress: ProgressHook) -> dict[str, np.ndarray]:
         """Noise of every cell of every additive table, in parallel over cell ranges (same values for any split)."""

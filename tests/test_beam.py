@@ -326,7 +326,7 @@ def test_candidates_are_scored_over_every_range_and_a_missing_range_is_refused()
     driver refuses a score made of fewer ranges, or none."""
     from apache_beam.testing.util import assert_that
 
-    from dprelease.pipelines.engines.beam import checked_scores
+    from dprelease.pipelines.engines.base import checked_scores
     from dprelease.transforms.beam import ScoreCandidates
     from dprelease.transforms.mst import CliqueEstimate, independent_estimates, pair_estimate, pair_score
     from dprelease.transforms.release_values import TableRelease
@@ -348,7 +348,8 @@ def test_candidates_are_scored_over_every_range_and_a_missing_range_is_refused()
     with beam.Pipeline(options=pipeline_options(None, DIRECT)) as pipeline:
         scored = pipeline | beam.Create([("m.x-y", (cells, counts[cells]))]) | scorer
         assert_that(scored, matches)
-    assert checked_scores({"m.x-y": (expected, 3)}, {"m.x-y": 3}) == {"m.x-y": expected}
+    what = "the Beam selection pipeline"
+    assert checked_scores({"m.x-y": (expected, 3)}, {"m.x-y": 3}, what) == {"m.x-y": expected}
     for found in ({"m.x-y": (expected, 2)}, {}):
         with pytest.raises(DPReleaseError, match=r"table m.x-y: the Beam selection pipeline scored [02] of its 3 ranges"):
-            checked_scores(found, {"m.x-y": 3})
+            checked_scores(found, {"m.x-y": 3}, what)

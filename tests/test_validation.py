@@ -96,7 +96,10 @@ def test_pass_or_fail_does_not_reach_the_release_or_the_console(case, tmp_path):
     for name, rows in (("clean", CLEAN), ("dirty", DIRTY)):
         ran = run_validated(case(rows=rows), tmp_path, name)
         assert ran.returncode == 0, ran.stderr
-        outputs.append(re.sub(r"\d{4}-\d\d-\d\d \S+|\d+:\d\d:\d\d|/\S+", "<x>", ran.stdout + ran.stderr))
+        # the coding check's warning is computed from the published (noisy) tables, like the release's files: a
+        # fresh key's noise may or may not cross its threshold, whatever the validation outcome
+        text = re.sub(r"Warning: \d+% of the published total of .*?(\n|$)", "", ran.stdout + ran.stderr, flags=re.S)
+        outputs.append(re.sub(r"\d{4}-\d\d-\d\d \S+|\d+:\d\d:\d\d|/\S+", "<x>", text))
         blocks.append(json.loads((tmp_path / name / "test-release" / "manifest.json").read_text())["input_validation"])
     assert internal_report(tmp_path / "clean-internal")["success"] is True
     assert internal_report(tmp_path / "dirty-internal")["success"] is False

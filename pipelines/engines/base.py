@@ -31,6 +31,21 @@ def no_progress(stage: str, done: int, total: int) -> None:
     return None
 
 
+def checked_scores(found: dict[str, tuple[int, int]], expected_ranges: dict[str, int], what: str) -> dict[str, int]:
+    """Each candidate's score from `found` (name -> (score, ranges scored)), once every one of its ranges was
+    scored (a count of public ranges, so the message is public); DPReleaseError naming the table and `what`
+    scored it (the Spark job, the Beam pipeline) otherwise."""
+    from dprelease.accounting.errors import DPReleaseError
+
+    scores = {}
+    for name, expected in expected_ranges.items():
+        score, ranges = found.get(name, (0, 0))
+        if ranges != expected:
+            raise DPReleaseError(f"table {name}: {what} scored {ranges} of its {expected} ranges")
+        scores[name] = int(score)
+    return scores
+
+
 class Engine(ABC):
     name: str
 

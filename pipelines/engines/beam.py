@@ -31,7 +31,7 @@ from dprelease.transforms.csprng import ReleaseKey
 
 from ..plan import Plan
 from ..source import InputSource
-from .base import Engine, ProgressHook, no_progress
+from .base import Engine, ProgressHook, checked_scores, no_progress
 
 REQUIRED_OPTIONS = {
     "DataflowRunner": ("project", "region", "temp_location"),
@@ -231,18 +231,6 @@ def _read_scores(directory: str) -> dict[str, tuple[int, int]]:
     return scores
 
 
-def checked_scores(found: dict[str, tuple[int, int]], expected_ranges: dict[str, int]) -> dict[str, int]:
-    """Each candidate's score, once every one of its ranges was scored (a count of public ranges, so the
-    message is public); DPReleaseError naming the table otherwise."""
-    scores = {}
-    for name, expected in expected_ranges.items():
-        score, ranges = found.get(name, (0, 0))
-        if ranges != expected:
-            raise DPReleaseError(f"table {name}: the Beam selection pipeline scored {ranges} of its {expected} ranges")
-        scores[name] = score
-    return scores
-
-
 class BeamEngine(Engine):
     name = "beam"
     writes_parts = True
@@ -328,7 +316,7 @@ class BeamEngine(Engine):
 
         scores = self._run("the Beam selection pipeline", score, _read_scores)
         progress("select", 2, 2)
-        return checked_scores(scores, scorer.expected_ranges())
+        return checked_scores(scores, scorer.expected_ranges(), "the Beam selection pipeline")
 
     def release_parts(self, plan: Plan, source: InputSource, key: ReleaseKey, staging, layout,
                       progress: ProgressHook = no_progress):

@@ -34,7 +34,7 @@ from dprelease.transforms.samplers import FAIL_FIRST_ATTEMPT_ENV
 
 from ..plan import Plan
 from ..source import InputSource, value_type
-from .base import Engine, ProgressHook, no_progress
+from .base import Engine, ProgressHook, checked_scores, no_progress
 
 NOISE_RANGE_CELLS = 1 << 18
 ROWS_PER_PARTITION = 2_000_000
@@ -434,17 +434,12 @@ class SparkEngine(Engine):
             finally:
                 broadcast.destroy()
             progress("select", 2, 2)
-        found = dict(zip(scored.column("table_id").to_pylist(), zip(scored.column("score").to_pylist(),
-                                                                     scored.column("ranges").to_pylist())))
-        scores = {}
-        for name in wanted:
-            i = ids[name]
-            expected = counting[i].release.range_count(steps[i])
-            if i not in found or found[i][1] != expected:
-                raise DPReleaseError(f"table {name}: the Spark selection job scored "
-                                     f"{found.get(i, (0, 0))[1]} of its {expected} ranges")
-            scores[name] = int(found[i][0])
-        return scores
+        names = {i: name for name, i in ids.items()}
+        found = {names[i]: values for i, values in zip(scored.column("table_id").to_pylist(),
+                                                     zip(scored.column("score").to_pylist(),
+                                                         scored.column("ranges").to_pylist()))}
+        expected = {name: counting[ids[name]].release.range_count(steps[ids[name]]) for name in wanted}
+        return checked_scores(found, expected, "the Spark selection job")
 
     def _ranged_counts(self, spark, plan: Plan, source: InputSource, key: ReleaseKey, steps: list[int]):
         """The input read, bounded and counted in executors, grouped by (table, noise range) with a marker

@@ -544,6 +544,14 @@ MAX_SELECTION_PASSES = 400
 the plan): each pass reads, bounds and counts every record again."""
 
 
+def candidate_cells(plan: Plan, selection: SelectionPlan) -> list[int]:
+    """Each candidate's cells (public: its dimensions' sizes), without building its table (`candidate_tables`)."""
+    query = plan.query(selection.query)
+    units = _dims([query.within], plan.domains)[0].size if query.within else 1
+    sizes = {a: d.size for a, d in zip(query.attributes, _dims(list(query.attributes), plan.domains))}
+    return [units * math.prod(sizes[a] for a in clique) for clique in selection.candidates]
+
+
 def selection_passes(plan: Plan) -> int:
     """An upper bound on the passes over the input a run's selections make (public: from the plan). mst: one.
     aim: per round, at most 2 ceil(cells / AIM_ROUND_CELLS) + 1 passes (`selection._passes` packs candidates in
@@ -557,7 +565,7 @@ def selection_passes(plan: Plan) -> int:
         if s.method == "mst":
             passes += 1
             continue
-        sizes = [t.n_cells for t in candidate_tables(plan, s)]
+        sizes = candidate_cells(plan, s)
         attributes = s.rounds + 1
         for round_ in range(s.rounds):
             held = round_ + 1
@@ -576,7 +584,7 @@ def selection_cells(plan: Plan) -> int:
     for s in plan.selections:
         if s.chosen is not None:
             continue
-        sizes = [t.n_cells for t in candidate_tables(plan, s)]
+        sizes = candidate_cells(plan, s)
         if s.method == "aim":
             cells += min(sum(sizes), max(AIM_ROUND_CELLS, max(sizes))) + max(sizes)
         else:

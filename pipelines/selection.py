@@ -5,7 +5,7 @@ Runs after the budget is reserved and the key bound, before the measurements. ms
 candidate pair (bounded exactly as the release's own tables are), the query's 1-way tables are released with
 the noise the measurement stage will draw for them again (noise is a pure function of key, table and cell),
 and `transforms.mst` chooses the tree. aim: round by round, the engine counts the round's candidates, the
-tables measured so far are released (the same noise again) and fitted (`transforms.aim.model_estimates`), and
+tables measured so far are released (the same noise again) and fitted (`transforms.aim.JunctionModel`), and
 one candidate is chosen; its table is released in the next round. The run then continues with the plan of the
 chosen tables.
 Privacy: accounted in the plan before any data is read (`plan.SelectionPlan`); only the chosen tables leave
@@ -18,7 +18,7 @@ import logging
 import numpy as np
 
 from dprelease.accounting.errors import SpecError
-from dprelease.transforms.aim import clique_of, clique_weight, model_estimates, round_candidates
+from dprelease.transforms.aim import JunctionModel, clique_of, clique_weight, round_candidates
 from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.mst import CliqueEstimate, draw_round, independent_estimates, noise_penalty, select_tree
 
@@ -36,8 +36,7 @@ def check_engine_selects(plan: Plan, engine: Engine) -> None:
     if plan.selections and not engine.scores_candidates:
         names = [s.query for s in plan.selections]
         raise SpecError(f"queries {names}: `select: mst` and `select: aim` need an engine that scores candidate "
-                        f"tables; the "
-                        f"{engine.name} engine does not (run it with --engine embedded, spark or beam)")
+                        f"tables; the {engine.name} engine does not (run it with --engine embedded, spark or beam)")
 
 
 def select_tables(plan: Plan, engine: Engine, source: InputSource, key: ReleaseKey,
@@ -127,13 +126,16 @@ def _grow(plan: Plan, selection: SelectionPlan, engine: Engine, source: InputSou
         # the table the round before chose is released (counted, its noise drawn) with this round's first pass
         newest = candidate_tables(plan, selection, cliques[-1:], released=True)
         scores: dict[str, int] = {}
+        model: list[JunctionModel] = []  # fitted once a round, on its first pass (when the newest table is released)
         for batch in _passes(list(range(len(steps))), tables):
             def estimates(noisy: dict[str, np.ndarray], batch=batch) -> dict[str, CliqueEstimate]:
                 released.update(noisy)
-                found = model_estimates(
-                    attributes, {a: released[t.name].reshape(units, -1) for a, t in zip(attributes, one_way)},
-                    cliques, [released[table_name(query.name, c)].reshape(units, *[sizes[a] for a in c])
-                              for c in cliques], variance, [steps[i] for i in batch], sizes)
+                if not model:
+                    model.append(JunctionModel.fit(
+                        attributes, {a: released[t.name].reshape(units, -1) for a, t in zip(attributes, one_way)},
+                        cliques, [released[table_name(query.name, c)].reshape(units, *[sizes[a] for a in c])
+                                  for c in cliques], variance))
+                found = model[0].estimates(attributes, [steps[i] for i in batch], sizes)
                 return {tables[i].name: estimate for i, estimate in zip(batch, found)}
 
             counting = list(plan.tables) + newest + [tables[i] for i in batch]

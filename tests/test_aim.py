@@ -17,7 +17,7 @@ from dprelease.transforms.aim import (attribute_weights, clique_steps, clique_we
                                       model_estimates, round_candidates)
 
 from .conftest import small_spec, write_case
-from .test_mst import ATTRIBUTES, assert_same_selection_and_release, cli, dependent_people
+from .test_mst import ATTRIBUTES, assert_same_selection_and_release, cli, dependent_people, run_with_ledger
 
 
 def aim_case(directory, budget=None, neighbouring="add_remove", people: int = 600, **query):
@@ -84,13 +84,7 @@ def test_the_plan_accounts_every_round_before_any_data_is_read(tmp_path, definit
 
 
 def test_an_aim_release_runs_verifies_adds_up_and_synthesizes(tmp_path):
-    path = aim_case(tmp_path / "c")
-    ledger = tmp_path / "ledger.sqlite"
-    assert cli("ledger", "set-budget", "test-data", "--rho", "100", "--ledger", str(ledger)).returncode == 0
-    done = cli("run", str(path), "--key-file", str(tmp_path / "k.key"), "--ledger", str(ledger))
-    assert done.returncode == 0, done.stderr
-    root = path.parent / "out" / "test-release"
-    manifest = json.loads((root / "manifest.json").read_text())
+    root, manifest, ledger = run_with_ledger(tmp_path, aim_case(tmp_path / "c"))
     [record] = manifest["selections"]
     assert manifest["manifest_version"] == 5 and record["method"] == "aim" and record["degree"] == 2
     assert record["chosen"][0] == ["edu", "inc"]  # by far the most dependent pair

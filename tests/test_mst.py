@@ -81,14 +81,19 @@ def test_plan_shows_the_selection_and_the_pairs_still_to_choose(tmp_path):
     assert records["m.<3 pairs chosen>"]["mechanism"] == "discrete_gaussian"
 
 
-def test_a_selection_release_runs_verifies_adds_up_and_synthesizes(tmp_path):
-    path = mst_case(tmp_path / "c")
+def run_with_ledger(tmp_path, path):
+    """Run the spec from the CLI against a fresh ledger (rho 100 for the test dataset): (release directory, its
+    manifest, the ledger's path)."""
     ledger = tmp_path / "ledger.sqlite"
     assert cli("ledger", "set-budget", "test-data", "--rho", "100", "--ledger", str(ledger)).returncode == 0
     done = cli("run", str(path), "--key-file", str(tmp_path / "k.key"), "--ledger", str(ledger))
     assert done.returncode == 0, done.stderr
     root = path.parent / "out" / "test-release"
-    manifest = json.loads((root / "manifest.json").read_text())
+    return root, json.loads((root / "manifest.json").read_text()), ledger
+
+
+def test_a_selection_release_runs_verifies_adds_up_and_synthesizes(tmp_path):
+    root, manifest, ledger = run_with_ledger(tmp_path, mst_case(tmp_path / "c"))
     [record] = manifest["selections"]
     assert record["rounds"] == 3 and len(record["chosen"]) == 3 and ["edu", "inc"] in record["chosen"]
     assert record["mechanism"]["accounted_as"] == "rho" and record["mechanism"]["selections"] == 3

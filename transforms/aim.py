@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -69,29 +70,23 @@ def junction_steps(attributes: list[str], cliques: list[Clique], degree: int) ->
     if len(cliques) != len(attributes) - 1:
         raise ValueError(f"{len(cliques)} cliques chosen; a junction tree of {len(attributes)} attributes grown one "
                          f"attribute a round has {len(attributes) - 1}")
-    steps: list[tuple[Clique, str]] = []
     held: set[str] = set()
     for i, clique in enumerate(cliques):
         clique = tuple(clique)
         if not all(isinstance(a, str) for a in clique) or clique != clique_of(attributes, clique) \
                 or len(set(clique)) != len(clique):
             raise ValueError(f"clique {list(clique)} is not a set of the query's attributes in its order")
-        if i == 0:
-            if len(clique) != 2:
-                raise ValueError(f"the first clique {list(clique)} must be a pair")
-            steps.append(((clique[0],), clique[1]))
-            held.update(clique)
-            continue
+        if i == 0 and len(clique) != 2:
+            raise ValueError(f"the first clique {list(clique)} must be a pair")
         new = [a for a in clique if a not in held]
-        separator = tuple(a for a in clique if a in held)
-        if len(new) != 1 or not 1 <= len(separator) <= degree:
+        separator = [a for a in clique if a in held]
+        if i and (len(new) != 1 or not 1 <= len(separator) <= degree):
             raise ValueError(f"clique {list(clique)} must add one new attribute to 1 to {degree} attributes the model "
                              f"holds (it adds {new})")
-        if not any(set(separator) <= set(c) for c in cliques[:i]):
-            raise ValueError(f"clique {list(clique)}: its separator {list(separator)} lies inside no earlier clique")
-        steps.append((separator, new[0]))
-        held.add(new[0])
-    return steps
+        if i and not any(set(separator) <= set(c) for c in cliques[:i]):
+            raise ValueError(f"clique {list(clique)}: its separator {separator} lies inside no earlier clique")
+        held.update(clique)
+    return clique_steps([tuple(c) for c in cliques])
 
 
 def attribute_weights(attributes: list[str], workload: list[tuple[tuple[str, ...], int]] | None) -> dict[str, int]:
@@ -120,40 +115,63 @@ def largest_weight(weights: dict[str, int], degree: int) -> int:
     return sum(sorted(weights.values(), reverse=True)[:degree + 1]) if weights else 1
 
 
-def model_estimates(attributes: list[str], one_way: dict[str, np.ndarray], cliques: list[Clique],
-                    clique_tables: list[np.ndarray], clique_variance: float, candidates: list[tuple[Clique, str]], sizes: dict[str, int]) -> list[CliqueEstimate]:
-    """Each candidate's estimate under the model of the measurements so far. `one_way`: every attribute's
-    released 1-way table (units, size); `clique_tables`: the released tables of the cliques chosen so far
-    (units, sizes in the clique's order). The model's tables are `junction_tables` of them (the root: the first
-    clique's first attribute; unit totals: the 1-way tables' mean total, rounded; rows shrunk toward the new
-    attribute's 1-way table), as the tree path fits them; a new attribute's distribution is its clipped 1-way
-    table's. In the first round (no clique) the separator is one attribute: the unit total times its
-    distribution, MST's independent estimate. Post-processing of released values only."""
-    from .mst import independent_estimates
-    from .units.tree_model import junction_tables, separator_counts
+@dataclass(frozen=True)
+class JunctionModel:
+    """The model of the measurements so far, per unit: the unit totals and each attribute's distribution from the
+    released 1-way tables (clipped), and the fitted tables of the cliques chosen so far (`junction_tables` of
+    their released tables, as the junction path fits them). Post-processing of released values only."""
 
-    units = next(iter(one_way.values())).shape[0]
-    totals, shares = independent_estimates([one_way[a] for a in attributes])
-    share = dict(zip(attributes, shares))
-    fitted: list[tuple[Clique, np.ndarray]] = []
-    model_one_way: dict = {}
-    if cliques:
+    totals: np.ndarray
+    shares: dict[str, np.ndarray]
+    one_way: dict[str, np.ndarray]
+    fitted: list[tuple[Clique, np.ndarray]]
+
+    @classmethod
+    def fit(cls, attributes: list[str], one_way: dict[str, np.ndarray], cliques: list[Clique],
+            clique_tables: list[np.ndarray], clique_variance: float) -> "JunctionModel":
+        """`one_way`: every attribute's released 1-way table (units, size); `clique_tables`: the released tables of
+        the cliques chosen so far (units, sizes in the clique's order), fitted from the first clique's first
+        attribute with the 1-way tables' mean total, rounded, as unit totals and rows shrunk toward the new
+        attribute's 1-way table."""
+        from .mst import independent_estimates
+        from .units.tree_model import junction_tables
+
+        totals, shares = independent_estimates([one_way[a] for a in attributes])
+        if not cliques:
+            return cls(totals, dict(zip(attributes, shares)), {}, [])
         steps = [(separator, new, oriented(table, clique, separator, new))
                  for (separator, new), clique, table in zip(clique_steps(cliques), cliques, clique_tables)]
         margins = {a: np.asarray(one_way[a], dtype=np.float64) for a in attributes}
         root = cliques[0][0]
-        model_one_way, tables = junction_tables(np.rint(totals).astype(np.int64), root, one_way[root], steps,
-                                                margins, [clique_variance] * len(steps))
-        fitted = [(separator + (new,), table) for (separator, new, _), table in zip(steps, tables)]
-    out = []
-    for separator, new in candidates:
-        if fitted:
-            counts = separator_counts(separator, model_one_way, fitted).reshape(units, -1).astype(np.float64)
-        else:
-            counts = totals[:, None] * share[separator[0]]
-        clique = clique_of(attributes, separator + (new,))
-        out.append(CliqueEstimate(counts, share[new], tuple(sizes[a] for a in clique), clique.index(new)))
-    return out
+        fitted_one_way, tables = junction_tables(np.rint(totals).astype(np.int64), root, one_way[root], steps,
+                                                 margins, [clique_variance] * len(steps))
+        return cls(totals, dict(zip(attributes, shares)), fitted_one_way,
+                   [(separator + (new,), table) for (separator, new, _), table in zip(steps, tables)])
+
+    def estimates(self, attributes: list[str], candidates: list[tuple[Clique, str]], sizes: dict[str, int]
+                  ) -> list[CliqueEstimate]:
+        """Each candidate's estimate: its separator's table in the model (before any clique, the unit total times
+        the attribute's distribution: MST's independent estimate) times the new attribute's distribution."""
+        from .units.tree_model import separator_counts
+
+        out = []
+        for separator, new in candidates:
+            if self.fitted:
+                counts = separator_counts(separator, self.one_way, self.fitted)
+                counts = counts.reshape(self.totals.size, -1).astype(np.float64)
+            else:
+                counts = self.totals[:, None] * self.shares[separator[0]]
+            clique = clique_of(attributes, separator + (new,))
+            out.append(CliqueEstimate(counts, self.shares[new], tuple(sizes[a] for a in clique), clique.index(new)))
+        return out
+
+
+def model_estimates(attributes: list[str], one_way: dict[str, np.ndarray], cliques: list[Clique],
+                    clique_tables: list[np.ndarray], clique_variance: float, candidates: list[tuple[Clique, str]],
+                    sizes: dict[str, int]) -> list[CliqueEstimate]:
+    """Each candidate's estimate under the model of the measurements so far (`JunctionModel`)."""
+    return JunctionModel.fit(attributes, one_way, cliques, clique_tables, clique_variance).estimates(
+        attributes, candidates, sizes)
 
 
 def clique_steps(cliques: list[Clique]) -> list[tuple[Clique, str]]:

@@ -39,6 +39,12 @@ PARTITION_BYTES = 64 << 20
 NOISE_RANGE_CELLS = 1 << 18
 
 
+def private_ipc_file(path: Path, schema: pa.Schema) -> pa.ipc.RecordBatchFileWriter:
+    """An Arrow IPC file writer on a new file created owner-only (0600) before anything is written to it."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    return pa.ipc.new_file(str(path), schema)
+
+
 class SpillPartitions:
     """Encoded records split into `count` partitions by a hash of the unit (in memory if count == 1)."""
 
@@ -58,9 +64,7 @@ class SpillPartitions:
             piece = table.filter(pa.array(part == p))
             if piece.num_rows:
                 if p not in self._writers:
-                    path = self._directory / f"part-{p}.arrow"
-                    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # owner-only, then filled
-                    self._writers[p] = pa.ipc.new_file(str(path), table.schema)
+                    self._writers[p] = private_ipc_file(self._directory / f"part-{p}.arrow", table.schema)
                 self._writers[p].write_table(piece)
 
     def tables(self):
@@ -87,8 +91,7 @@ class _RecordSink:
             return
         table = pa.table({c: pa.array(values) for c, values in codes.items()})
         if self._writer is None:
-            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-            self._writer = pa.ipc.new_file(str(self.path), table.schema)
+            self._writer = private_ipc_file(self.path, table.schema)
         self._writer.write_table(table)
 
     def __enter__(self) -> "_RecordSink":
@@ -161,8 +164,8 @@ class EmbeddedEngine(Engine):
         counting_plan = dataclasses.replace(plan, tables=tuple(counting))
         signature = (id(source), key.derive("dprelease/bound"), tuple(counting_plan.encoded_columns()))
         if self._bounded is not None and self._bounded[0] == signature:
-            released = {t.name for t in plan.tables}
-            needed = [t for t in counting if t.name not in released or t.name in {w.name for w in one_way}]
+            released, wanted = {t.name for t in plan.tables}, {t.name for t in one_way}
+            needed = [t for t in counting if t.name not in released or t.name in wanted]
             counts = self._counts_from(self._bounded[1], dataclasses.replace(plan, tables=tuple(needed)))
         else:
             self.close()

@@ -342,8 +342,9 @@ def _junction_path(shape: JointShape, totals: np.ndarray, estimates: list[np.nda
     one_way_index = {t.axes[0]: i for i, t in enumerate(shape.tables) if len(t.axes) == 1}
     chosen = [i for i, t in enumerate(shape.tables) if len(t.axes) > 1]
     cliques = [tuple(names[a] for a in shape.tables[i].axes) for i in chosen]
+    joins = clique_steps(cliques)
     steps = []
-    for (separator, new), clique, i in zip(clique_steps(cliques), cliques, chosen):
+    for (separator, new), clique, i in zip(joins, cliques, chosen):
         table = estimates[i].reshape((units,) + tuple(shape.sizes[a] for a in shape.tables[i].axes))
         steps.append((separator, new, oriented(table, clique, separator, new)))
     one_way, tables = junction_tables(totals, cliques[0][0], estimates[one_way_index[int(cliques[0][0])]], steps,
@@ -352,7 +353,7 @@ def _junction_path(shape: JointShape, totals: np.ndarray, estimates: list[np.nda
     out: list[np.ndarray] = [np.empty(0)] * len(shape.tables)
     for a, i in one_way_index.items():
         out[i] = one_way[names[a]].reshape(units, -1)
-    for (separator, new), clique, i, table in zip(clique_steps(cliques), cliques, chosen, tables):
+    for (separator, new), clique, i, table in zip(joins, cliques, chosen, tables):
         out[i] = np.ascontiguousarray(oriented_back(table, clique, separator, new)).reshape(units, -1)
     return out
 

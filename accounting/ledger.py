@@ -46,14 +46,14 @@ from typing import Callable
 from sqlalchemy import (Column, DateTime, ForeignKey, Integer, MetaData, String, Table, create_engine, event,
                         select)
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from .errors import BudgetError, DPReleaseError, KeyReuseError, SpecError
 from .periods import UNITS as PERIOD_UNITS
 from .periods import budget_periods, overlaps, parse_period
 from .redact import redact_url
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 MIGRATIONS = {
     2: ["ALTER TABLE datasets ADD COLUMN period_budget VARCHAR(64)",
         "ALTER TABLE releases ADD COLUMN period VARCHAR(128)"],
@@ -64,6 +64,7 @@ MIGRATIONS = {
         "ALTER TABLE releases ADD COLUMN lease_expires_at TIMESTAMP WITH TIME ZONE",
         "ALTER TABLE releases ADD COLUMN owner_token VARCHAR(64)",
         "ALTER TABLE releases ADD COLUMN plan_sha256 VARCHAR(64)"],
+    5: ["ALTER TABLE releases ADD COLUMN selection_sha256 VARCHAR(64)"],
 }
 """(`TIMESTAMP WITH TIME ZONE`: PostgreSQL's TIMESTAMP alone would store an aware UTC time as the session's
 local time.)"""
@@ -104,7 +105,10 @@ releases = Table(
     Column("lease_expires_at", DateTime(timezone=True)),
     Column("owner_token", String(64)),
     Column("plan_sha256", String(64)),
+    Column("selection_sha256", String(64)),
 )
+"""`selection_sha256`: what a release's selections chose (the tables, in order), recorded by its first run; a
+free re-run must choose exactly the same (`check_selection`)."""
 publications = Table(
     "publications", metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
@@ -184,9 +188,14 @@ def open_ledger(location: str | Path, create: bool = True) -> Engine:
     ledger."""
     url = ledger_url(location)
     if not create and url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).is_file():
-        raise LedgerError(f"ledger {redact_url(str(location))}: no such ledger file")
+        raise SpecError(f"--ledger = {redact_url(str(location))!r}: no such ledger file (a mistyped ledger would "
+                        "look empty; `dprelease ledger set-budget` creates one)")
     try:
         return _open_ledger(location)
+    except (ArgumentError, ImportError) as error:  # a URL SQLAlchemy cannot parse, or a driver not installed
+        raise SpecError(f"--ledger = {redact_url(str(location))!r}: not a usable database URL ({type(error).__name__}"
+                        "; a SQLite file path, or a SQLAlchemy URL whose driver is installed, e.g. "
+                        "postgresql+psycopg://host/db with `pip install psycopg[binary]`)") from None
     except SQLAlchemyError as error:
         raise unreachable(location, error) from None
     except OSError as error:
@@ -249,6 +258,8 @@ class Reservation:
     owner_token: str | None = None
     charged_early: bool = False
     """Committed before its release was staged (`charge_before_publication`): a failure no longer refunds it."""
+    selection_sha256: str | None = None
+    """A free re-run: what the committed release's selections chose (None: nothing recorded)."""
 
     @property
     def charged_by_this_run(self) -> Fraction:
@@ -419,7 +430,7 @@ def reserve(engine: Engine, dataset_id: str, release_id: str, key_id: str, spec_
                       periods=tuple(charged_periods))
         if committed is not None:
             return Reservation(committed.id, dataset_id, unit, Fraction(committed.spend), spent, lifetime,
-                               rerun=True, **fields)
+                               rerun=True, selection_sha256=committed.selection_sha256, **fields)
         if spent + spend > lifetime:
             raise BudgetError(
                 f"dataset {dataset_id!r}: this release needs {spend} {unit} ({float(spend):.6g}) but only "
@@ -490,6 +501,32 @@ def charge_before_publication(engine: Engine, reservation: Reservation) -> Reser
         raise LedgerError(f"ledger: the reservation of release row {reservation.row_id} is no longer held by this "
                           "run (its lease expired and `dprelease ledger reconcile` settled it?); run it again")
     return dataclasses.replace(reservation, charged_early=True)
+
+
+def check_selection(engine: Engine, reservation: Reservation, selection_sha256: str) -> None:
+    """Bind a release's selections to its ledger row. A first run records what it chose (before any measurement
+    of the chosen tables is drawn); a free re-run must have chosen exactly that, or it is refused (BudgetError,
+    exit 3) before anything is published: its choices come from floating-point model fits, so another machine or
+    version could choose other tables, and publishing their measurements for free would spend budget nobody
+    paid for. A committed release with no recorded selection is never re-run free with one."""
+    if reservation.row_id is None:
+        return
+    if reservation.rerun:
+        if reservation.selection_sha256 != selection_sha256:
+            raise BudgetError(
+                f"dataset {reservation.dataset_id!r}: this re-run chose other tables than the published release "
+                + ("(none recorded for it)" if reservation.selection_sha256 is None else "")
+                + "; a free re-run must reproduce the release it re-publishes (another machine or dprelease version "
+                "can fit the models differently). Nothing was published; run it as a new release (new release_id "
+                "and key) to spend budget on these tables")
+        return
+    with engine.begin() as connection:
+        done = connection.execute(releases.update().where(
+            (releases.c.id == reservation.row_id) & (releases.c.owner_token == reservation.owner_token)
+            & releases.c.selection_sha256.is_(None)).values(selection_sha256=selection_sha256))
+    if done.rowcount != 1:
+        raise LedgerError(f"ledger: the selection of release row {reservation.row_id} could not be recorded (the "
+                          "row is no longer this run's); nothing is published")
 
 
 def abort(engine: Engine, reservation: Reservation) -> None:

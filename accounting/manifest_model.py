@@ -173,9 +173,19 @@ class Totals(Strict):
     delta: float | None = None
 
 
-class ImpliedLoss(Strict):
+class LossBySection(Strict):
     by_attribute: dict[str, dict[str, Any]]
     by_geography_level: dict[str, dict[str, Any]]
+
+
+class ImpliedLoss(Strict):
+    """The loss each attribute and each geography level carries (from version 6: selections included)."""
+
+    by_attribute: dict[str, dict[str, Any]]
+    by_geography_level: dict[str, dict[str, Any]]
+    worst_case_over_selections: LossBySection | None = Field(
+        None, description="Version 6 on, releases with selections: the loss if every table every selection chose "
+                          "held the attribute or level (a bound whatever the data chose).")
 
 
 class Invariant(Strict):
@@ -248,12 +258,21 @@ class FileEntry(Strict):
     bytes: int
 
 
+class Invocation(Strict):
+    """The entry point and its allow-listed options, each value only where its type is known public."""
+
+    entry: str
+    options: dict[str, Any]
+
+
 class Provenance(Strict):
-    """Descriptive (not verified): how the release was made. The command line has credentials redacted."""
+    """Descriptive (not verified): how the release was made. Version 6 on: `invocation`, structured and
+    allow-listed; before: `command_line`, with credentials redacted by a denylist."""
 
     git_commit: str | None
     versions: dict[str, str]
-    command_line: list[str]
+    invocation: Invocation | None = None
+    command_line: list[str] | None = None
     created_at: str = Field(description="Start of the run, before any data is read (or SOURCE_DATE_EPOCH).")
 
 
@@ -320,7 +339,7 @@ class Manifest(Strict):
     """A published release's manifest: no true counts, no row counts, no key. `dprelease verify` recomputes
     every field from the embedded spec or checks it for consistency, except those described as descriptive."""
 
-    manifest_version: Literal[1, 2, 3, 4, 5]
+    manifest_version: Literal[1, 2, 3, 4, 5, 6]
     release_id: str
     dataset_id: str
     software: Software

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -16,28 +15,32 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from .errors import SpecError
 
 SIGNATURE_FILE = "manifest.json.sig"
+MAX_KEY_BYTES = 64 << 10
+"""Largest PEM key file read (an Ed25519 key is a few hundred bytes)."""
 
 
-def _load_pem(path: Path, option: str, private: bool):
-    """An Ed25519 key from a PEM file; errors name the option, the path and what is allowed."""
+def _load_pem(data: bytes, path: object, option: str, private: bool):
+    """An Ed25519 key from a PEM file's bytes (read by the caller through the storage layer, bounded); errors
+    name the option, the path and what is allowed."""
+    from .redact import shown
+
     kind = "unencrypted PEM private key" if private else "PEM public key"
     try:
-        data = Path(path).read_bytes()
         key = (serialization.load_pem_private_key(data, password=None) if private
                else serialization.load_pem_public_key(data))
-    except (OSError, ValueError, TypeError) as error:
-        raise SpecError(f"{option} = {str(path)!r}: not a readable {kind} ({type(error).__name__})") from None
+    except (ValueError, TypeError) as error:
+        raise SpecError(f"{option} = {shown(path)!r}: not a readable {kind} ({type(error).__name__})") from None
     if not isinstance(key, Ed25519PrivateKey if private else Ed25519PublicKey):
-        raise SpecError(f"{option} = {str(path)!r}: must be an Ed25519 key (openssl genpkey -algorithm ed25519)")
+        raise SpecError(f"{option} = {shown(path)!r}: must be an Ed25519 key (openssl genpkey -algorithm ed25519)")
     return key
 
 
-def load_private_key(path: Path) -> Ed25519PrivateKey:
-    return _load_pem(path, "--sign-key", private=True)
+def load_private_key(data: bytes, path: object = "--sign-key") -> Ed25519PrivateKey:
+    return _load_pem(data, path, "--sign-key", private=True)
 
 
-def load_public_key(path: Path) -> Ed25519PublicKey:
-    return _load_pem(path, "--public-key", private=False)
+def load_public_key(data: bytes, path: object = "--public-key") -> Ed25519PublicKey:
+    return _load_pem(data, path, "--public-key", private=False)
 
 
 def fingerprint(public_key: Ed25519PublicKey) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dprelease.examples.generator import write_demo_data
+from dprelease.pipelines.commands import demo_data
 from dprelease.pipelines.engines.embedded import EmbeddedEngine
 from dprelease.pipelines.plan import build_plan
 from dprelease.pipelines.postprocessing import count_tables, estimate_variances, least_squares_estimates, post_process
@@ -37,7 +37,7 @@ def main() -> None:
     if data is None:
         data = HERE / "out" / f"rows-{args.rows}" / "persons.parquet"
         if not data.exists():
-            write_demo_data(data.parent, args.rows)
+            demo_data(args.rows, data.parent)
     spec, base = load_spec(args.spec)
     plan = build_plan(spec, base)
     source = open_input(plan, base, str(data))

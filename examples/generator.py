@@ -140,14 +140,14 @@ def _chunk(rng, start_person, start_household, n_rows, tracts, tract_weights, di
     })
 
 
-def write_demo_data(out: Path, rows: int, seed: int = 1, dirty_rate: float = 0.001,
-                    geography: list[str] | None = None) -> tuple[Path, Path]:
-    """Write `rows` persons to `out` (a .parquet/.csv file, or a directory for persons.parquet)
-    and the geography domain file `geography.txt` beside it (`geography`: leaf codes, default the demo's).
-    Returns both paths."""
-    out = Path(out)
-    if out.suffix not in (".parquet", ".csv"):
-        out = out / "persons.parquet"
+def write_demo_data(out: Path, domain_file: Path, rows: int, overwrite: bool = False, seed: int = 1,
+                    dirty_rate: float = 0.001, geography: list[str] | None = None) -> tuple[Path, Path]:
+    """Write `rows` persons to `out` (a .parquet or .csv file) and the geography domain file `domain_file`
+    (`geography`: leaf codes, default the demo's), each written beside its target and renamed into place (an
+    existing target is replaced only with `overwrite`, whatever appears meanwhile). Returns both paths."""
+    from dprelease.pipelines.storage import write_atomically
+
+    out, domain_file = Path(out), Path(domain_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     tracts = geography or demo_geography()
     geo_rng = np.random.default_rng(GEOGRAPHY_SEED + 1)
@@ -155,8 +155,15 @@ def write_demo_data(out: Path, rows: int, seed: int = 1, dirty_rate: float = 0.0
     weights /= weights.sum()
     rng = np.random.default_rng(seed)
     income_rng = np.random.default_rng([seed, 2])
-    domain_file = out.parent / "geography.txt"
-    domain_file.write_text("".join(t + "\n" for t in tracts))
+    codes = "".join(t + "\n" for t in tracts).encode("ascii")
+    write_atomically(domain_file, overwrite, lambda handle: handle.write(codes))
+    write_atomically(out, overwrite, lambda handle: _write_persons(handle, out.suffix, rows, rng, tracts, weights,
+                                                                   dirty_rate, income_rng))
+    return out, domain_file
+
+
+def _write_persons(handle, suffix: str, rows: int, rng, tracts, weights, dirty_rate: float, income_rng) -> None:
+    """The persons, chunk by chunk, as Parquet or CSV into an open binary file."""
     writer = None
     person = household = 0
     try:
@@ -165,21 +172,20 @@ def write_demo_data(out: Path, rows: int, seed: int = 1, dirty_rate: float = 0.0
             table = _chunk(rng, person, household, n, tracts, weights, dirty_rate, income_rng)
             person += n
             household = int(table.column("household_id")[-1].as_py()) + 1 if n else household
-            if out.suffix == ".csv":
+            if suffix == ".csv":
                 table = table.cast(pa.schema([(f.name, pa.string() if pa.types.is_dictionary(f.type) else f.type)
                                               for f in table.schema]))
                 if writer is None:
-                    writer = pacsv.CSVWriter(str(out), table.schema)
+                    writer = pacsv.CSVWriter(handle, table.schema)
             elif writer is None:
-                writer = pq.ParquetWriter(str(out), table.schema, compression="zstd")
+                writer = pq.ParquetWriter(handle, table.schema, compression="zstd")
             writer.write_table(table)
         if writer is None:
-            empty = _chunk(rng, 0, 0, 0, tracts, weights, dirty_rate) if rows == 0 else None
-            if out.suffix == ".csv":
-                pacsv.write_csv(empty, str(out))
+            empty = _chunk(rng, 0, 0, 0, tracts, weights, dirty_rate)
+            if suffix == ".csv":
+                pacsv.write_csv(empty, handle)
             else:
-                pq.write_table(empty, str(out))
+                pq.write_table(empty, handle)
     finally:
         if writer is not None:
             writer.close()
-    return out, domain_file

@@ -12,7 +12,6 @@ session (never stopped), written by the executors to `spark_staging` first.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import tempfile
@@ -27,27 +26,62 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from dprelease.accounting.errors import DPReleaseError, PublishError, SpecError
+from dprelease.accounting.redact import shown
 
+from . import arguments
 from .engines.base import ProgressHook, no_progress
 from .housekeeping import input_copy_prefix, leftover_tag, terminate_as_exit, write_failure
 from .layout import Layout
 from .plan import Plan, build_plan
+from .provenance import run_invocation
 from .run import RunResult, run_release_spec
 from .spec import ReleaseSpec, load_spec, parse_spec
-from .storage import as_location, is_uri
+from .storage import as_location
 
 DEFAULT_LEDGER = "default"
 """`ledger=` value meaning the CLI's default: $DPRELEASE_LEDGER, else ledger.sqlite in the user data directory."""
+ENGINES = ("embedded", "spark", "beam")
 
 
-def _ledger_location(ledger: str | Path | None) -> str | Path | None:
+def ledger_location(ledger: object) -> str | Path | None:
+    """The ledger a `ledger=` argument names: None (no ledger), the default, a SQLite path or a SQLAlchemy URL."""
     if ledger is None:
         return None
     if isinstance(ledger, str) and ledger == DEFAULT_LEDGER:
         from dprelease.accounting.ledger import default_ledger_location
 
         return os.environ.get("DPRELEASE_LEDGER") or default_ledger_location()
-    return ledger
+    if isinstance(ledger, str) and "://" in ledger:
+        if "\0" in ledger:
+            raise SpecError("ledger: not a URL")
+        return ledger
+    return arguments.path(ledger, "ledger", optional=False)
+
+
+@contextlib.contextmanager
+def public_errors(internal_dir: Path | None = None, stage: str = "run"):
+    """Around the work of an entry point: a DPReleaseError passes with its public message and without its cause
+    (an engine's error text can quote values); a database error of the ledger becomes one public line; any other
+    exception becomes a DPReleaseError naming only its type, its traceback written to a 0600 file in
+    `internal_dir` when given. So every exception that leaves the API is a DPReleaseError with its exit code."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        yield
+    except DPReleaseError as error:
+        error.__cause__, error.__suppress_context__ = None, True
+        raise error
+    except SQLAlchemyError as error:
+        from dprelease.accounting.ledger import LedgerError
+
+        raise LedgerError(f"ledger: the database failed ({type(error).__name__}); check that it is reachable") \
+            from None
+    except Exception as error:  # noqa: BLE001 - nothing unvetted reaches the caller
+        where = write_failure(internal_dir, stage) if internal_dir else None
+        detail = f"details in {shown(where)}" if where else "pass internal_dir= (--internal-dir) to keep the " \
+            "details (confidential)"
+        raise DPReleaseError(f"{stage} failed ({type(error).__name__}); its message may quote confidential values "
+                             f"and is not shown; {detail}") from None
 
 
 class Release:
@@ -59,12 +93,12 @@ class Release:
             raise SpecError(f"spec: a ReleaseSpec (use Release.from_yaml or Release.from_dict), got "
                             f"{type(spec).__name__}")
         self.spec = spec
-        self.base_dir = Path(base_dir).resolve()
+        self.base_dir = arguments.path(base_dir, "base_dir", optional=False).resolve()
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Release":
         """The spec in a YAML file; its relative paths start from the file's directory."""
-        spec, base = load_spec(path)
+        spec, base = load_spec(arguments.path(path, "spec", optional=False))
         return cls(spec, base)
 
     @classmethod
@@ -107,60 +141,85 @@ class Release:
         records = plan_records(plan, estimate_variances(plan))
         return pd.DataFrame.from_records(records, columns=[*PLAN_COLUMNS, "quantiles", "mean_std_at_n"])
 
-    def run(self, data: Any = None, *, ledger: str | Path | None = DEFAULT_LEDGER, out_dir: str | Path | None = None,
-            key_file: str | Path | None = None, engine: str | None = None, workers: int | None = None,
-            overwrite: bool = False, internal_dir: str | Path | None = None, strict: bool = False,
-            sign_key: str | Path | None = None, max_cells: int | None = None, layout: Layout | None = None,
-            spark_staging: str | Path | None = None, progress: ProgressHook = no_progress) -> "ReleaseResult":
-        """Run the release and publish it; returns the published release.
+    def validate(self, internal_dir: str | Path, data: str | Path | None = None, *, engine: str | None = None,
+                 master: str | None = None) -> Path:
+        """`dprelease validate`: the input (the spec's, or the path `data`) checked against the spec's
+        great-expectations suite; no key, budget or noise. Schema failures raise InputSchemaError (exit 2); the
+        value-level report (confidential) goes to `internal_dir`, a private directory; returns its path."""
+        from .run import validate_spec
+
+        internal = arguments.path(internal_dir, "internal_dir", optional=False)
+        engine = arguments.choice(engine, "engine", ENGINES)
+        data = arguments.location(data, "data")
+        with terminate_as_exit(), public_errors(internal, "validate"):
+            return validate_spec(self.spec, self.base_dir, internal, input_path=None if data is None else str(data),
+                                 engine=engine, master=master)
+
+    def publish(self, data: Any = None, *, ledger: str | Path | None = DEFAULT_LEDGER,
+                out_dir: str | Path | None = None, key_file: str | Path | None = None, engine: str | None = None,
+                workers: int | None = None, overwrite: bool = False, internal_dir: str | Path | None = None,
+                strict: bool = False, sign_key: str | Path | None = None, max_cells: int | None = None,
+                layout: Layout | None = None, spark_staging: str | Path | None = None, master: str | None = None,
+                runner: str | None = None, pipeline_options: list[str] | None = None,
+                progress: ProgressHook = no_progress, entry: str = "python Release.publish") -> RunResult:
+        """Run the release and publish it; returns where it was published and its key (`RunResult`), without
+        reading it back (`run` also opens it). The options are those of `run`; `master` (spark), `runner` and
+        `pipeline_options` (beam) are the CLI's; `entry` names the entry point in the manifest's provenance."""
+        options = dict(ledger=ledger_location(ledger), key_file=arguments.path(key_file, "key_file"),
+                       engine=arguments.choice(engine, "engine", ENGINES),
+                       workers=arguments.count(workers, "workers", 1, 256),
+                       overwrite=arguments.flag(overwrite, "overwrite"),
+                       internal_dir=arguments.path(internal_dir, "internal_dir"),
+                       strict=arguments.flag(strict, "strict"), sign_key=arguments.path(sign_key, "sign_key"),
+                       max_cells=arguments.count(max_cells, "max_cells"),
+                       layout=_layout(layout), master=arguments.text(master, "master"),
+                       runner=arguments.text(runner, "runner"),
+                       beam_options=arguments.texts(pipeline_options, "pipeline_options"), progress=progress)
+        out = arguments.location(out_dir, "out_dir")
+        options["out_dir"] = out if out is not None else as_location(self.spec.output.dir, self.base_dir)
+        with terminate_as_exit(), public_errors(options["internal_dir"], "run"), \
+                _input_of(data, options["engine"], spark_staging, self.release_id, options["out_dir"],
+                          self.spec.engine) as (input_path, session):
+            if session is not None:
+                options.update(engine="spark", spark_session=session)
+            kind = "path"
+            if isinstance(input_path, pa.Table):
+                options.update(engine="embedded", input_table=input_path)
+                input_path, kind = None, "in-memory table"
+            elif data is not None and not isinstance(data, (str, Path)):
+                kind = "Spark DataFrame" if session is not None else "in-memory table"
+            options["invocation"] = run_invocation(
+                entry, engine=options["engine"] or self.spec.engine, workers=options["workers"],
+                overwrite=options["overwrite"], master=options["master"], runner=options["runner"],
+                beam_options_given=options["beam_options"], ledger=options["ledger"], out_dir=out_dir,
+                input_path=input_path, input_kind=kind, sign_key=options["sign_key"],
+                internal_dir=options["internal_dir"], strict=options["strict"], max_cells=options["max_cells"])
+            return run_release_spec(self.spec, self.base_dir, input_path=input_path, **options)
+
+    def run(self, data: Any = None, **options) -> "ReleaseResult":
+        """Run the release and publish it; returns the published release (`ReleaseResult`, read back).
 
         `data`: None (the spec's input.path), a path, a pandas or Polars DataFrame, a pyarrow Table or Dataset,
         or a Spark DataFrame (then the spark engine runs on its session). `ledger`: a SQLite file or SQLAlchemy
-        URL, the default ledger (as the CLI), or None for no budget accounting. Every other option is the CLI's.
+        URL, the default ledger (as the CLI), or None for no budget accounting. Every other option is the CLI's
+        (`publish` lists them).
         """
-        options = dict(ledger=_ledger_location(ledger), out_dir=as_location(out_dir), key_file=_path(key_file),
-                       engine=engine, workers=workers, overwrite=overwrite, internal_dir=_path(internal_dir),
-                       strict=strict, sign_key=_path(sign_key), max_cells=max_cells, layout=layout, progress=progress,
-                       command_line=["python:dprelease.Release.run", self.release_id])
-        if out_dir is None:
-            options["out_dir"] = as_location(self.spec.output.dir, self.base_dir)
-        with terminate_as_exit(), public_errors(options["internal_dir"]), \
-                _input_of(data, engine, spark_staging, self.release_id, options["out_dir"], self.spec.engine) as (input_path, session):
-            if session is not None:
-                options.update(engine="spark", spark_session=session)
-            if isinstance(input_path, pa.Table):
-                options.update(engine="embedded", input_table=input_path)
-                input_path = None
-            result = run_release_spec(self.spec, self.base_dir, input_path=input_path, **options)
+        options.setdefault("entry", "python Release.run")
+        result = self.publish(data, **options)
         for warning in result.coding_warnings:
             warnings.warn(warning, UserWarning, stacklevel=2)
         try:
             return ReleaseResult.open(result.release_dir, run=result)
         except DPReleaseError as error:  # published and charged: say so, never as a failed run to repeat
-            raise PublishError(f"release {self.release_id}: published to {result.release_dir} and charged, but "
-                               f"reading it back failed ({error}); open it later with "
+            raise PublishError(f"release {self.release_id}: published to {shown(result.release_dir)} and charged, "
+                               f"but reading it back failed ({error}); open it later with "
                                "dprelease.ReleaseResult.open(...)") from None
 
 
-@contextlib.contextmanager
-def public_errors(internal_dir: Path | None):
-    """Around work that reads confidential data (as the CLI's run): a DPReleaseError passes with its public
-    message and without its cause (an engine's error text can quote values); any other exception becomes a
-    DPReleaseError naming only its type, its traceback written to a 0600 file in `internal_dir` when given."""
-    try:
-        yield
-    except DPReleaseError as error:
-        error.__cause__, error.__suppress_context__ = None, True
-        raise error
-    except Exception as error:  # noqa: BLE001 - nothing unvetted reaches the caller
-        where = write_failure(internal_dir, "api run") if internal_dir else None
-        detail = f"details in {where}" if where else "pass internal_dir= to keep the details (confidential)"
-        raise DPReleaseError(f"the run failed ({type(error).__name__}); its message may quote confidential values "
-                             f"and is not shown; {detail}") from None
-
-
-def _path(value: str | Path | None) -> Path | None:
-    return None if value is None else Path(value)
+def _layout(layout: object) -> Layout | None:
+    if layout is not None and not isinstance(layout, Layout):
+        raise SpecError(f"layout: a dprelease.pipelines.layout.Layout, got {type(layout).__name__}")
+    return layout
 
 
 class _input_of:
@@ -169,7 +228,8 @@ class _input_of:
 
     def __init__(self, data: Any, engine: str | None, spark_staging: str | Path | None, release_id: str,
                  out_dir: Path, spec_engine: str = "embedded"):
-        self.data, self.engine, self.spark_staging = data, engine, spark_staging
+        self.data, self.engine = data, engine
+        self.spark_staging = arguments.path(spark_staging, "spark_staging")
         self.spec_engine = spec_engine
         self.release_id, self.out_dir = release_id, out_dir
         self.temporary: Path | None = None
@@ -184,7 +244,7 @@ class _input_of:
     def _stage(self) -> tuple[str | None, Any]:
         data = self.data
         if data is None or isinstance(data, (str, Path)):
-            return (None if data is None else str(data)), None
+            return (None if data is None else str(arguments.location(data, "data"))), None
         if _is_spark_frame(data):
             if self.engine not in (None, "spark"):
                 raise SpecError(f"engine = {self.engine!r}: a Spark DataFrame runs on the spark engine")
@@ -192,7 +252,7 @@ class _input_of:
             target = self._directory(self.spark_staging) / "input"
             data.write.parquet(str(target))
             return str(target), data.sparkSession
-        table = _arrow_of(data)
+        table = arrow_of(data)
         if isinstance(table, pa.Table) and (self.engine or self.spec_engine) == "embedded":
             return table, None  # copied into a private buffer by run (input_table), never written to disk
         if isinstance(table, pa.Table):
@@ -214,8 +274,8 @@ class _input_of:
             return
         staging = Path(self.spark_staging).resolve()
         if isinstance(self.out_dir, Path) and staging.is_relative_to(self.out_dir.resolve()):
-            raise SpecError(f"spark_staging = {str(self.spark_staging)!r}: must not be inside the output directory "
-                            f"{self.out_dir} (the input copy is confidential)")
+            raise SpecError(f"spark_staging = {shown(self.spark_staging)!r}: must not be inside the output directory "
+                            f"{shown(self.out_dir)} (the input copy is confidential)")
 
     def _directory(self, parent: str | Path | None) -> Path:
         """A private (0700) directory for the copy, named so a later run removes it if this process dies."""
@@ -232,33 +292,61 @@ def _is_spark_frame(data: Any) -> bool:
     return type(data).__module__.startswith("pyspark.") and hasattr(data, "sparkSession")
 
 
-def _arrow_of(data: Any) -> pa.Table | ds.Dataset:
-    """A pyarrow Table (or Dataset, streamed) of an in-memory frame; the index of a pandas frame is not a column."""
+def arrow_of(data: Any) -> pa.Table | ds.Dataset:
+    """A pyarrow Table (or Dataset, streamed) of an in-memory frame. Whether this succeeds depends on the frame's
+    public properties only (its type, column names and dtypes), never on its values: a pandas frame's object and
+    categorical columns become text first (`_objects_as_text`), and a column whose dtype Arrow cannot hold is a
+    SpecError naming it. The index of a pandas frame is not a column."""
     if isinstance(data, (pa.Table, ds.Dataset)):
         return data
     if isinstance(data, pa.RecordBatch):
         return pa.Table.from_batches([data])
     package = type(data).__module__.split(".", 1)[0]  # pandas 3 names its frame's module "pandas"
+    kind = f"{type(data).__module__}.{type(data).__name__}"
     if package == "pandas":
-        return pa.Table.from_pandas(_objects_as_text(data), preserve_index=False)
-    if package == "polars" and hasattr(data, "to_arrow"):
+        import pandas as pd
+
+        if isinstance(data, pd.DataFrame):
+            return _pandas_table(data)
+    if package == "polars" and hasattr(data, "to_arrow") and not type(data).__name__.endswith("Series"):
         return data.to_arrow()
+    if package in ("pandas", "polars") and type(data).__name__.endswith("Series"):
+        raise SpecError(f"data: a {kind}, not a DataFrame; pass series.to_frame() (its name is the column)")
     raise SpecError(f"data: a path, a pandas or Polars DataFrame, a pyarrow Table or Dataset or a Spark DataFrame; "
-                    f"got {type(data).__module__}.{type(data).__name__}")
+                    f"got {kind}")
 
 
-def _objects_as_text(frame):
-    """A pandas frame whose object columns (mixed or Python values) are text, each value as str and missing values
-    null: no value can make the conversion fail (or an error quote it); the encoder applies each column's policy."""
+def _pandas_table(frame) -> pa.Table:
+    """A pandas DataFrame as Arrow, column by column (see `arrow_of`)."""
+    names = [str(name) for name in frame.columns]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated or any(not isinstance(name, str) for name in frame.columns):
+        raise SpecError("data: column names must be distinct text; "
+                        + (f"repeated: {repeated}" if repeated else f"got {[type(n).__name__ for n in frame.columns]}"))
+    columns = {}
+    for name in names:
+        series = frame[name]
+        dtype = series.dtype
+        if dtype.kind == "c":
+            raise SpecError(f"data: column {name!r} holds complex numbers ({dtype}); no domain holds them")
+        if hasattr(series, "sparse") and str(dtype).startswith("Sparse"):
+            series = series.sparse.to_dense()
+        if str(series.dtype) == "category" or series.dtype == object:
+            series = _as_text(series)
+        try:
+            columns[name] = pa.Array.from_pandas(series)
+        except (pa.ArrowException, TypeError, ValueError):
+            raise SpecError(f"data: column {name!r} has dtype {dtype}, which Arrow cannot hold; convert it to "
+                            "numbers or text") from None
+    return pa.table(columns)
+
+
+def _as_text(series):
+    """A column of mixed or Python values (object, categorical) as text: each value as str, missing values null,
+    so no value can make the conversion fail (or an error quote it); the encoder applies the column's policy."""
     import pandas as pd
 
-    objects = [name for name, kind in frame.dtypes.items() if kind == object]
-    if not objects:
-        return frame
-    frame = frame.copy(deep=False)
-    for name in objects:
-        frame[name] = pd.array([None if _missing(v) else str(v) for v in frame[name].tolist()], dtype="string")
-    return frame
+    return pd.array([None if _missing(v) else str(v) for v in series.tolist()], dtype="string")
 
 
 def _missing(value) -> bool:
@@ -282,24 +370,23 @@ class ReleaseResult:
     @classmethod
     def open(cls, directory: str | Path, run: RunResult | None = None) -> "ReleaseResult":
         """A published release directory (its manifest parsed; tables read when asked for), or an object-store
-        URI (downloaded to a private temporary copy, removed with this object; `location` is the URI)."""
-        if isinstance(directory, str) and is_uri(directory):
-            return cls._open_remote(directory, run)
-        directory = Path(directory)
-        try:
-            manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError) as error:
-            raise DPReleaseError(f"{directory}: not a published release (manifest.json: {type(error).__name__})") \
-                from None
-        return cls(directory, manifest, run.key_file if run else None, run.key_reused if run else None)
+        URI (downloaded to a private temporary copy, removed with this object; `location` is the URI). A release
+        is untrusted: its manifest is a regular file inside it, bounded in size and nesting (as verify reads it),
+        and every table is read the same way (`error_columns.open_table_file`)."""
+        location = arguments.location(directory, "directory", optional=False)
+        if isinstance(location, str):
+            return cls._open_remote(location, run)
+        with public_errors(stage="opening the release"):
+            manifest = read_manifest(location)
+        return cls(location, manifest, run.key_file if run else None, run.key_reused if run else None)
 
     @classmethod
     def _open_remote(cls, uri: str, run: RunResult | None) -> "ReleaseResult":
-        from .remote import downloaded
+        from .storage import downloaded
 
         copy = contextlib.ExitStack()
         try:
-            result = cls.open(copy.enter_context(downloaded(uri, "directory")), run)
+            result = cls.open(copy.enter_context(downloaded(uri, "directory")).path, run)
         except BaseException:
             copy.close()
             raise
@@ -374,13 +461,36 @@ class ReleaseResult:
         """`dprelease verify` on this release: the report, or VerificationError (exit code 1) naming every problem."""
         from dprelease.accounting.errors import VerificationError
 
-        from .verify import verify_release
+        from .commands import verify
 
-        report = verify_release(self.directory, _path(public_key), ledger=None if ledger is None else str(ledger),
-                                recompute=recompute)
+        report = verify(self.directory, public_key, ledger, recompute)
         if not report.ok:
             raise VerificationError(f"{self.directory}: " + "; ".join(report.problems))
         return report
+
+
+def read_manifest(directory: Path) -> dict:
+    """The manifest of a release directory, read as verify reads it (a regular file inside the directory, at most
+    64 MiB, strict JSON nested at most a few levels, no huge numbers), with the fields the API reads checked
+    for their type. DPReleaseError otherwise."""
+    from .storage import UnsafeFile, read_inside, regular_directory
+    from .storage.objects import MAX_MANIFEST_BYTES
+    from .verify import parse_json_bounded
+
+    where = shown(directory)
+    if not regular_directory(directory):
+        raise DPReleaseError(f"{where}: not a release directory (missing, or a symbolic link)")
+    try:
+        manifest = parse_json_bounded(read_inside(directory, "manifest.json", MAX_MANIFEST_BYTES))
+    except UnsafeFile as error:
+        raise DPReleaseError(f"{where}: not a published release (manifest.json: {error})") from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise DPReleaseError(f"{where}: manifest.json is not strict JSON ({type(error).__name__})") from None
+    shapes = {"release_id": str, "tables": list, "files": list}
+    if not isinstance(manifest, dict) or any(not isinstance(manifest.get(k), t) for k, t in shapes.items()) \
+            or not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in manifest["tables"]):
+        raise DPReleaseError(f"{where}: manifest.json is not a release manifest (run `dprelease verify` on it)")
+    return manifest
 
 
 def randomize_responses(values, domain: list, epsilon, seed: bytes | None = None):

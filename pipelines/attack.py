@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,9 +35,9 @@ from dprelease.transforms.domains import GeographyDomain, dimension_labels
 from dprelease.transforms.encode import ColumnEncoder, encode_batch
 
 from .error_columns import read_table
-from .housekeeping import write_private
 from .plan import Plan, TablePlan
 from .source import open_input
+from .storage import private_directory, write_private
 from .verify import verify_release
 
 MAX_JOINT_CELLS = 200_000
@@ -96,10 +96,10 @@ def _published(directory: Path, manifest: dict, plan: Plan, table: TablePlan) ->
 
 def _margin_matrix(sizes: list[int], keep: list[int]) -> sp.csr_matrix:
     """The 0/1 matrix that sums a joint array of `sizes` (C order) onto its axes `keep` (C order)."""
-    n = int(np.prod(sizes))
+    n = math.prod(map(int, sizes))
     cells = np.unravel_index(np.arange(n), sizes)
     rows = np.ravel_multi_index([cells[k] for k in keep], [sizes[k] for k in keep]) if keep else np.zeros(n, int)
-    height = int(np.prod([sizes[k] for k in keep])) if keep else 1
+    height = math.prod(map(int, [sizes[k] for k in keep])) if keep else 1
     return sp.csr_matrix((np.ones(n), (rows, np.arange(n))), shape=(height, n))
 
 
@@ -141,7 +141,7 @@ def _truth(plan: Plan, data: str, target: Target, sizes: list[int]) -> np.ndarra
     encoders = {c: ColumnEncoder(plan.domains[c]) for c in columns}
     to_unit = plan.domains[target.geography].leaf_to_level(target.level)
     units = plan.domains[target.geography].level_size(target.level)
-    counts = np.zeros(units * int(np.prod(sizes)), dtype=np.int64)
+    counts = np.zeros(units * math.prod(map(int, sizes)), dtype=np.int64)
     for path in source.files():
         for batch in source.batches(path):
             codes, keep = encode_batch(batch, encoders)
@@ -191,17 +191,15 @@ def attack(release_dir: Path, data: str, internal_dir: Path, max_units: int | No
     true tables of the confidential records (what exact tables would give away); a guess from national
     marginals (the national joint, scaled to the unit's published total); a per-unit prior (the product of the
     unit's published one-way margins)."""
-    release_dir, internal_dir = Path(release_dir), Path(internal_dir)
-    if internal_dir.resolve().is_relative_to(release_dir.resolve()):
-        raise SpecError(f"--internal-dir = {str(internal_dir)!r}: must not be inside the release (the result is "
-                        "confidential)")
+    release_dir = Path(release_dir)
+    internal_dir = private_directory(internal_dir, "--internal-dir")  # never inside a release, never chmod-ed
     report = verify_release(release_dir)
     if not report.ok or report.plan is None:
         raise VerificationError(f"{release_dir}: does not verify; attack a verified release")
     plan, manifest = report.plan, report.manifest
     target = choose_target(plan)
     sizes = [plan.domains[a].size for a in target.attributes]
-    n = int(np.prod(sizes))
+    n = math.prod(map(int, sizes))
     if n > MAX_JOINT_CELLS:
         raise SpecError(f"attack: the joint of {', '.join(target.attributes)} has {n:,} cells per unit; at most "
                         f"{MAX_JOINT_CELLS:,}")
@@ -248,8 +246,6 @@ def attack(release_dir: Path, data: str, internal_dir: Path, max_units: int | No
         "exact_matches": matched, "exact_match_rates": rates, "verdict": verdict(rates),
         "seconds": round(time.perf_counter() - started, 3), "per_unit": per_unit,
     }
-    internal_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(internal_dir, 0o700)
     path = internal_dir / f"attack-{manifest['release_id']}.json"
     write_private(path, json.dumps(result, indent=2) + "\n")
     return path

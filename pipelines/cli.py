@@ -1,8 +1,11 @@
-"""The `dprelease` command line. Exit codes: 0 ok, 2 bad spec/arguments, 3 budget refused, 1 other."""
+"""The `dprelease` command line: a shell over the Python API (`pipelines.api`, `pipelines.commands`), which does
+every check and raises every error; the CLI parses options, calls one API function, and prints. Exit codes: 0 ok,
+2 bad spec/arguments, 3 budget refused, 1 other."""
 from __future__ import annotations
 
 import json
 import logging
+import shlex
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,8 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dprelease.accounting.errors import DPReleaseError
-
-from .housekeeping import write_failure
+from dprelease.accounting.redact import printable
 
 console = Console(width=None if sys.stdout.isatty() else 200, markup=False, highlight=False)
 """On a terminal: its width (plan tables fold their cells to fit); piped or redirected: 200 columns, nothing folded."""
@@ -23,12 +25,6 @@ errors = Console(stderr=True, markup=False, highlight=False)
 """Markup is off on both consoles: text that comes from data, specs, manifests or messages (a release id
 holding '[/]', a version holding '[bold green]OK[/]', '[lo, hi]' in an error) prints as it is; styles are
 given as Text spans."""
-
-
-def printable(value: object) -> str:
-    """`value` as one line of text: control characters (newlines included) shown escaped, so a field read
-    from a release cannot print a line of its own (a fake 'OK')."""
-    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in str(value))
 
 
 def styled(label: str, style: str, rest: str = "") -> Text:
@@ -54,32 +50,12 @@ def _fail(error: DPReleaseError) -> None:
 
 @contextmanager
 def _handled():
-    """Our errors as one line each with their exit code; a database error of the ledger as one line (exit 1)."""
-    from sqlalchemy.exc import SQLAlchemyError
-
+    """Every error the API raises (always a DPReleaseError: `api.public_errors`) as one line each, with its exit
+    code."""
     try:
         yield
     except DPReleaseError as error:
         _fail(error)
-    except SQLAlchemyError as error:
-        _fail(DPReleaseError(f"ledger: the database failed ({type(error).__name__}); check that it is reachable"))
-
-
-@contextmanager
-def _confidential(internal_dir: Path | None, stage: str):
-    """Around work that reads confidential data: an unexpected exception (whose message or traceback
-    could quote a value) prints one public line naming only its type; the details go to a private
-    file in --internal-dir when one is given, nowhere otherwise. Exit code 1."""
-    try:
-        yield
-    except DPReleaseError as error:
-        _fail(error)
-    except Exception as error:  # noqa: BLE001 - the whole point: nothing unvetted reaches the console
-        where = write_failure(internal_dir, stage) if internal_dir else None
-        detail = f"details in {where}" if where else "pass --internal-dir to keep the details (confidential)"
-        errors.print(styled("error:", "bold red", f" {stage} failed ({type(error).__name__}); its message may quote "
-                            f"confidential values and is not shown; {printable(detail)}"), soft_wrap=True)
-        sys.exit(1)
 
 
 MAX_CELLS_OPTION = click.option(
@@ -229,15 +205,15 @@ def plan(spec: Path, max_cells: int | None, engine: str | None, as_json: bool) -
 
     Exit 2 when the release exceeds the cell limit (--max-cells) on the engine, as `run` would.
     """
+    from .api import Release, public_errors
     from .layout import Layout
     from .limits import check_plan_limits, max_cells_setting, memory_statement, runs_in_workers
-    from .plan import build_plan
     from .postprocessing import EstimateVariances, estimate_variances
-    from .spec import load_spec
 
-    with _handled():
-        parsed, base = load_spec(spec)
-        result = build_plan(parsed, base)
+    with _handled(), public_errors(stage="plan"):
+        release = Release.from_yaml(spec)
+        result = release.build_plan()
+        parsed = release.spec
         engine = engine or parsed.engine
         limit = max_cells_setting(max_cells)
         over_limit = result.n_cells > limit and not runs_in_workers(result, engine)  # no variances if it may not run
@@ -309,19 +285,15 @@ def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_
     \b
       dprelease run SPEC --engine beam --runner FlinkRunner -- --flink_master=host:8081 --parallelism=8
     """
-    from dprelease.accounting.ledger import default_ledger_location
-
+    from .api import DEFAULT_LEDGER, Release
     from .layout import Layout
-    from .run import run_release
-    from .storage import as_location
 
     if no_ledger and ledger:
         raise click.UsageError("--no-ledger and --ledger (or DPRELEASE_LEDGER) exclude each other")
     layout = Layout(**{name: value for name, value in (("group_work", group_work), ("part_rows", part_rows))
                        if value is not None})
-    ledger = None if no_ledger else (ledger or default_ledger_location())
 
-    with _confidential(internal_dir, "run"), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+    with _handled(), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                               TimeElapsedColumn(), console=errors, transient=False) as progress:
         tasks: dict[str, int] = {}
 
@@ -330,10 +302,11 @@ def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_
                 tasks[stage] = progress.add_task(STAGES.get(stage, stage), total=total)
             progress.update(tasks[stage], completed=done, total=total)
 
-        result = run_release(spec, key_file=key_file, out_dir=as_location(out_dir), input_path=input_path, engine=engine,
-                             workers=workers, overwrite=overwrite, master=master, ledger=ledger, sign_key=sign_key,
-                             progress=hook, command_line=sys.argv, internal_dir=internal_dir, strict=strict,
-                             runner=runner, beam_options=list(pipeline_options), max_cells=max_cells, layout=layout)
+        result = Release.from_yaml(spec).publish(
+            input_path, ledger=None if no_ledger else (ledger or DEFAULT_LEDGER), out_dir=out_dir, key_file=key_file,
+            engine=engine, workers=workers, overwrite=overwrite, internal_dir=internal_dir, strict=strict,
+            sign_key=sign_key, max_cells=max_cells, layout=layout, master=master, runner=runner,
+            pipeline_options=list(pipeline_options), progress=hook, entry="cli run")
     plan_ = result.plan
     # scripts parse these lines (deploy/): never wrap them
     console.print(Text.assemble(("Published", "bold green"), " release ", (plan_.spec.release_id, "bold"),
@@ -344,7 +317,7 @@ def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_
     state = "reused" if result.key_reused else "new"
     console.print(Text.assemble(f"Key ({state}): {printable(result.key_file)}  ", ("keep it secret; never publish it",
                                                                                   "dim")), soft_wrap=True)
-    console.print(f"Check it: dprelease verify {result.release_dir}", soft_wrap=True)
+    console.print(f"Check it: dprelease verify {shlex.quote(str(result.release_dir))}", soft_wrap=True)
     for warning in result.coding_warnings:  # from the published tables only (pipelines/coding_check.py)
         errors.print(Text.assemble(("Warning: ", "bold yellow"), warning), soft_wrap=True)
 
@@ -362,10 +335,10 @@ def validate(spec: Path, internal_dir: Path, input_path, engine, master) -> None
     Exit 2 on schema-level failures (missing column, wrong type). Value-level results are confidential:
     they go to the report in --internal-dir only, and the exit code does not depend on them.
     """
-    from .run import validate_only
+    from .api import Release
 
-    with _confidential(internal_dir, "validate"):
-        path = validate_only(spec, internal_dir, input_path=input_path, engine=engine, master=master)
+    with _handled():
+        path = Release.from_yaml(spec).validate(internal_dir, input_path, engine=engine, master=master)
     console.print(f"Schema-level expectations met; the value-level report (confidential) is {path}", soft_wrap=True)
 
 
@@ -384,10 +357,10 @@ def verify(release_dir: str, public_key, ledger_location, recompute: bool) -> No
     any mismatch. Reads only regular files inside the release directory. RELEASE_DIR may be an object-store
     URI (s3://bucket/releases/ID): the release is downloaded to a private temporary copy first, each object
     read at most to the size its manifest states."""
-    from .verify import verify_release
+    from .commands import verify as check
 
-    with _handled(), _local_release(release_dir) as local:
-        report = verify_release(local, public_key, ledger=ledger_location, recompute=recompute)
+    with _handled():
+        report = check(release_dir, public_key, ledger=ledger_location, recompute=recompute)
     manifest = report.manifest or {}
     software = manifest.get("software") if isinstance(manifest.get("software"), dict) else {}
     console.print(f"Release {printable(manifest.get('release_id', '?'))} of dataset "
@@ -414,25 +387,26 @@ def verify(release_dir: str, public_key, ledger_location, recompute: bool) -> No
 
 
 @main.command()
-@click.argument("release_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("release_dir", type=str)
 @click.option("--data", "data", required=True, help="The confidential input the release was made from.")
 @click.option("--internal-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Private directory for the result (confidential: it compares the release with the records).")
 @click.option("--max-units", type=click.IntRange(1), help="Attack at most this many units (default: every one).")
 @click.option("--time-limit", type=click.FloatRange(0.1), default=10.0, show_default=True,
               help="Seconds per unit for each integer program (the best solution found by then is used).")
-def attack(release_dir: Path, data: str, internal_dir: Path, max_units, time_limit: float) -> None:
-    """Reconstruction-risk check: rebuild microdata from a release, score it against the confidential records.
+def attack(release_dir: str, data: str, internal_dir: Path, max_units, time_limit: float) -> None:
+    """Reconstruction-risk check: rebuild microdata from a release (a directory or an object-store URI), score it
+    against the confidential records.
 
     Per unit of the finest geography level the count tables cross with attributes, an integer program finds
     records whose tabulation is closest to the published tables; the share of confidential records matched
     exactly (same unit, same attributes) is set beside the same attack on the true tables and two baselines (a
     guess from national marginals; a per-unit prior), with a verdict in words. The result is confidential: it
     is written to --internal-dir only, and only its path is printed."""
-    from .attack import attack as reconstruct
+    from .commands import attack as reconstruct
 
-    with _confidential(internal_dir, "attack"), Progress(TextColumn("units"), BarColumn(), MofNCompleteColumn(),
-                                                        TimeElapsedColumn(), console=errors) as progress:
+    with _handled(), Progress(TextColumn("units"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                              console=errors) as progress:
         task = progress.add_task("units", total=None)
         path = reconstruct(release_dir, data, internal_dir, max_units, time_limit,
                            progress=lambda done, total: progress.update(task, completed=done, total=total))
@@ -441,37 +415,31 @@ def attack(release_dir: Path, data: str, internal_dir: Path, max_units, time_lim
 
 
 @main.command()
-@click.argument("release_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("release_dir", type=str)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
-              help="Parquet file to write (default: <release dir>.synthetic.parquet beside the release). Never inside "
-                   "a release; an existing file only with --overwrite.")
+              help="Parquet file to write (default: <release dir>.synthetic.parquet beside the release, or in the "
+                   "current directory for a URI). Never inside a release; an existing file only with --overwrite.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out file.")
 @click.option("--max-records", type=click.IntRange(1), default=100_000_000, show_default=True,
               help="Refuse to draw more records than this (a release's totals say how many it would draw).")
-def synthesize(release_dir: Path, out: Path | None, overwrite: bool, max_records: int) -> None:
-    """Write synthetic microdata consistent with a release's hierarchy and marginal tables.
+def synthesize(release_dir: str, out: Path | None, overwrite: bool, max_records: int) -> None:
+    """Write synthetic microdata consistent with a release's hierarchy and marginal tables (RELEASE_DIR: a
+    directory or an object-store URI).
 
     Post-processing only: records drawn from the integer joint table behind the marginals (a `select: mst`
-    query's tree, a `select: aim` query's junction tree; with several marginals queries, one of them) and split among the finest hierarchy level's
-    units by their published counts (per `by` cell for a hierarchy crossed with `by`). The release is verified
-    first; it prints which tables the records reproduce exactly. A utility
+    query's tree, a `select: aim` query's junction tree; with several marginals queries, one of them) and split
+    among the finest hierarchy level's units by their published counts (per `by` cell for a hierarchy crossed
+    with `by`). The release is verified first; it prints which tables the records reproduce exactly. A utility
     report (<out>.utility.json) gives, per table the records tabulate to, the L1 distance of their tabulation
     to the release's noisy measurements and to its published table."""
-    from .outputs import check_output_file, write_atomically
-    from .synthesize import synthesize as draw
-    from .synthesize import write_synthetic
+    from .commands import synthesize as draw
 
     with _handled():
-        target = check_output_file(out or _beside(release_dir, ".synthetic.parquet"), overwrite, "--out")
-        report = check_output_file(target.with_name(target.name + ".utility.json"), overwrite, "--out")
-        synthetic = draw(release_dir, max_records=max_records)
-        path = write_atomically(target, overwrite, lambda handle: write_synthetic(synthetic, handle))
-        utility = json.dumps({"release": str(release_dir), "synthetic": str(path), "tables": synthetic.utility},
-                             indent=2).encode("utf-8")
-        write_atomically(report, overwrite, lambda handle: handle.write(utility))
+        written = draw(release_dir, out, overwrite, max_records)
+    synthetic = written.synthetic
     records = synthetic.records
     console.print(f"Wrote {records.num_rows:,} synthetic records ({', '.join(records.column_names)}) to "
-                  f"{printable(path)}", soft_wrap=True)
+                  f"{printable(written.path)}", soft_wrap=True)
     console.print(f"Tabulating them reproduces exactly: {', '.join(synthetic.reproduced) or 'none'}")
     if synthetic.not_reproduced:
         console.print("Not reproduced (tables of other queries, or a hierarchy whose integers differ from those of "
@@ -480,30 +448,7 @@ def synthesize(release_dir: Path, out: Path | None, overwrite: bool, max_records
         worst = max(synthetic.utility, key=lambda row: row["l1_to_measurements_per_record"])
         console.print(f"Utility (L1 of the records' tabulation to the noisy measurements, per record): largest "
                       f"{worst['l1_to_measurements_per_record']:.3f} ({worst['table']}); every table in "
-                      f"{printable(report)}", soft_wrap=True)
-
-
-def _is_uri(text: str) -> bool:
-    from .storage import is_uri
-
-    return is_uri(text)
-
-
-def _local_release(text: str):
-    """A release named on the command line, as a local directory: an object store's is downloaded to a private
-    temporary copy for the command's duration (`pipelines.remote.downloaded`)."""
-    from contextlib import nullcontext
-
-    from .remote import downloaded
-
-    return downloaded(text, "RELEASE_DIR") if _is_uri(text) else nullcontext(Path(text))
-
-
-def _beside(release_dir: Path, suffix: str) -> Path:
-    """<release dir><suffix> in the release's parent directory (the release dir resolved first, so that
-    `dprelease report .` inside a release writes beside it, not into it)."""
-    resolved = Path(release_dir).resolve()
-    return resolved.parent / f"{resolved.name}{suffix}"
+                      f"{printable(written.utility_path)}", soft_wrap=True)
 
 
 @main.command()
@@ -511,19 +456,19 @@ def _beside(release_dir: Path, suffix: str) -> Path:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="HTML file to write (default: <release dir>.report.html beside the release, or "
                    "<release id>.report.html in the current directory for a URI; never inside one).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing --out file (the default file is replaced).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing --out file (the default one included).")
 @click.option("--public-key", type=click.Path(dir_okay=False, path_type=Path), help="Check the signature too.")
-@click.option("--ledger", envvar="DPRELEASE_LEDGER", help="Add the dataset's ledger history.")
-def report(release_dir: str, out, overwrite: bool, public_key, ledger) -> None:
+@click.option("--ledger", envvar="DPRELEASE_LEDGER", help="Check the charge against this ledger and add the "
+                                                           "dataset's ledger history.")
+@click.option("--recompute", is_flag=True, help="Also re-run the post-processing from measurements/ (as verify "
+                                                "--recompute).")
+def report(release_dir: str, out, overwrite: bool, public_key, ledger, recompute: bool) -> None:
     """Write a self-contained HTML report of a release for auditors (verifies it first). RELEASE_DIR may be an
     object-store URI, as for verify."""
-    from .outputs import check_output_file
-    from .report import write_report
+    from .commands import write_report
 
-    with _handled(), _local_release(release_dir) as local:
-        default = Path.cwd() / f"{local.name}.report.html" if _is_uri(release_dir) else _beside(local, ".report.html")
-        target = check_output_file(out or default, overwrite or out is None, "--out")
-        path, result = write_report(local, target, public_key, ledger)
+    with _handled():
+        path, result = write_report(release_dir, out, overwrite, public_key, ledger, recompute)
     console.print(f"Report written to {printable(path)}" +
                   ("" if result.ok else f" ({len(result.problems)} mismatches shown)"), soft_wrap=True)
     if not result.ok:
@@ -559,30 +504,16 @@ def ledger() -> None:
 @LEDGER_OPTION
 def ledger_set_budget(dataset: str, epsilon, rho, per_period, period_unit, ledger: str) -> None:
     """Create or change a dataset's lifetime budget (never below what it has spent)."""
-    from fractions import Fraction
+    from dprelease.accounting.ledger import KEEP
 
-    from dprelease.accounting.errors import SpecError
-    from dprelease.accounting.ledger import KEEP, open_ledger, set_budget
-    from dprelease.accounting.rationals import parse_rational
+    from .commands import Ledger
 
     with _handled():
-        if (epsilon is None) == (rho is None):
-            raise SpecError("ledger set-budget: give exactly one of --epsilon or --rho")
-        unit, value = ("epsilon", epsilon) if epsilon is not None else ("rho", rho)
-        try:
-            amount = parse_rational(value)
-        except ValueError as error:
-            raise SpecError(f"--{unit} = {value!r}: {error}") from None
-        period = KEEP
-        if per_period is not None:
-            try:
-                period = None if per_period.lower() == "none" else Fraction(parse_rational(per_period))
-            except ValueError as error:
-                raise SpecError(f"--per-period = {per_period!r}: {error}; or 'none'") from None
-        set_budget(open_ledger(ledger), dataset, unit, Fraction(amount), period, period_unit)
+        unit, amount, period = Ledger(ledger).set_budget(dataset, epsilon=epsilon, rho=rho, per_period=per_period,
+                                                         period_unit=period_unit)
     text = "" if period is KEEP else (f"; per-{period_unit or 'month'} budget {period}" if period is not None
                                       else "; per-period budget none")
-    console.print(f"Dataset {dataset}: lifetime budget {amount} {unit}{text}")
+    console.print(f"Dataset {printable(dataset)}: lifetime budget {amount} {unit}{text}", soft_wrap=True)
 
 
 DELTA_OPTION = click.option("--delta", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=1e-10,
@@ -618,13 +549,12 @@ def _as_epsilon(unit: str, spent, delta: float) -> str:
 def _print_ledger(location: str, dataset: str | None, delta: float = 1e-10) -> None:
     from fractions import Fraction
 
-    from dprelease.accounting.errors import SpecError
-    from dprelease.accounting.ledger import COMMITTED, RESERVED, history, open_ledger
+    from dprelease.accounting.ledger import COMMITTED, RESERVED
+
+    from .commands import Ledger
 
     with _handled():
-        rows, releases = history(open_ledger(location), dataset)
-        if dataset and not rows:
-            raise SpecError(f"ledger: no dataset {dataset!r}")
+        rows, releases = Ledger(location).history(dataset)
     summary = Table(title="Datasets")
     for header in ("dataset", "unit", "lifetime", "spent", "spent as (ε, δ)", "remaining", "per period"):
         summary.add_column(header)
@@ -632,16 +562,17 @@ def _print_ledger(location: str, dataset: str | None, delta: float = 1e-10) -> N
         spent = sum((Fraction(r.spend) for r in releases
                      if r.dataset_id == row.dataset_id and r.status in (COMMITTED, RESERVED)), Fraction(0))
         lifetime = Fraction(row.lifetime_budget)
-        summary.add_row(row.dataset_id, row.unit, str(lifetime), str(spent), _as_epsilon(row.unit, spent, delta),
-                        str(lifetime - spent), row.period_budget or "-")
+        summary.add_row(*map(printable, (row.dataset_id, row.unit, str(lifetime), str(spent),
+                                         _as_epsilon(row.unit, spent, delta), str(lifetime - spent),
+                                         row.period_budget or "-")))
     console.print(summary)
     if dataset:
-        detail = Table(title=f"Releases of {dataset}")
+        detail = Table(title=f"Releases of {printable(dataset)}")
         for header in ("release", "period", "key id", "spend", "status", "reserved at", "manifest sha256"):
             detail.add_column(header)
         for r in releases:
-            detail.add_row(r.release_id, r.period or "-", r.key_id, r.spend, r.status, str(r.reserved_at),
-                           (r.manifest_sha256 or "")[:16])
+            detail.add_row(*map(printable, (r.release_id, r.period or "-", r.key_id, r.spend, r.status,
+                                            str(r.reserved_at), (r.manifest_sha256 or "")[:16])))
         console.print(detail)
 
 
@@ -656,18 +587,15 @@ def ledger_reconcile(ledger: str, dry_run: bool) -> None:
     that release's manifest (published), and aborted, releasing its budget, when nothing was published;
     a run that comes back after that can no longer commit or publish. Rows under a live lease are left.
     """
-    from dprelease.accounting.ledger import open_ledger, reconcile
-
-    from .housekeeping import owner_alive
-    from .verify import published_manifest_sha256
+    from .commands import Ledger
 
     with _handled():
-        settled = reconcile(open_ledger(ledger), published_manifest_sha256, dry_run, owner_alive)
+        settled = Ledger(ledger).reconcile(dry_run)
     table = Table(title="Reconciled reservations" + (" (dry run: nothing changed)" if dry_run else ""))
     for header in ("row", "dataset", "release", "action", "why"):
         table.add_column(header)
     for item in settled:
-        table.add_row(str(item.row_id), item.dataset_id, item.release_id, item.action, item.reason)
+        table.add_row(*map(printable, (item.row_id, item.dataset_id, item.release_id, item.action, item.reason)))
     console.print(table)
     console.print(f"{sum(i.action != 'left' for i in settled)} settled, {sum(i.action == 'left' for i in settled)} left")
 
@@ -676,7 +604,8 @@ def ledger_reconcile(ledger: str, dry_run: bool) -> None:
 @click.option("--rows", type=click.IntRange(0, 10**10), required=True, help="Number of persons.")
 @click.option("--out", type=click.Path(path_type=Path), required=True,
               help="A .parquet or .csv file, or a directory (for persons.parquet); geography.txt is written beside it.")
-@click.option("--seed", type=int, default=1, show_default=True, help="Seed of the synthetic population.")
+@click.option("--overwrite", is_flag=True, help="Replace existing files (never inside a release).")
+@click.option("--seed", type=click.IntRange(0), default=1, show_default=True, help="Seed of the synthetic population.")
 @click.option("--dirty-rate", type=click.FloatRange(0, 1), default=0.001, show_default=True,
               help="Share of rows with a null or out-of-domain value.")
 @click.option("--states", type=click.IntRange(1, 99), help="A country-sized geography instead of the demo's: states "
@@ -685,26 +614,13 @@ def ledger_reconcile(ledger: str, dry_run: bool) -> None:
 @click.option("--tracts", type=click.IntRange(1), help="Tracts in all (Zipf-like per county; codes of 11 characters).")
 @click.option("--blocks", type=click.IntRange(1), help="Blocks in all (codes of 15 characters: a spec adds "
               "block: 15 to its levels).")
-def demo_data(rows: int, out: Path, seed: int, dirty_rate: float, states, counties, tracts, blocks) -> None:
+def demo_data(rows: int, out: Path, overwrite: bool, seed: int, dirty_rate: float, states, counties, tracts,
+              blocks) -> None:
     """Generate a synthetic census-like person file and its geography domain file."""
-    from dprelease.accounting.errors import SpecError
-    from dprelease.examples.generator import country_geography, write_demo_data
+    from .commands import demo_data as generate
 
     with _handled():
-        geography = None
-        sizes = {"--states": states, "--counties": counties, "--tracts": tracts}
-        if any(v is not None for v in sizes.values()) or blocks is not None:
-            missing = [name for name, value in sizes.items() if value is None]
-            if missing:
-                raise SpecError(f"{', '.join(missing)}: needed with the other geography sizes")
-            if not states <= counties <= tracts <= (blocks or tracts):
-                raise SpecError(f"--states {states} --counties {counties} --tracts {tracts} --blocks {blocks}: each "
-                                "level needs at least as many units as the level above")
-            try:
-                geography = country_geography(states, counties, tracts, blocks or 0)
-            except ValueError as error:
-                raise SpecError(f"geography sizes: {error}") from None
-        data, domain = write_demo_data(out, rows, seed=seed, dirty_rate=dirty_rate, geography=geography)
+        data, domain = generate(rows, out, overwrite, seed, dirty_rate, states, counties, tracts, blocks)
     console.print(f"Wrote {rows:,} persons to {printable(data)} and the geography domain to {printable(domain)}",
                   soft_wrap=True)
 

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from dprelease.transforms.domains import OTHER_LABEL
 
-from .error_columns import table_files
+from .error_columns import open_table_file, table_files
+from .storage import read_inside
+from .storage.objects import MAX_MANIFEST_BYTES
 
 OTHER_SHARE_LIMIT = 0.25
 """A dimension whose `(other)` cells hold more than this share of a published count table's total is named."""
@@ -65,7 +66,7 @@ def _other_share(directory: Path, manifest: dict, table: str, column: str) -> fl
     total = other = 0
     variance = 0.0
     for path in table_files(manifest, table):
-        file = pq.ParquetFile(Path(directory) / path)
+        file = open_table_file(Path(directory), manifest, path)
         wanted = [c for c in (column, "count", "gls_variance") if c in file.schema_arrow.names]
         part = file.read(columns=wanted)
         total += int(pc.sum(part["count"]).as_py() or 0)
@@ -93,7 +94,7 @@ def coding_warnings(release_dir: Path) -> list[str]:
     """The messages of `other_shares` for a just-published release (its local copy). Never raises: the release is
     published and charged by then, so a failure here is said, not turned into a failed run."""
     try:
-        manifest = json.loads((Path(release_dir) / "manifest.json").read_text(encoding="utf-8"))
+        manifest = json.loads(read_inside(Path(release_dir), "manifest.json", MAX_MANIFEST_BYTES))
         return [share.message() for share in other_shares(release_dir, manifest)]
     except Exception as error:  # noqa: BLE001 - see the docstring
         return [f"the coding check of the (other) cells could not run ({type(error).__name__})"]

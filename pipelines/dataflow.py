@@ -22,6 +22,7 @@ apply a kernel to each group's rows) and `collect` (the small file entries).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, Part, mean_parts, tabl
 from .plan import Plan
 from .manifest import VarianceSummary, plan_fingerprint
 from .postprocessing import published_cells, unit_tree
-from .release import mean_column, row_labels, table_values, write_part
+from .release import check_staging, mean_column, row_labels, table_values, write_part
 
 SCHEMA = pa.schema([("key", pa.int64()), ("kind", pa.string()), ("level", pa.int32()), ("start", pa.int64()),
                     ("count", pa.int64()), ("payload", pa.binary())])
@@ -61,7 +62,7 @@ def unpack(data: bytes) -> dict[str, np.ndarray]:
     header = json.loads(data[4:4 + size])
     out, offset = {}, 4 + size
     for name, dtype, shape in header:
-        count = int(np.prod(shape)) if shape else 1
+        count = math.prod(map(int, shape)) if shape else 1
         array = np.frombuffer(data, dtype=np.dtype(dtype), count=count, offset=offset).reshape(shape)
         out[name] = array
         offset += count * np.dtype(dtype).itemsize
@@ -131,8 +132,10 @@ def _join(pieces: list[Piece], kind: str, level: int) -> tuple[int, dict[str, np
 class Flow:
     """What a worker knows: the plan, its tree, the groups of each level, the layout and where to write."""
 
-    def __init__(self, plan: Plan, layout: Layout | None, staging: str, tree=None):
+    def __init__(self, plan: Plan, layout: Layout | None, staging: str, tree=None, staging_token: str | None = None):
         self.plan, self.layout, self.staging = plan, layout or Layout(), Path(staging)
+        self.staging_token = staging_token
+        self._staging_checked = False
         self.tree = tree if tree is not None else unit_tree(plan)
         self.transitions = transitions(self.tree, self.layout.group_work) if self.tree else []
         self.table_index = {t.name: i for i, t in enumerate(plan.tables)}
@@ -153,22 +156,33 @@ class Flow:
     def tree_level(self, table: str) -> int | None:
         return self.tree.level_of(table).index if self.tree and table in self.tree.tables else None
 
+    def write(self, part: Part, frame: pa.Table) -> list[dict]:
+        """Write one part into the run's staging directory, once the worker has seen that the directory is the
+        one the driver made for this run (`release.check_staging`: otherwise nothing is written anywhere)."""
+        if not self._staging_checked:
+            check_staging(self.staging, self.staging_token)
+            self._staging_checked = True
+        return write_part(self.staging, part, frame)
 
-def run_token(plan: Plan, layout: Layout, staging) -> tuple:
-    """What identifies a run's Flow in a worker: the plan fingerprint, the layout's sizes, the staging path."""
-    return plan_fingerprint(plan), layout.group_work, layout.part_rows, str(staging)
+
+def run_token(plan: Plan, layout: Layout, staging, staging_token: str) -> tuple:
+    """What identifies a run's Flow in a worker: the plan fingerprint, the layout's sizes, the staging path (an
+    absolute path, resolved on the driver) and its marker's token."""
+    if not Path(staging).is_absolute():
+        raise ValueError(f"staging {staging}: a worker would resolve a relative path in its own directory")
+    return plan_fingerprint(plan), layout.group_work, layout.part_rows, str(staging), staging_token
 
 
 _FLOWS: dict[tuple, Flow] = {}
 
 
 def flow_for(token: tuple, plan: Plan, tree) -> Flow:
-    """The Flow of a run, built once per worker process (token: plan fingerprint, layout sizes, staging).
+    """The Flow of a run, built once per worker process (token: plan fingerprint, layout sizes, staging, its token).
     `tree` is the driver's: its operators (pseudo-inverses, gains) come out of LAPACK with bits that depend
     on the BLAS build and thread count, so workers never recompute them (every engine, one set of bits)."""
     if token not in _FLOWS:
         _FLOWS.clear()
-        _FLOWS[token] = Flow(plan, Layout(token[1], token[2]), token[3], tree)
+        _FLOWS[token] = Flow(plan, Layout(token[1], token[2]), token[3], tree, token[4])
     return _FLOWS[token]
 
 
@@ -340,7 +354,7 @@ def _write_level(flow: Flow, level: int, start: int, stop: int, noisy: np.ndarra
             part = next(p for p in table_parts(flow.plan, table, folder, flow.layout) if p.start == rows[0])
             columns = table_values(table, np.asarray(values).ravel().astype(np.int64), name,
                                    None if variance is None else np.asarray(variance).ravel())
-            entries += write_part(flow.staging, part, pa.table({**row_labels(flow.plan, table.dims, table.quantiles,
+            entries += flow.write(part, pa.table({**row_labels(flow.plan, table.dims, table.quantiles,
                                                                                part.start, part.stop), **columns}))
     return entries
 
@@ -356,7 +370,7 @@ def cells_kernel(flow: Flow, table_index: int, group: int, pieces: list[Piece]) 
     for folder, data, name in ((TABLES_DIR, published, table.value_name),
                                (MEASUREMENTS_DIR, values, f"noisy_{table.value_name}")):
         part = table_parts(flow.plan, table, folder, flow.layout)[group]
-        entries += write_part(flow.staging, part, pa.table({**row_labels(flow.plan, table.dims, table.quantiles,
+        entries += flow.write(part, pa.table({**row_labels(flow.plan, table.dims, table.quantiles,
                                                                            part.start, part.stop),
                                                             **table_values(table, data, name)}))
     return [_files_piece(table_index, group, entries)]
@@ -371,7 +385,7 @@ def means_kernel(flow: Flow, mean_index: int, group: int, pieces: list[Piece]) -
         noisy[name] = arrays["values"]
     part = mean_parts(flow.plan, mean, flow.layout)[group]
     dims = flow.plan.table(mean.sum_table).dims
-    entries = write_part(flow.staging, part, pa.table({**row_labels(flow.plan, dims, (), part.start, part.stop),
+    entries = flow.write(part, pa.table({**row_labels(flow.plan, dims, (), part.start, part.stop),
                                                        **mean_column(mean, noisy)}))
     return [_files_piece(mean_index, group, entries)]
 
@@ -381,7 +395,7 @@ def debias_kernel(flow: Flow, table_index: int, group: int, pieces: list[Piece])
     debiased = flow.debiased[table_index]
     _, arrays = _join(pieces, NOISE, table_index)
     part = flow.debiased_parts[table_index][group]
-    entries = write_part(flow.staging, part, debiased_frame(flow.plan, debiased, part, arrays["values"]))
+    entries = flow.write(part, debiased_frame(flow.plan, debiased, part, arrays["values"]))
     return [_files_piece(table_index, group, entries)]
 
 

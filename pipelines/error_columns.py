@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from dprelease.accounting.errors import DPReleaseError
 
-from .safe_files import safe_relative
+from .storage import UnsafeFile, buffer_inside, safe_relative
 
 
 def table_files(manifest: dict, name: str, folder: str = "tables") -> list[str]:
@@ -41,11 +41,27 @@ def _part_number(path: str) -> tuple[int, str]:
     return (int(found.group(1)) if found else -1, path)
 
 
+def open_table_file(directory: Path, manifest: dict, relative: str) -> pq.ParquetFile:
+    """A Parquet file of the release, read through the storage layer: a regular file inside the release (no link
+    followed), at most the size its manifest lists. DPReleaseError naming the file otherwise."""
+    listed = next((e.get("bytes") for e in manifest.get("files") or [] if isinstance(e, dict)
+                   and e.get("path") == relative), None)
+    if type(listed) is not int or listed < 0:  # noqa: E721 (a bool is no size)
+        raise DPReleaseError(f"{directory}: {relative} has no size in the manifest")
+    try:
+        return pq.ParquetFile(buffer_inside(Path(directory), relative, listed))
+    except UnsafeFile as error:
+        raise DPReleaseError(f"{directory}: {error}") from None
+    except (pa.ArrowException, OSError) as error:
+        raise DPReleaseError(f"{directory}: {relative} is not a readable Parquet file ({type(error).__name__})") \
+            from None
+
+
 def read_table(directory: Path, manifest: dict, name: str, folder: str = "tables") -> pa.Table:
     files = table_files(manifest, name, folder)
     if not files:
         raise DPReleaseError(f"{directory}: table {name!r} has no Parquet file in the manifest")
-    return pa.concat_tables([pq.read_table(directory / f) for f in files])
+    return pa.concat_tables([open_table_file(directory, manifest, f).read() for f in files])
 
 
 def _entry(manifest: dict, name: str) -> dict | None:

@@ -108,24 +108,18 @@ def terminate_as_exit():
         signal.signal(signal.SIGTERM, previous)
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write a file readable by its owner only (0600, also when it existed before with a wider mode), never
-    through a link: what it holds is confidential (counts, sample values, tracebacks that may quote values)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    os.fchmod(fd, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(text)
-
-
 def write_failure(internal_dir: Path, stage: str) -> Path | None:
     """The exception being handled, its traceback in a private file of the internal directory
-    (failure-<stage>-<pid>.txt); None when it cannot be written."""
+    (failure-<stage>-<pid>.txt); None when it cannot be written (the directory not private, among others)."""
     import traceback
 
+    from dprelease.accounting.errors import DPReleaseError
+
+    from .storage import private_directory, write_private
+
+    trace = traceback.format_exc()
     try:
-        internal_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path = internal_dir / f"failure-{stage.replace(' ', '-')}-{os.getpid()}.txt"
-        write_private(path, traceback.format_exc())
-        return path
-    except OSError:
+        directory = private_directory(internal_dir, "--internal-dir")
+        return write_private(directory / f"failure-{stage.replace(' ', '-')}-{os.getpid()}.txt", trace)
+    except (OSError, DPReleaseError):
         return None

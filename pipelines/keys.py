@@ -13,7 +13,10 @@ from pathlib import Path
 from dprelease.accounting.errors import SpecError
 from dprelease.transforms.csprng import ReleaseKey
 
+from dprelease.accounting.redact import shown
+
 from .manifest import file_stamp
+from .storage import read_named
 
 
 def default_key_path(spec_dir: Path, release_id: str, created_at: str) -> Path:
@@ -26,7 +29,7 @@ def check_key_location(key_path: Path, output_root: Path) -> None:
     must never carry or delete a key)."""
     resolved = key_path.expanduser().resolve()
     if resolved.is_relative_to(output_root.expanduser().resolve()):
-        raise SpecError(f"--key-file = {str(key_path)!r}: lies inside the output directory {output_root}; keep keys "
+        raise SpecError(f"--key-file = {shown(key_path)!r}: lies inside the output directory {output_root}; keep keys "
                         "outside every release tree (pass --key-file elsewhere, or set output.dir to a directory "
                         "that does not hold <spec dir>/keys)")
 
@@ -36,24 +39,29 @@ def _check_private(path: Path) -> None:
     try:
         info = path.stat()
     except OSError as error:
-        raise SpecError(f"--key-file = {str(path)!r}: cannot be read ({error.strerror})") from None
+        raise SpecError(f"--key-file = {shown(path)!r}: cannot be read ({error.strerror})") from None
     if not stat.S_ISREG(info.st_mode):
-        raise SpecError(f"--key-file = {str(path)!r}: not a regular file")
+        raise SpecError(f"--key-file = {shown(path)!r}: not a regular file")
     if info.st_uid != os.getuid():
-        raise SpecError(f"--key-file = {str(path)!r}: owned by uid {info.st_uid}, not by this user ({os.getuid()}); "
+        raise SpecError(f"--key-file = {shown(path)!r}: owned by uid {info.st_uid}, not by this user ({os.getuid()}); "
                         "a key must be private to the user who runs the release")
     if info.st_mode & 0o077:
-        raise SpecError(f"--key-file = {str(path)!r}: mode {stat.S_IMODE(info.st_mode):04o} lets group or others "
+        raise SpecError(f"--key-file = {shown(path)!r}: mode {stat.S_IMODE(info.st_mode):04o} lets group or others "
                         f"read or write it; allowed: 0600 or 0400 (chmod 600 {path})")
 
 
+MAX_KEY_FILE_BYTES = 4096
+
+
 def load_or_generate(key_path: Path) -> tuple[ReleaseKey, bool]:
-    """(key, reused): the key in `key_path` if it exists (after the privacy checks), else a fresh key
-    from the OS (saved by the caller once the run may go ahead)."""
+    """(key, reused): the key in `key_path` if it exists (after the privacy checks; read without blocking and
+    bounded, so a FIFO or a device is refused), else a fresh key from the OS (saved by the caller once the run
+    may go ahead)."""
     if key_path.exists() or key_path.is_symlink():
         _check_private(key_path)
+        data = read_named(key_path, MAX_KEY_FILE_BYTES, "--key-file")
         try:
-            return ReleaseKey.load(key_path), True
-        except (ValueError, OSError) as error:
-            raise SpecError(f"--key-file = {str(key_path)!r}: {error}") from None
+            return ReleaseKey.from_hex(data), True
+        except ValueError as error:
+            raise SpecError(f"--key-file = {shown(key_path)!r}: {error}") from None
     return ReleaseKey.generate(), False

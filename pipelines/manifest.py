@@ -25,13 +25,17 @@ from .plan import SelectionPlan, Plan, TablePlan
 from .debiased import local_section
 from .postprocessing import EstimateVariances, estimate_variances, steps_applied
 
-MANIFEST_VERSION = 5
+MANIFEST_VERSION = 6
 """2: one global least-squares estimate behind the count tables, its per-cell variance in the tables and
 the manifest. 3: the ledger block states what the release cost (`charged`, also for a free re-run) beside
 what the run added (`charged_by_this_run`) and every budget period charged; invariants state which
 neighbours the guarantee covers. 4: a `select: mst` selection scores each pair less the expected L1 error of
 measuring it (`transforms.mst.noise_penalty`). 5: `select: aim` selections (a manifest claiming an earlier
-version with one is refused). verify still checks versions 1 to 4 against the rules of their time."""
+version with one is refused). 6: the implied loss per attribute and per geography level includes the
+selections that read them, and states the worst case over every selection the data could have made; provenance
+is structured and allow-listed (`invocation`), no command line. verify still checks versions 1 to 5 against the
+rules of their time."""
+SELECTION_LOSS_VERSION = 6
 DEPENDENCIES = ["numpy", "pyarrow", "pydantic", "PyYAML", "cryptography", "click", "rich"]
 NEIGHBOURING_NOTE = {
     "add_remove": "neighbouring inputs differ by adding or removing one privacy unit with all its records",
@@ -79,29 +83,71 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-def implied_loss(plan: Plan) -> dict:
-    """Loss summed over the tables that involve each attribute / each geography level."""
+def implied_loss(plan: Plan, version: int = MANIFEST_VERSION) -> dict:
+    """The loss each attribute and each geography level carries: summed over the tables that read it and (from
+    version 6) over the selections that read it (a selection scores candidate tables over every attribute of its
+    query, within its geography level). Privacy: a selection's chosen tables depend on the data, so the loss of
+    an attribute in the tables that happened to be chosen is not a bound; `worst_case_over_selections` is (from
+    version 6, for releases with selections): the loss if every chosen table of every selection held the
+    attribute or level, which some data could make happen."""
+    unit = "epsilon" if plan.definition == "pure" else "rho"
+    by_attribute, by_level = _table_losses(plan.measured())
+    if version < SELECTION_LOSS_VERSION or not plan.selections:
+        return {"by_attribute": _rendered(plan, by_attribute, unit), "by_geography_level": _rendered(plan, by_level, unit)}
+    chosen = {name for s in plan.selections for name in _chosen_tables(plan, s)}
+    fixed_attribute, fixed_level = _table_losses([t for t in plan.measured() if t.name not in chosen])
+    worst_attribute, worst_level = dict(fixed_attribute), dict(fixed_level)
+    for selection in plan.selections:
+        attributes, levels = _selection_reads(plan, selection)
+        every_round = selection.rounds * selection.pair_event.loss
+        for totals, worst, names in ((by_attribute, worst_attribute, attributes), (by_level, worst_level, levels)):
+            for name in names:
+                totals[name] = totals.get(name, Fraction(0)) + selection.event.loss
+                worst[name] = worst.get(name, Fraction(0)) + selection.event.loss + every_round
+    return {"by_attribute": _rendered(plan, by_attribute, unit), "by_geography_level": _rendered(plan, by_level, unit),
+            "worst_case_over_selections": {"by_attribute": _rendered(plan, worst_attribute, unit),
+                                           "by_geography_level": _rendered(plan, worst_level, unit)}}
+
+
+def _table_losses(tables: list[TablePlan]) -> tuple[dict[str, Fraction], dict[str, Fraction]]:
+    """Loss summed per attribute (dimension or measure column) and per geography level over `tables`."""
     by_attribute: dict[str, Fraction] = {}
     by_level: dict[str, Fraction] = {}
-    for t in plan.measured():
+    for t in tables:
         involved = [dim.column for dim in t.dims] + ([t.measure.column] if t.measure else [])
         for column in dict.fromkeys(involved):
             by_attribute[column] = by_attribute.get(column, Fraction(0)) + t.event.loss
         for dim in t.dims:
             if dim.level:
                 by_level[dim.label] = by_level.get(dim.label, Fraction(0)) + t.event.loss
-    unit = "epsilon" if plan.definition == "pure" else "rho"
+    return by_attribute, by_level
 
-    def render(values: dict[str, Fraction]) -> dict:
-        out = {}
-        for name, value in sorted(values.items()):
-            entry = {unit: exact(value)}
-            if unit == "rho" and plan.delta is not None:
-                entry["epsilon_at_delta"] = zcdp_to_epsilon(float(value), plan.delta)
-            out[name] = entry
-        return out
 
-    return {"by_attribute": render(by_attribute), "by_geography_level": render(by_level)}
+def _chosen_tables(plan: Plan, selection: SelectionPlan) -> list[str]:
+    """The names of the tables a selection chose (measured with its `pair_event`)."""
+    from .plan import table_name
+
+    return [table_name(selection.query, clique) for clique in selection.chosen or ()]
+
+
+def _selection_reads(plan: Plan, selection: SelectionPlan) -> tuple[list[str], list[str]]:
+    """(attributes, geography levels) a selection's scores read: every attribute of its query, and the
+    geography column and level of its `within` (the dimensions of the query's 1-way tables)."""
+    query = plan.query(selection.query)
+    one_way = [t for t in plan.tables if t.query == query.name and len(t.dims) <= 2]
+    attributes = list(dict.fromkeys([*query.attributes, *(d.column for t in one_way for d in t.dims)]))
+    levels = list(dict.fromkeys(d.label for t in one_way for d in t.dims if d.level))
+    return attributes, levels
+
+
+def _rendered(plan: Plan, values: dict[str, Fraction], unit: str) -> dict:
+    out = {}
+    for name, value in sorted(values.items()):
+        entry = {unit: exact(value)}
+        if unit == "rho" and plan.delta is not None:
+            entry["epsilon_at_delta"] = zcdp_to_epsilon(float(value), plan.delta)
+        out[name] = entry
+    return out
 
 
 def statistic_record(table: TablePlan) -> dict:
@@ -219,7 +265,7 @@ def accounting_section(plan: Plan, estimate: EstimateVariances | None = None, la
                               **exact(plan.allocation_budget)},
         "tables": tables,
         "totals": totals_record(totals),
-        "implied_loss": implied_loss(plan),
+        "implied_loss": implied_loss(plan, version),
     }
     if plan.selections:  # absent otherwise: manifests of releases without a selection keep their bytes
         section["selections"] = [selection_record(s, version) for s in plan.selections]
@@ -316,6 +362,13 @@ def plan_fingerprint(plan: Plan) -> str:
     return hashlib.sha256(json.dumps(document, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def selection_fingerprint(plan: Plan) -> str:
+    """SHA-256 of what a plan's selections chose (each query's tables, in the order chosen): recorded in the
+    ledger by a release's first run and demanded of a free re-run (`accounting.ledger.check_selection`)."""
+    document = [[s.query, [list(c) for c in s.chosen or ()]] for s in plan.selections]
+    return hashlib.sha256(json.dumps(document, separators=(",", ":")).encode()).hexdigest()
+
+
 def privacy_section(plan: Plan) -> dict:
     """The manifest's privacy block: unit, neighbouring relation, declared budget, bounds, policies."""
     spec = plan.spec
@@ -390,9 +443,9 @@ the same thing."""
 
 
 def build_manifest(plan: Plan, engine: str, key_id: str, files: list[dict], created_at: str,
-                   command_line: list[str], ledger: dict | None = None, input_validation: dict | None = None,
+                   invocation: dict, ledger: dict | None = None, input_validation: dict | None = None,
                    estimate: EstimateVariances | None = None, layout=None, summaries: dict | None = None) -> dict:
-    """The manifest. `command_line` must already be redacted (see accounting.redact)."""
+    """The manifest. `invocation`: the entry point and its allow-listed options (`provenance.Invocation`)."""
     from .layout import Layout
 
     return {
@@ -407,7 +460,7 @@ def build_manifest(plan: Plan, engine: str, key_id: str, files: list[dict], crea
         "provenance": {
             "git_commit": _git_commit(),
             "versions": _versions(),
-            "command_line": command_line,
+            "invocation": invocation,
             "created_at": created_at,
         },
     }

@@ -29,7 +29,7 @@ from dprelease.transforms.domains import (NATION, CategoricalDomain, Dimension, 
                                           IntegerDomain, MeasureDomain, dimension, measure_key)
 from dprelease.transforms.release_values import TableRelease
 
-from .safe_files import UnsafeFile, read_regular
+from .storage import UnsafeFile, read_regular
 from .spec import (CategoricalColumn, CountUnitsQuery, GeographyColumn, HierarchyQuery, HistogramQuery,
                    IntegerColumn, MarginalsQuery, MeanQuery, QuantileQuery, ReleaseSpec, SumQuery)
 from .spec_checks import measure_clamp, quantile_candidates

@@ -12,6 +12,7 @@ Every step is a kernel over batches of parents or units whose results do not dep
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
@@ -379,7 +380,7 @@ def joint_size(plan: Plan, query: MarginalsQuery) -> int:
     for t in tables:
         for d in t.dims[1 if query.within else 0:]:
             sizes[d.label] = d.size
-    return units * int(np.prod(list(sizes.values())))
+    return units * math.prod(map(int, list(sizes.values())))
 
 
 def joint_shape(plan: Plan, query: MarginalsQuery) -> tuple[JointShape, list[str]]:

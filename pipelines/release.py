@@ -25,7 +25,6 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from dprelease.accounting.errors import DPReleaseError, SpecError
-from dprelease.accounting.redact import redact_command_line
 from dprelease.accounting.signing import SIGNATURE_FILE, fingerprint, sign
 from dprelease.transforms.domains import dimension_labels
 
@@ -35,7 +34,8 @@ from .manifest import build_manifest, domain_file_names, dump_manifest, sha256_f
 from .plan import MeanOutput, Plan, TablePlan
 from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, Part, mean_parts, table_parts
 from .postprocessing import EstimateVariances, estimate_variances, mean_values
-from .safe_files import inside
+from .provenance import Invocation
+from .storage import check_release_target, inside
 
 LOG = logging.getLogger("dprelease")
 
@@ -159,36 +159,51 @@ def replaced_prefix(release_id: str) -> str:
     return f".{release_id}.replaced@"
 
 
-def check_target(final_dir: Path, overwrite: bool) -> None:
-    """Refuse to publish over an existing release without --overwrite, and over a symbolic link ever
-    (replacing one would delete or write outside the release directory)."""
-    if final_dir.is_symlink():
-        raise SpecError(f"output: release directory {final_dir} is a symbolic link; publish to a real directory")
-    if final_dir.exists() and not overwrite:
-        raise SpecError(f"output: release directory {final_dir} already exists; pass --overwrite to replace it")
-    if final_dir.exists() and not final_dir.is_dir():
-        raise SpecError(f"output: {final_dir} exists and is not a directory")
+check_target = check_release_target
+"""Where a release is published: `storage.check_release_target`."""
+
+STAGING_MARKER = ".dprelease-staging"
+"""A file in every staging directory holding a random token of its run: a worker writes a part only into a
+staging directory that holds its run's token (`check_staging`), so a worker that cannot see the driver's
+directory (a relative path resolved in its own work directory, or a disk the driver does not share) writes
+nothing at all, instead of noisy parts the driver can neither check nor remove. Removed before the manifest
+is written."""
 
 
-def new_staging(final_dir: Path) -> Path:
-    """A private staging directory beside `final_dir` (named after this process: see `leftover_tag`)."""
+def new_staging(final_dir: Path) -> tuple[Path, str]:
+    """(a private staging directory beside `final_dir`, named after this process (see `leftover_tag`), and
+    its run's token, written into its STAGING_MARKER)."""
     final_dir = Path(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = final_dir.parent / f"{staging_prefix(final_dir.name)}{leftover_tag()}{os.urandom(4).hex()}"
     staging.mkdir(mode=0o700)
-    return staging
+    token = os.urandom(16).hex()
+    (staging / STAGING_MARKER).write_text(token)
+    return staging, token
+
+
+def check_staging(staging: Path, token: str) -> None:
+    """Refuse (DPReleaseError) to write into `staging` unless it is the directory the driver created for this
+    run (its marker holds `token`): called by a worker before its first write."""
+    try:
+        found = (Path(staging) / STAGING_MARKER).read_text()
+    except OSError:
+        found = None
+    if found != token:
+        raise DPReleaseError(f"the staging directory {staging} is not this run's as the driver made it (a relative "
+                             "path, or a disk the workers do not share with the driver); nothing was written")
 
 
 def stage_release(
     plan: Plan, noisy: dict[str, np.ndarray], published: dict[str, np.ndarray], final_dir: Path,
-    *, engine: str, key_id: str, created_at: str, command_line: list[str],
+    *, engine: str, key_id: str, created_at: str, invocation: Invocation,
     progress=lambda stage, done, total: None, ledger: dict | None = None, sign_key=None,
     input_validation: dict | None = None, layout: Layout = Layout(), workers: int = 1,
 ) -> StagedRelease:
     """Write every file of the release into a private staging directory beside `final_dir`, the manifest
     last (and its signature when `sign_key`, an Ed25519 private key, is given), tables by `workers`
     threads (the writers run outside the interpreter lock). Nothing is published."""
-    staging = new_staging(final_dir)
+    staging, _ = new_staging(final_dir)
     try:
         estimate = estimate_variances(plan)
         jobs = [(table, TABLES_DIR, published[table.name], table.value_name, estimate.per_cell.get(table.name))
@@ -210,7 +225,7 @@ def stage_release(
         for debiased in debiased_tables(plan):
             entries += write_debiased(plan, staging, debiased, noisy[debiased.table.name], layout)
         return finish_release(plan, staging, entries, engine=engine, key_id=key_id, created_at=created_at,
-                              command_line=command_line, ledger=ledger, sign_key=sign_key,
+                              invocation=invocation, ledger=ledger, sign_key=sign_key,
                               input_validation=input_validation, estimate=estimate, layout=layout)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -231,13 +246,14 @@ def check_staged_files(staging: Path, entries: list[dict]) -> None:
 
 
 def finish_release(plan: Plan, staging: Path, entries: list[dict], *, engine: str, key_id: str, created_at: str,
-                   command_line: list[str], ledger: dict | None = None, sign_key=None,
+                   invocation: Invocation, ledger: dict | None = None, sign_key=None,
                    input_validation: dict | None = None, estimate=None, layout: Layout = Layout(),
                    summaries: dict | None = None) -> StagedRelease:
     """Complete a staging directory whose table files are written (`entries`: their manifest entries): the
     domain files, then the manifest, last (and its signature). The caller removes the staging directory on
     failure."""
     entries = list(entries)
+    (staging / STAGING_MARKER).unlink(missing_ok=True)
     for name, relative in domain_file_names(plan).items():
         path = inside(staging, relative)
         path.parent.mkdir(exist_ok=True)
@@ -246,7 +262,7 @@ def finish_release(plan: Plan, staging: Path, entries: list[dict], *, engine: st
     entries.sort(key=lambda e: e["path"])
     if estimate is None:
         estimate = estimate_variances(plan) if summaries is None else EstimateVariances({}, True)
-    manifest = build_manifest(plan, engine, key_id, entries, created_at, redact_command_line(command_line),
+    manifest = build_manifest(plan, engine, key_id, entries, created_at, invocation.record(),
                               ledger, input_validation, estimate, layout, summaries)
     if sign_key is not None:
         manifest["signature"] = {"algorithm": "Ed25519", "file": SIGNATURE_FILE,

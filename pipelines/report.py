@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-from .outputs import check_output_file, write_atomically
 from .verify import VerifyReport, verify_release
 
 STYLE = """
@@ -321,17 +320,16 @@ def render(report: VerifyReport, ledger_history: list | None = None) -> str:
             f"<style>{STYLE}</style></head><body>{''.join(sections)}</body></html>\n")
 
 
-def write_report(release_dir: Path, out: Path | None = None, public_key: Path | None = None,
-                 ledger: str | None = None) -> tuple[Path, VerifyReport]:
-    release_dir = Path(release_dir)
-    report = verify_release(release_dir, public_key)
+def render_report(release_dir: Path, public_key: Path | None = None, ledger: str | None = None,
+                  recompute: bool = False, extra_problems: list[str] = ()) -> tuple[bytes, VerifyReport]:
+    """The report page of a (local) release directory, verified first (`extra_problems`: mismatches found
+    before, e.g. odd object names in its store), and the verify report."""
+    report = verify_release(Path(release_dir), public_key, ledger=ledger, recompute=recompute)
+    for problem in extra_problems:
+        report.problems.append(problem)
     history_rows = None
     if ledger and report.manifest and isinstance(report.manifest.get("dataset_id"), str):
         from dprelease.accounting.ledger import history, open_ledger
 
-        _, history_rows = history(open_ledger(ledger), report.manifest.get("dataset_id"))
-    if out is None:
-        resolved = release_dir.resolve()
-        out = check_output_file(resolved.parent / f"{resolved.name}.report.html", True, "--out")
-    page = render(report, history_rows).encode("utf-8")
-    return write_atomically(Path(out), True, lambda handle: handle.write(page)), report
+        _, history_rows = history(open_ledger(ledger, create=False), report.manifest.get("dataset_id"))
+    return render(report, history_rows).encode("utf-8"), report

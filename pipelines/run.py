@@ -6,32 +6,34 @@ import datetime as dt
 import logging
 import os
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dprelease.accounting.errors import DPReleaseError, PublishError, SpecError
-from dprelease.accounting.ledger import LeaseKeeper, abort, charge_before_publication, commit, open_ledger, reserve
-from dprelease.accounting.signing import load_private_key
+from dprelease.accounting.ledger import (LeaseKeeper, abort, charge_before_publication, check_selection, commit,
+                                         open_ledger, reserve)
+from dprelease.accounting.redact import shown
+from dprelease.accounting.signing import MAX_KEY_BYTES, load_private_key
 from dprelease.transforms.csprng import ReleaseKey
 
 from .engines.base import Engine, ProgressHook, no_progress
 from .engines.embedded import EmbeddedEngine, spill_prefix
 from .housekeeping import input_copy_prefix, owner, remove_stale, terminate_as_exit
 from .keys import check_key_location, default_key_path, load_or_generate
-from .manifest import plan_fingerprint
+from .manifest import plan_fingerprint, selection_fingerprint
 from .limits import check_plan_limits
 from .plan import Plan, build_plan
 from .layout import Layout
 from .postprocessing import estimation_path, post_process, unit_tree
+from .provenance import Invocation, run_invocation
 from .release import (StagedRelease, check_staged_files, check_target, finish_release, new_staging, publish,
                       replaced_prefix, stage_release, staging_prefix)
 from .coding_check import coding_warnings
 from .selection import check_engine_selects, select_tables
-from .remote import RemoteRelease, check_remote_target, release_under, upload_release
 from .source import InputSource, open_input, open_memory_input
-from .storage import is_uri
+from .storage import (RemoteRelease, check_remote_target, is_uri, private_directory, read_named, release_under,
+                      upload_release)
 from .spec import ReleaseSpec, load_spec
 from .validation import (StrictValidationError, SuiteRunner, check_schema, expectations_from_spec, manifest_record,
                          write_internal_report)
@@ -44,7 +46,7 @@ LOG = logging.getLogger("dprelease")
 @dataclass(frozen=True)
 class RunResult:
     release_dir: Path | str
-    """The published release: a local directory, or its URI in an object store (`pipelines.remote`)."""
+    """The published release: a local directory, or its URI in an object store (`pipelines.storage.objects`)."""
     key_file: Path
     key_reused: bool
     plan: Plan
@@ -95,17 +97,6 @@ def public_text(error: BaseException) -> str:
     if isinstance(error, DPReleaseError):
         return f"{type(error).__name__}: {error}"
     return f"{type(error).__name__}; its message may quote confidential values and is not shown"
-
-
-def check_input_unchanged(source: InputSource, before: list, charged: bool = False) -> None:
-    """Refuse to publish when an input file changed (size or modification time) between the fingerprint and the
-    end of the engine's read: the key was bound to other bytes than the noise was drawn over (a file rewritten in
-    place, common on object stores). Names the files only."""
-    changed = [stamp[0] for stamp, now in zip(before, source.stamps()) if stamp != now]
-    if changed:
-        raise DPReleaseError(f"input file(s) {', '.join(changed[:5])} changed while the release ran; nothing was "
-                             "published" + ("" if charged else " or charged") +
-                             ": run it again on an input that is not being written")
 
 
 def _abort_quietly(book, reservation) -> None:
@@ -200,13 +191,14 @@ def check_input_values(plan: Plan, engine: Engine, source: InputSource, validati
     return manifest_record(plan)
 
 
-def validate_only(spec_path: Path, internal_dir: Path, *, input_path: str | None = None, engine: str | None = None,
-                  master: str | None = None) -> Path:
+def validate_spec(spec: ReleaseSpec, spec_dir: Path, internal_dir: Path, *, input_path: str | None = None,
+                  engine: str | None = None, master: str | None = None) -> Path:
     """Validate an input against the spec's suite without releasing anything (no key, no budget, no
-    noise): schema failures raise (exit 2); the value-level report goes to `internal_dir`."""
+    noise): schema failures raise (exit 2); the value-level report goes to `internal_dir` (a private
+    directory, checked before anything is read)."""
     created_at = creation_time()
-    spec, spec_dir = load_spec(spec_path)
     plan = build_plan(spec, spec_dir)
+    private_directory(internal_dir, "--internal-dir")
     engine_ = make_engine(engine or spec.engine, None, master)
     try:
         source = open_input(plan, spec_dir, input_path)
@@ -227,7 +219,7 @@ def run_release_spec(
     spec: ReleaseSpec, spec_dir: Path, *, key_file: Path | None = None, out_dir: Path | None = None,
     input_path: str | None = None, engine: str | None = None, workers: int | None = None, overwrite: bool = False,
     master: str | None = None, ledger: str | Path | None = None, sign_key: Path | None = None,
-    progress: ProgressHook = no_progress, command_line: list[str] | None = None, internal_dir: Path | None = None,
+    progress: ProgressHook = no_progress, invocation: Invocation | None = None, internal_dir: Path | None = None,
     strict: bool = False, runner: str | None = None, beam_options: list[str] | None = None,
     max_cells: int | None = None, layout: Layout | None = None, spark_session=None, input_table=None,
 ) -> RunResult:
@@ -241,28 +233,37 @@ def run_release_spec(
     with terminate_as_exit():
         return _run_release(spec, Path(spec_dir), key_file=key_file, out_dir=out_dir, input_path=input_path,
                             engine=engine, workers=workers, overwrite=overwrite, master=master, ledger=ledger,
-                            sign_key=sign_key, progress=progress, command_line=command_line,
+                            sign_key=sign_key, progress=progress, invocation=invocation,
                             internal_dir=internal_dir, strict=strict, runner=runner, beam_options=beam_options,
                             max_cells=max_cells, layout=layout or Layout(), spark_session=spark_session,
                             input_table=input_table)
 
 
 def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_path, engine, workers, overwrite,
-                 master, ledger, sign_key, progress, command_line, internal_dir, strict, runner, beam_options,
+                 master, ledger, sign_key, progress, invocation, internal_dir, strict, runner, beam_options,
                  max_cells, layout, spark_session, input_table) -> RunResult:
     created_at = creation_time()
     plan = build_plan(spec, spec_dir)
     check_plan_limits(plan, max_cells, engine or spec.engine)
     LOG.info("planned release %s: %d tables, %d cells, %s budget", spec.release_id, len(plan.tables),
              plan.n_cells, spec.budget.definition)
+    if invocation is None:
+        invocation = run_invocation("python run_release", engine=engine or spec.engine, workers=workers,
+                                    overwrite=overwrite, master=master, runner=runner, beam_options_given=beam_options,
+                                    ledger=ledger, out_dir=out_dir, input_path=input_path, sign_key=sign_key,
+                                    internal_dir=internal_dir, strict=strict, max_cells=max_cells,
+                                    input_kind="in-memory table" if input_table is not None else "path")
     remote = _remote_target(spec, out_dir, overwrite)
+    # every path resolved here, on the driver: a worker never resolves one against its own work directory
     root = Path(tempfile.mkdtemp(prefix="dprelease-publish-")) if remote else \
-        Path(out_dir) if out_dir else spec_dir / spec.output.dir
+        (Path(out_dir) if out_dir else spec_dir / spec.output.dir).absolute()
     final_dir = root / spec.release_id
+    if internal_dir is not None:
+        internal_dir = Path(internal_dir).absolute()
     if remote is None:
-        if internal_dir is not None and Path(internal_dir).resolve().is_relative_to(root.resolve()):
-            raise SpecError(f"--internal-dir = {str(internal_dir)!r}: must not be inside the output directory "
-                            f"{root} (the validation report is confidential)")
+        if internal_dir is not None and internal_dir.resolve().is_relative_to(root.resolve()):
+            raise SpecError(f"--internal-dir = {shown(internal_dir)!r}: must not be inside the output directory "
+                            f"{shown(root)} (the validation report is confidential)")
         check_target(final_dir, overwrite)
     try:
         engine_ = make_engine(engine or spec.engine, workers, master, runner, beam_options, spark_session)
@@ -276,7 +277,9 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                             f"first, which the {engine_.name} engine's workers on a cluster cannot reach; publish "
                             "to a shared file system, or run it with a local master/runner")
         check_engine_selects(plan, engine_)
-        signer = load_private_key(sign_key) if sign_key else None
+        signer = load_private_key(read_named(sign_key, MAX_KEY_BYTES, "--sign-key"), sign_key) if sign_key else None
+        if internal_dir is not None:
+            private_directory(internal_dir, "--internal-dir")
         if input_table is not None and engine_.name != "embedded":
             raise SpecError(f"engine = {engine_.name!r}: an in-memory table is read by the embedded engine; "
                             "write it where the workers read it and pass its path")
@@ -285,11 +288,10 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
         engine_.check_input_schema(source)
         LOG.info("input: %d %s file(s); engine %s", len(source.files()), source.format, engine_.name)
         validation = check_input_schema(plan, source, internal_dir, strict)
-        key_path = Path(key_file) if key_file else default_key_path(spec_dir, spec.release_id, created_at)
+        key_path = (Path(key_file) if key_file else default_key_path(spec_dir, spec.release_id, created_at)).absolute()
         check_key_location(key_path, root)
         key, reused = load_or_generate(key_path)
-        stamps = source.stamps()
-        release_key, input_fingerprint = bind_release_key(key, plan, source)
+        release_key, input_fingerprint = bind_release_key(key, plan, source)  # every later read: these bytes
         clean_leftovers(root, spec.release_id)
         book, reservation = _reserve(ledger, plan, key, input_fingerprint,
                                      remote.uri if remote else str(final_dir.resolve()))
@@ -307,10 +309,11 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
             lease = LeaseKeeper(book, reservation, warn=LOG.warning) if held else contextlib.nullcontext()
             with lease:
                 plan = select_tables(plan, engine_, source, release_key, progress or no_progress)
+                if plan.selections and reservation:
+                    check_selection(book, reservation, selection_fingerprint(plan))
                 staged = _release_and_stage(plan, engine_, source, validation, created_at, key, key_path, key_saved,
-                                            release_key, final_dir, progress, command_line, reservation, signer, layout)
+                                            release_key, final_dir, progress, invocation, reservation, signer, layout)
                 try:
-                    check_input_unchanged(source, stamps, charged=bool(reservation and reservation.charged_early))
                     if reservation:
                         commit(book, reservation, staged.manifest_sha256)
                     committed = True
@@ -346,7 +349,7 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
 
 
 def _remote_target(spec: ReleaseSpec, out_dir, overwrite: bool) -> RemoteRelease | None:
-    """The release's place in an object store when the output directory is a URI (`pipelines.remote`), checked
+    """The release's place in an object store when the output directory is a URI (`pipelines.storage.objects`), checked
     to be free (or `overwrite`); None for a local output directory."""
     target, field = (str(out_dir), "--out") if out_dir is not None else (spec.output.dir, "output.dir")
     if not is_uri(target):
@@ -358,13 +361,13 @@ def _remote_target(spec: ReleaseSpec, out_dir, overwrite: bool) -> RemoteRelease
 
 def _release_and_stage(plan: Plan, engine_: Engine, source: InputSource, validation, created_at: str, key,
                        key_path: Path, key_saved: bool, release_key: ReleaseKey, final_dir: Path, progress,
-                       command_line, reservation, signer, layout: Layout):
+                       invocation: Invocation, reservation, signer, layout: Layout):
     """Validate values, save a fresh key, draw the noisy measurements, post-process and stage the release."""
     validation_record = check_input_values(plan, engine_, source, validation, created_at) if validation else None
     if not key_saved:
         key.save(key_path)
     record = dict(engine=engine_.name, key_id=key.key_id(), created_at=created_at,
-                  command_line=command_line or sys.argv, ledger=reservation.record() if reservation else None,
+                  invocation=invocation, ledger=reservation.record() if reservation else None,
                   sign_key=signer, input_validation=validation_record, layout=layout)
     if engine_.writes_parts and unit_tree(plan) is not None:
         return _stage_in_workers(plan, engine_, source, release_key, final_dir, progress, record)
@@ -382,9 +385,10 @@ def _stage_in_workers(plan: Plan, engine_: Engine, source: InputSource, release_
     write every part into the staging directory (which they must reach: shared storage on a cluster); the
     driver receives the file entries and variance summaries only, checks that every file is there, and
     writes the manifest."""
-    staging = new_staging(final_dir)
+    staging, token = new_staging(final_dir)
     try:
-        entries, summaries = engine_.release_parts(plan, source, release_key, staging, record["layout"], progress)
+        entries, summaries = engine_.release_parts(plan, source, release_key, staging, token, record["layout"],
+                                                   progress)
         check_staged_files(staging, entries)
         LOG.info("noise, post-processing (%s) and %d files written by the %s workers", estimation_path(plan),
                  len(entries), engine_.name)

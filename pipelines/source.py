@@ -19,14 +19,14 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.dataset as ds
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from dprelease.accounting.errors import DPReleaseError, InputSchemaError, SpecError
 from dprelease.transforms.encode import is_text
 
 from .plan import Plan
-from .storage import Store, is_uri, list_files, local_path, open_store, stamps
+from .storage import (FileDigest, Store, fingerprint_files, is_uri, list_files, local_path, open_store,
+                      verified_copy)
 
 LOG = logging.getLogger("dprelease")
 BATCH_ROWS = 1 << 20
@@ -47,15 +47,20 @@ def csv_convert_options(columns: list[str], include: bool) -> pacsv.ConvertOptio
                                 include_columns=columns if include else None)
 
 
-def read_batches(path: str, fmt: str, columns: list[str], filesystem=None) -> Iterator[pa.RecordBatch]:
-    """Record batches of `columns` of one Parquet or CSV file (a local path, or a path of `filesystem`). CSV
-    values are read as text and malformed rows skipped (by policy, never an error)."""
+def read_batches(source, fmt: str, columns: list[str], row_groups: tuple[int, int] | None = None
+                 ) -> Iterator[pa.RecordBatch]:
+    """Record batches of `columns` of one Parquet or CSV file (`source`: a path, or an open pyarrow file; for
+    Parquet, `row_groups` (first, stop) restricts the read to those row groups). CSV values are read as text and
+    malformed rows skipped (by policy, never an error)."""
     if fmt == "parquet":
-        handle = filesystem.open_input_file(path) if filesystem else path
-        yield from pq.ParquetFile(handle).iter_batches(batch_size=BATCH_ROWS, columns=columns)
+        parquet = pq.ParquetFile(source)
+        groups = None if row_groups is None else list(range(*row_groups))
+        if groups == []:
+            return
+        yield from parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns, row_groups=groups)
         return
     reader = pacsv.open_csv(
-        filesystem.open_input_stream(path) if filesystem else path,
+        source,
         read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES),
         parse_options=CSV_PARSE_OPTIONS,
         convert_options=csv_convert_options(columns, include=True),
@@ -63,40 +68,44 @@ def read_batches(path: str, fmt: str, columns: list[str], filesystem=None) -> It
     yield from reader
 
 
-FINGERPRINT_BLOCK = 8 << 20
+@dataclass(frozen=True)
+class ReadTask:
+    """One unit of reading work: a file (and for Parquet a range of its row groups). Engines hand these to
+    their workers; any split gives the same records."""
+
+    path: str
+    row_groups: tuple[int, int] | None = None
 
 
-def _file_chunks(paths: list[str], store: Store | None = None) -> Iterator[bytes]:
-    """Every file's length and bytes, in order, read in full (through its store for a URI). A store's checksum
-    cannot stand in for the bytes: S3's ETag is an MD5 (of the bytes, or of each part's), and MD5 collisions
-    are cheap, so two inputs differing in a record could share one ETag and so one fingerprint: the same key
-    binding, hence the same noise (their difference published exactly) and a free rerun. pyarrow exposes
-    no collision-resistant checksum (S3's x-amz-checksum-sha256, GCS's) to use instead. A size and
-    modification time would not do either: they bind a key to two contents written within one clock tick."""
-    yield len(paths).to_bytes(8, "big")
-    for path in paths:
-        if store is None:
-            with open(path, "rb") as handle:
-                yield os.fstat(handle.fileno()).st_size.to_bytes(8, "big")
-                yield from iter(lambda: handle.read(FINGERPRINT_BLOCK), b"")
-            continue
-        yield from _object_chunks(store, path)
+@dataclass(frozen=True)
+class FileReader:
+    """What a worker needs to read input files as the engine counts them (picklable: Spark executors and Beam
+    workers get it): the format, the columns, the store's URI (reopened in the worker, credentials from its
+    environment) and the digest of every file taken when the key was bound. With digests, every file is parsed
+    from a private copy whose bytes are shown to be those (`storage.verified_copy`)."""
 
+    format: str
+    columns: tuple[str, ...]
+    location: str | None = None
+    digests: tuple[tuple[str, FileDigest], ...] | None = None
 
-def _object_chunks(store: Store, path: str) -> Iterator[bytes]:
-    """An object's length and bytes, read through its store."""
-    located = store.path(path)
-    info = store.filesystem.get_file_info(located)
-    if info.type != pafs.FileType.File:
-        raise DPReleaseError(f"input file {path}: disappeared while the run was starting; nothing was charged")
-    yield info.size.to_bytes(8, "big")
-    read = 0
-    with store.filesystem.open_input_stream(located) as handle:
-        for block in iter(lambda: handle.read(FINGERPRINT_BLOCK), b""):
-            read += len(block)
-            yield block
-    if read != info.size:
-        raise DPReleaseError(f"input file {path}: changed while it was read; nothing was charged")
+    def batches(self, task: ReadTask | str) -> Iterator[pa.RecordBatch]:
+        """Record batches of one read task (or a whole file named by its path)."""
+        task = task if isinstance(task, ReadTask) else ReadTask(task)
+        store = open_store(self.location, "input.path")[0] if self.location else None
+        located = store.path(task.path) if store else task.path
+        filesystem = store.filesystem if store else None
+        if self.digests is not None:
+            expected = dict(self.digests).get(task.path)
+            if expected is None:
+                raise DPReleaseError(f"input file {task.path}: not among the files the key was bound to")
+            handle = verified_copy(located, filesystem, expected, task.path)
+        elif filesystem is not None:
+            handle = filesystem.open_input_file(located) if self.format == "parquet" \
+                else filesystem.open_input_stream(located)
+        else:
+            handle = located
+        yield from read_batches(handle, self.format, list(self.columns), task.row_groups)
 
 
 @dataclass
@@ -113,35 +122,49 @@ class InputSource:
     """Where the files are when the input is a URI (`files()` are then URIs); None: local files."""
     location: str | None = None
     """The input's URI as given, connection options included (workers reopen the store from it)."""
+    digests: dict[str, FileDigest] | None = None
+    """Each file's length and SHA-256, taken with the fingerprint (`fingerprint`): from then on every read of a
+    file is of those bytes or fails (`storage.verified_copy`)."""
 
     def files(self) -> list[str]:
         files = list(self.dataset.files)
         return [self.store.uri(f) for f in files] if self.store else files
 
+    def reader(self) -> FileReader:
+        """The picklable reader every engine's workers read the input with (verifying digests once taken)."""
+        digests = None if self.digests is None else tuple(sorted(self.digests.items()))
+        return FileReader(self.format, tuple(self.columns), self.location, digests)
+
     def batches(self, path: str) -> Iterator[pa.RecordBatch]:
-        """Record batches of one input file, streamed: memory holds one row group / CSV block at a time."""
-        if self.store:
-            return read_batches(self.store.path(path), self.format, self.columns, self.store.filesystem)
-        return read_batches(path, self.format, self.columns)
+        """Record batches of one input file, from a private copy of the bytes the key is bound to (once the
+        fingerprint is taken); memory holds the file's copy and one row group / CSV block of records."""
+        return self.reader().batches(path)
+
+    def read_tasks(self, parallelism: int = 1) -> list[ReadTask]:
+        """The files as read tasks for `parallelism` workers: a Parquet file with several row groups is split
+        into up to `parallelism` ranges of them when there are fewer files than workers (each task verifies
+        the whole file's bytes and parses its own row groups). Public: file names and footers only."""
+        files = self.files()
+        if self.format != "parquet" or len(files) >= parallelism:
+            return [ReadTask(f) for f in files]
+        per_file = -(-parallelism // max(len(files), 1))
+        tasks = []
+        for path, fragment in zip(files, self.dataset.get_fragments()):
+            groups = fragment.metadata.num_row_groups
+            pieces = max(1, min(per_file, groups))
+            bounds = [groups * i // pieces for i in range(pieces + 1)]
+            tasks += [ReadTask(path, (lo, hi)) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+        return tasks or [ReadTask(f) for f in files]
 
     def fingerprint(self, key) -> str:
-        """A keyed fingerprint of the input's bytes (every file, in order, with its length): binds a
-        key to this input in the ledger and in the noise. Internal: never published or logged."""
-        return key.fingerprint(_file_chunks(sorted(self.files()), self.store))
-
-    def stamps(self) -> list:
-        """(file, size, modification time) of every input file: equal before the fingerprint and after the engine's
-        read, or the run aborts before anything is charged or published (`run.check_input_unchanged`)."""
-        if self.store:
-            return stamps(self.store, self.files())
-        found = []
-        for path in self.files():
-            try:
-                status = os.stat(path)
-                found.append((path, status.st_size, status.st_mtime_ns))
-            except OSError:
-                found.append((path, None, None))
-        return found
+        """A keyed fingerprint of the input's bytes (every file, in order, with its length): binds a key to this
+        input in the ledger and in the noise. Takes each file's digest on the same read, after which every read
+        of the input is verified against it. Internal: never published or logged."""
+        names = sorted(self.files())
+        located = [(self.store.path(n) if self.store else n, n) for n in names]
+        fingerprint, self.digests = fingerprint_files(located, self.store.filesystem if self.store else None,
+                                                      key.derive("dprelease/input-fingerprint"))
+        return fingerprint
 
     def estimated_rows(self) -> int:
         """Rows (Parquet metadata) or bytes / 40 (CSV): sizing of internal spill partitions only."""
@@ -172,13 +195,13 @@ class MemorySource(InputSource):
         return [MEMORY_INPUT]
 
     def batches(self, path: str) -> Iterator[pa.RecordBatch]:
-        return iter(self.table.to_batches(max_chunksize=BATCH_ROWS))
+        return iter(self.table.to_batches(max_chunksize=BATCH_ROWS))  # the private buffer fingerprinted
+
+    def reader(self) -> FileReader:
+        raise DPReleaseError("an in-memory table is read by the embedded engine only")
 
     def fingerprint(self, key) -> str:
         return key.fingerprint(iter((b"\x00memory:arrow-ipc-stream", memoryview(self.serialized))))
-
-    def stamps(self) -> list:
-        return []  # the serialized buffer is private to this process and never written to
 
     def estimated_rows(self) -> int:
         return self.table.num_rows

@@ -19,6 +19,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WithJsonSch
                       model_validator)
 
 from dprelease.accounting.errors import SpecError
+from dprelease.accounting.redact import shown
 from dprelease.accounting.periods import parse_period
 from dprelease.accounting.rationals import parse_rational
 from dprelease.transforms.randomized_response import MAX_LOCAL_EPSILON, MIN_LOCAL_EPSILON
@@ -612,26 +613,25 @@ SpecLoader.add_constructor("tag:yaml.org,2002:int", SpecLoader.construct_yaml_in
 
 
 def load_spec(path: str | Path) -> tuple[ReleaseSpec, Path]:
-    """Read and validate a spec file. Returns the spec and the directory relative paths start from."""
+    """Read and validate a spec file (read without blocking and bounded: a FIFO, a device or a file over
+    MAX_SPEC_BYTES is refused). Returns the spec and the directory relative paths start from."""
+    from .storage import read_named
+
+    data = read_named(path, MAX_SPEC_BYTES, "spec file")
     path = Path(path)
     try:
-        size = path.stat().st_size
-        if size > MAX_SPEC_BYTES:
-            raise SpecError(f"spec file {path}: {size:,} bytes; a spec is at most {MAX_SPEC_BYTES:,} bytes")
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise SpecError(f"spec file {path}: cannot be read ({error.strerror})") from None
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
-        raise SpecError(f"spec file {path}: not UTF-8 text") from None
+        raise SpecError(f"spec file {shown(path)}: not UTF-8 text") from None
     if nesting_depth(text) > MAX_NESTING:
-        raise SpecError(f"spec file {path}: nested more than {MAX_NESTING} levels deep; a spec is plain data a few "
+        raise SpecError(f"spec file {shown(path)}: nested more than {MAX_NESTING} levels deep; a spec is plain data a few "
                         "levels deep")
     try:
         document = yaml.load(text, Loader=SpecLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as error:
-        raise SpecError(f"spec file {path}: not valid YAML ({str(error)[:500]})") from None
+        raise SpecError(f"spec file {shown(path)}: not valid YAML ({str(error)[:500]})") from None
     except RecursionError:
-        raise SpecError(f"spec file {path}: nested too deeply to be a spec") from None
+        raise SpecError(f"spec file {shown(path)}: nested too deeply to be a spec") from None
     return parse_spec(document), path.resolve().parent
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dprelease.accounting.errors import DPReleaseError, SpecError
+from dprelease.accounting.redact import shown
 from dprelease.transforms.domains import NATION, GeographyDomain
 
 from dprelease.transforms.aim import clique_steps, oriented
@@ -39,7 +42,7 @@ from .debiased import debiased_tables
 from .plan import Plan, TablePlan, table_name
 from .postprocessing import count_tables, post_process
 from .layout import MEASUREMENTS_DIR, TABLES_DIR, layout_of, table_parts
-from .safe_files import buffer_inside
+from .storage import buffer_inside
 from .verify_tables import MAX_ROW_BYTES
 from .spec import HierarchyQuery, MarginalsQuery
 from .verify import verify_release
@@ -57,15 +60,17 @@ class Synthetic:
     measurements, in records and per published record (public: both sides are published)."""
 
 
-def synthesize(release_dir: Path, max_records: int = 100_000_000) -> Synthetic:
+def synthesize(release_dir: Path, max_records: int = 100_000_000, shown_as: str | None = None) -> Synthetic:
     """Records consistent with the release's published hierarchy and marginal tables; SpecError (exit 2)
-    when they would number more than `max_records` (checked before any record is built)."""
+    when they would number more than `max_records` (checked before any record is built). `shown_as`: how
+    messages name the release (its URI when `release_dir` is a local copy of one)."""
+    where = shown_as or shown(release_dir)
     report = verify_release(release_dir)
     if not report.ok:
-        raise DPReleaseError(f"synthesize: {release_dir} does not verify ({len(report.problems)} problem(s)); "
-                        f"run `dprelease verify {release_dir}`")
+        raise DPReleaseError(f"synthesize: {where} does not verify ({len(report.problems)} problem(s)); "
+                             f"run `dprelease verify {shlex.quote(where)}`")
     if report.manifest.get("manifest_version", 1) < 2:
-        raise SpecError(f"synthesize: {release_dir} has a version-1 manifest (made before the global estimate); "
+        raise SpecError(f"synthesize: {where} has a version-1 manifest (made before the global estimate); "
                         f"its tables were not fitted by this version's post-processing")
     plan = report.plan
     _refuse_reports(plan)
@@ -263,7 +268,7 @@ def _pair_table(plan: Plan, query: MarginalsQuery, a: str, b: str, published: di
     sizes = [d.size for d in table.dims]
     values = published[table.name].reshape(sizes if query.within else [1, *sizes])
     others = tuple(1 + i for i, c in enumerate(combo) if c not in (a, b))
-    summed = int(np.prod([values.shape[i] for i in others], dtype=np.int64))
+    summed = math.prod(map(int, [values.shape[i] for i in others]))
     return values.sum(axis=others) if others else values, table.noise_variance() * summed
 
 
@@ -289,7 +294,7 @@ def _split(plan: Plan, hierarchy: HierarchyQuery, level: str, finest: str, unit:
     reproduce the hierarchy's tables only approximately, which the report says."""
     geo = plan.domains[hierarchy.geography]
     table = plan.table(f"{hierarchy.name}.{finest}")
-    cells = int(np.prod([d.size for d in table.dims[1:]]))
+    cells = math.prod(map(int, [d.size for d in table.dims[1:]]))
     counts = published[table.name].astype(np.int64).reshape(-1, cells)
     parent = geo.parent_of(finest, level)
     units = geo.level_size(level) if level != NATION else 1

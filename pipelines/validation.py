@@ -33,7 +33,7 @@ from dprelease.transforms.domains import CategoricalDomain, GeographyDomain, Int
 from dprelease.transforms.encode import (_as_text, _integer_values, dictionary_encoded, dictionary_values, is_text,
                                          text_as_bytes)
 
-from .housekeeping import write_private
+from .storage import private_directory, write_private
 from .manifest import file_stamp
 from .plan import Plan
 from .source import value_type
@@ -269,9 +269,7 @@ def check_schema(runner: SuiteRunner, schema: pa.Schema, plan: Plan) -> dict[int
 def write_internal_report(directory: Path, plan: Plan, runner: SuiteRunner, schema_results: dict[int, dict],
                           outcome: ValidationOutcome, engine: str, files: list[str], created_at: str) -> Path:
     """Write the detailed (confidential) report and the suite to `directory`; return the report path."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    os.chmod(directory, 0o700)
+    directory = private_directory(directory, "--internal-dir")
     entries = []
     for index, expectation in enumerate(runner.expectations):
         if index in schema_results:

@@ -16,7 +16,7 @@ With `ledger`, the manifest is checked against the ledger's rows (a committed re
 this very manifest among those recorded at publication); with `recompute`, the published tables are
 recomputed from measurements/.
 
-A release directory is untrusted: only regular files inside it are read (`safe_files`), sizes, digits
+A release directory is untrusted: only regular files inside it are read (`pipelines.storage`), sizes, digits
 and nesting are bounded before anything is parsed or built, and a malformed manifest gives a list of
 problems, never a traceback, a hang or a read outside the release.
 """
@@ -36,7 +36,8 @@ from pydantic import ValidationError
 from dprelease.accounting.errors import DPReleaseError
 from dprelease.accounting.manifest_model import Manifest
 from dprelease.accounting.periods import budget_periods, parse_period
-from dprelease.accounting.signing import SIGNATURE_FILE, check, fingerprint, load_public_key, well_formed
+from dprelease.accounting.signing import (MAX_KEY_BYTES, SIGNATURE_FILE, check, fingerprint, load_public_key,
+                                          well_formed)
 
 from .limits import check_cell_limit
 from .manifest import (AIM_VERSION, DESCRIPTIVE_FIELDS, MANIFEST_VERSION, WORKLOAD_VERSION, derived_section, domain_file_name,
@@ -44,16 +45,17 @@ from .manifest import (AIM_VERSION, DESCRIPTIVE_FIELDS, MANIFEST_VERSION, WORKLO
 from .plan import MAX_DOMAIN_FILE_BYTES, Plan, SelectionError, build_plan
 from .postprocessing import EstimateVariances, estimate_variances, unit_tree
 from .layout import Layout, layout_of, release_files
-from .safe_files import UnsafeFile, open_file, read_inside, read_regular, regular_directory, safe_relative, tree_entries
+from .storage import (UnsafeFile, open_file, read_inside, read_named, read_regular, regular_directory,
+                      safe_relative, tree_entries)
+from .storage.objects import MAX_MANIFEST_BYTES
 from .spec import MAX_NESTING, brief, parse_spec
 from .validation import manifest_record
 from .verify_tables import check_consistency, check_recomputed, check_table_files
 
 MANIFEST = "manifest.json"
-SUPPORTED_VERSIONS = (1, 2, 3, 4, 5)
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6)
 HEX16 = re.compile(r"^[0-9a-f]{16}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
-MAX_MANIFEST_BYTES = 64 << 20
 MAX_PROBLEMS = 1000
 """Problems kept per report (a hostile manifest can make millions); the rest are counted."""
 
@@ -546,7 +548,7 @@ def _check_signature(root: Path, manifest: dict, manifest_bytes: bytes, public_k
     if public_key_path is None:
         report.signature = "signed (not checked: pass --public-key)" if declared else "not signed"
         return
-    public_key = load_public_key(public_key_path)
+    public_key = load_public_key(read_named(public_key_path, MAX_KEY_BYTES, "--public-key"), public_key_path)
     if not declared:
         report.problems.append("signature: the release is not signed, but --public-key was given")
         return
@@ -657,7 +659,7 @@ def published_manifest_sha256(row) -> str | None:
     """For `ledger reconcile`: the SHA-256 of the manifest published at a ledger row's release directory (or
     object-store URI) when it is that row's release (same dataset, release, key and spec), else None. Reads only a regular
     file (never a link, FIFO or device), at most MAX_MANIFEST_BYTES."""
-    from .remote import read_manifest_bytes
+    from .storage import read_manifest_bytes
     from .storage import is_uri
 
     try:

@@ -26,15 +26,14 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from dprelease.transforms.aggregate import unravel_cells
-from dprelease.transforms.domains import NATION, GeographyDomain, dimension_labels
+from dprelease.transforms.domains import NATION, GeographyDomain
 
 from .debiased import ESTIMATE, RESPONSE_VARIANCE, VARIANCE, DebiasedTable, debiased_columns, debiased_parts, debiased_tables
 from .plan import MeanOutput, Plan, TablePlan
 from .postprocessing import EstimateVariances, mean_values, post_process, marginals_path
 from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, Part, mean_parts, table_parts
 from .release import GLS_VARIANCE, row_labels
-from .safe_files import UnsafeFile, buffer_inside
+from .storage import UnsafeFile, buffer_inside
 
 MAX_ROW_BYTES = 4096
 from .spec import HierarchyQuery, MarginalsQuery

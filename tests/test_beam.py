@@ -2,8 +2,10 @@
 worker processes, safe under bundle retries, with reusable PTransforms and pass-through runner options."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow.csv as pacsv
@@ -11,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dprelease.accounting.errors import DPReleaseError, SpecError
-from dprelease.examples.generator import write_demo_data
+from dprelease.pipelines.commands import demo_data
 from dprelease.pipelines.plan import build_plan
 from dprelease.pipelines.run import run_release
 from dprelease.pipelines.spec import load_spec
@@ -31,7 +33,7 @@ DIRECT = ["--direct_running_mode=multi_processing", "--direct_num_workers=2"]
 def demo(tmp_path_factory):
     """The demo input split over two Parquet files (several row groups each) and its embedded release."""
     root = tmp_path_factory.mktemp("beam")
-    data, _ = write_demo_data(root / "one", ROWS, seed=11)
+    data, _ = demo_data(ROWS, root / "one", seed=11)
     table = pq.read_table(data)
     (root / "data").mkdir()
     half = table.num_rows // 2
@@ -134,12 +136,12 @@ def test_ptransforms_compose_in_a_users_own_pipeline(demo, tmp_path):
 
     spec, base = load_spec(DEMO_SPEC)
     plan = build_plan(spec, base)
-    key, _ = bind_release_key(ReleaseKey.load(demo["key"]), plan, open_input(plan, base, str(demo["data"])))
+    source = open_input(plan, base, str(demo["data"]))
+    key, _ = bind_release_key(ReleaseKey.load(demo["key"]), plan, source)
     hierarchy = next(q.name for q in spec.queries if q.kind == "hierarchy")
     tables = [t.name for t in plan.tables if t.query == hierarchy]
     expected = {name: pq.read_table(demo["embedded"] / "measurements" / f"{name}.parquet").column("noisy_count")
                 for name in tables}
-    files = sorted(str(p) for p in demo["data"].iterdir())
 
     def matches(results):
         assert sorted(name for name, _, _ in results) == sorted(tables)
@@ -147,8 +149,8 @@ def test_ptransforms_compose_in_a_users_own_pipeline(demo, tmp_path):
             assert start == 0 and np.array_equal(values, expected[name].to_numpy()), name
 
     with beam.Pipeline(options=pipeline_options(None, DIRECT)) as pipeline:
-        noisy = (pipeline | beam.Create(files)
-                 | ReadInputBatches(plan.used_columns() + [spec.privacy_unit])
+        noisy = (pipeline | beam.Create(source.read_tasks(3))
+                 | ReadInputBatches(source.reader())
                  | EncodeRecords.from_plan(plan)
                  | BoundContributions.from_plan(plan, key, shards=3)
                  | Hierarchy(plan, hierarchy)
@@ -170,7 +172,8 @@ def test_bound_contributions_without_a_privacy_unit(case, tmp_path):
     released = run_release(spec_path, key_file=tmp_path / "k.key")
     spec, base = load_spec(spec_path)
     plan = build_plan(spec, base)
-    key, _ = bind_release_key(ReleaseKey.load(tmp_path / "k.key"), plan, open_input(plan, base))
+    source = open_input(plan, base)
+    key, _ = bind_release_key(ReleaseKey.load(tmp_path / "k.key"), plan, source)
     expected = pq.read_table(released.release_dir / "measurements" / "by_sex.parquet").column("noisy_count").to_numpy()
     with pytest.raises(ValueError, match="k must be 1"):
         BoundContributions(2, b"k" * 32, {"sex": 3}, unit=False)
@@ -180,8 +183,8 @@ def test_bound_contributions_without_a_privacy_unit(case, tmp_path):
         assert name == "by_sex" and start == 0 and np.array_equal(values, expected)
 
     with beam.Pipeline(options=pipeline_options(None, ["--direct_running_mode=in_memory"])) as pipeline:
-        noisy = (pipeline | beam.Create([str(base / "input.parquet")])
-                 | ReadInputBatches(plan.used_columns())
+        noisy = (pipeline | beam.Create(source.read_tasks())
+                 | ReadInputBatches(source.reader())
                  | EncodeRecords.from_plan(plan)
                  | BoundContributions.from_plan(plan, key)
                  | Histogram(plan, "by_sex")
@@ -189,16 +192,15 @@ def test_bound_contributions_without_a_privacy_unit(case, tmp_path):
         assert_that(noisy, matches)
 
 
-def test_published_tables_composite_equals_the_launchers_release(case, tmp_path):
-    """`PublishedTables`: records in (dicts here, Arrow alike), every post-processed table out; bound to the same
-    input fingerprint, its tables equal the published files of `dprelease run` (counts with gls_variance, a
-    sum, a mean); with a fresh key (the default) they are another draw of the same release."""
+def test_published_tables_composite_equals_the_launchers_release(case, tmp_path, monkeypatch):
+    """`PublishedTables`: records in (dicts here, Arrow alike), every post-processed table out. Its key is drawn
+    when the pipeline runs: with that draw fixed to the launcher's key (bound alike), its tables equal the
+    published files of `dprelease run` (counts with gls_variance, a sum, a mean)."""
     from apache_beam.testing.util import assert_that
 
+    from dprelease.pipelines import run as run_module
     from dprelease.pipelines.api import Release
-    from dprelease.pipelines.run import bind_release_key
-    from dprelease.pipelines.source import open_input
-    from dprelease.transforms.beam_release import PublishedTables
+    from dprelease.transforms import beam_release
     from dprelease.transforms.csprng import ReleaseKey
 
     from .test_api import persons, spec_with_means
@@ -206,11 +208,13 @@ def test_published_tables_composite_equals_the_launchers_release(case, tmp_path)
 
     frame = persons(300)
     spec_path = write_case(tmp_path / "case", spec_with_means(), rows={c: frame[c].tolist() for c in frame.columns})
-    released = run_release(spec_path, key_file=tmp_path / "k.key")
     release = Release.from_yaml(spec_path)
     plan = release.build_plan()
-    _, fingerprint = bind_release_key(ReleaseKey.load(tmp_path / "k.key"), plan,
-                                      open_input(plan, spec_path.parent))
+    fixed = ReleaseKey(b"\x07" * 32)
+    monkeypatch.setattr(run_module, "bind_release_key",
+                        lambda key, plan_, source: (beam_release._bound(plan_, fixed, beam_release.PIPELINE_INPUT),
+                                                    source.fingerprint(key)))
+    released = run_release(spec_path, key_file=tmp_path / "k.key")
     names = [t.name for t in plan.tables] + [m.name for m in plan.means]
     expected = {name: pq.read_table(released.release_dir / "tables" / f"{name}.parquet") for name in names}
 
@@ -219,33 +223,50 @@ def test_published_tables_composite_equals_the_launchers_release(case, tmp_path)
         for name, table in results:
             assert table.equals(expected[name]), name
 
-    def a_full_release(results):
-        assert sorted(name for name, _ in results) == sorted(names)
-
-    records = frame.to_dict("records")
-    records[0] = {k: v for k, v in records[0].items() if k != "income"}  # a missing field is null, not an error
-    records[1]["age"] = "SECRET-AGE"  # a value Arrow cannot type with the others is invalid, never an error
-    def keep(element, label):
-        name, table = element
-        (tmp_path / label).mkdir(exist_ok=True)
-        pq.write_table(table, tmp_path / label / f"{name}.parquet")
-
+    monkeypatch.setattr(beam_release.ReleaseKey, "generate", classmethod(lambda cls: fixed))
     with beam.Pipeline(options=pipeline_options(None, ["--direct_running_mode=in_memory"])) as pipeline:
-        rows = pipeline | "Clean" >> beam.Create(frame.to_dict("records"))
-        same = rows | "Bound" >> PublishedTables(plan, ReleaseKey.load(tmp_path / "k.key"), input_fingerprint=fingerprint)
-        assert_that(same, equal_to_the_files, label="SameKey")
-        once = PublishedTables.from_spec(release)  # one instance applied twice: a fresh key each time
-        for label in ("First", "Second"):
-            out = pipeline | f"{label}Rows" >> beam.Create(records) | label >> once
-            assert_that(out, a_full_release, label=f"{label}Full")
-            out | f"{label}Keep" >> beam.Map(keep, label)
-    first, second = ({name: pq.read_table(tmp_path / label / f"{name}.parquet") for name in names}
-                     for label in ("First", "Second"))
-    assert any(not first[name].equals(second[name]) for name in names)  # independent noise, not the same draw
+        out = pipeline | beam.Create(frame.to_dict("records")) | PublishedTablesOf(release)
+        assert_that(out, equal_to_the_files)
     with pytest.raises(SpecError, match="cells"):
-        PublishedTables(plan, max_cells=10)
-    with pytest.raises(ValueError, match="input_fingerprint"):
-        PublishedTables(plan, ReleaseKey.load(tmp_path / "k.key"))
+        beam_release.PublishedTables(plan, max_cells=10)
+
+
+def PublishedTablesOf(release):
+    from dprelease.transforms.beam_release import PublishedTables
+
+    return PublishedTables.from_spec(release)
+
+
+def test_one_pipeline_run_twice_draws_independent_noise(case, tmp_path, monkeypatch):
+    """Issue 29 item 1: the composite's key is drawn per execution, never when the graph is built. One pipeline
+    object, built once and run twice over two inputs that differ in one record, publishes two draws whose
+    difference is not the exact difference of the inputs (the reproduction: 500 -> 501 published as 501 -> 502)."""
+    from dprelease.pipelines.api import Release
+    from dprelease.transforms import beam_release
+
+    drawn = []
+    generate = beam_release.ReleaseKey.generate.__func__
+    monkeypatch.setattr(beam_release.ReleaseKey, "generate",
+                        classmethod(lambda cls: drawn.append(generate(cls)) or drawn[-1]))
+    spec_path = case(privacy_unit=None, queries=[{"name": "cells", "kind": "histogram", "by": ["age", "sex"]}])
+    source, label = tmp_path / "records.json", tmp_path / "label"
+
+    def keep(element, directory=tmp_path):  # the pipeline's own copy of this function writes where the test reads
+        name = (directory / "label").read_text()
+        (directory / f"{name}.json").write_text(json.dumps(element[1].column("count").to_pylist()))
+
+    pipeline = beam.Pipeline(options=pipeline_options(None, ["--direct_running_mode=in_memory"]))
+    _ = (pipeline | beam.Create([str(source)]) | beam.FlatMap(lambda path: json.loads(Path(path).read_text()))
+         | beam_release.PublishedTables.from_spec(Release.from_yaml(spec_path)) | beam.Map(keep))
+    assert drawn == []  # building the graph draws nothing: no key can be in it
+    for females in (500, 501):
+        source.write_text(json.dumps([{"sex": "F", "age": 30}] * females + [{"sex": "M", "age": 30}] * 300))
+        label.write_text(str(females))
+        pipeline.run().wait_until_finish()
+    assert len(drawn) == 2  # one key per execution
+    first, second = (json.loads((tmp_path / f"{n}.json").read_text()) for n in (500, 501))
+    exact = [b - a for a, b in zip(first, second)]
+    assert sorted(exact) != [0] * (len(exact) - 1) + [1], exact  # not the exact difference of the inputs
 
 
 def test_the_documented_beam_example_runs(case, tmp_path):

@@ -13,7 +13,7 @@ import pytest
 
 import dprelease
 from dprelease.pipelines.coding_check import OTHER_SHARE_LIMIT, other_shares
-from dprelease.pipelines.report import write_report
+from dprelease.pipelines.commands import write_report
 
 from .conftest import GEO_LEAVES, small_spec, write_case
 

@@ -118,13 +118,13 @@ def test_every_file_of_an_input_directory_is_checked_before_any_reservation(case
 
 
 def test_an_unexpected_failure_prints_one_public_line_and_details_only_internally(case, tmp_path, monkeypatch):
+    from dprelease.pipelines import api as api_module
     from dprelease.pipelines import cli as cli_module
-    from dprelease.pipelines import run as run_module
 
     def leak(*args, **kwargs):
         raise ValueError(f"cannot convert value {SECRET_INT}")
 
-    monkeypatch.setattr(run_module, "run_release", leak)
+    monkeypatch.setattr(api_module, "run_release_spec", leak)
     spec = case()
     quiet = CliRunner().invoke(cli_module.main, ["run", str(spec), "--no-ledger"])
     assert quiet.exit_code == 1
@@ -164,12 +164,12 @@ def test_spill_files_are_private_and_removed(case, tmp_path, monkeypatch):
 
 
 def _demo_case(tmp_path: Path, rows: int) -> Path:
-    from dprelease.examples.generator import write_demo_data
+    from dprelease.pipelines.commands import demo_data
 
     from .conftest import DEMO_SPEC
 
     directory = tmp_path / "demo"
-    write_demo_data(directory / "data", rows, seed=3)
+    demo_data(rows, directory / "data", seed=3)
     (directory / "spec.yaml").write_text(DEMO_SPEC.read_text())
     (directory / "geography.txt").write_bytes((directory / "data" / "geography.txt").read_bytes())
     return directory / "spec.yaml"

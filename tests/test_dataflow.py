@@ -13,6 +13,7 @@ from dprelease.pipelines import dataflow
 from dprelease.pipelines.layout import Layout
 from dprelease.pipelines.plan import build_plan
 from dprelease.pipelines.postprocessing import post_process
+from dprelease.pipelines.provenance import Invocation
 from dprelease.pipelines.release import check_staged_files, finish_release, new_staging, stage_release
 from dprelease.pipelines.spec import parse_spec
 
@@ -31,7 +32,8 @@ QUERIES = [
 FLOW_COLUMNS = {**COLUMNS, "income": {"type": "integer", "min": 0, "max": 10**5, "clamp": [0, 1000]},
                 "smoker": {"type": "categorical", "values": ["no", "yes", "quit"], "on_invalid": "drop",
                            "randomized_response": {"epsilon": "1/2"}}}
-COMMON = dict(engine="embedded", key_id="0" * 16, created_at="2026-01-01T00:00:00+00:00", command_line=["dprelease"])
+COMMON = dict(engine="embedded", key_id="0" * 16, created_at="2026-01-01T00:00:00+00:00",
+              invocation=Invocation("test"))
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +74,8 @@ def test_stages_write_the_embedded_release_byte_for_byte(plan, tmp_path, layout,
     noisy = noisy_outputs(plan)
     embedded = stage_release(plan, noisy, post_process(plan, noisy, group_work=layout.group_work),
                              tmp_path / "embedded" / "r", layout=layout, **COMMON)
-    staging = new_staging(tmp_path / "stages" / "r")
-    flow = Flow(plan, layout, str(staging))
+    staging, token = new_staging(tmp_path / "stages" / "r")
+    flow = Flow(plan, layout, str(staging), staging_token=token)
     entries, summaries = run_local(flow, noise_pieces(flow, noisy))
     check_staged_files(staging, entries)
     staged = finish_release(plan, staging, entries, layout=layout, summaries=summaries, **COMMON)
@@ -123,7 +125,7 @@ def test_pieces_survive_their_encoding_and_split_at_group_bounds():
 
 
 def test_driver_refuses_files_it_cannot_see(tmp_path):
-    staging = new_staging(tmp_path / "r")
+    staging, _ = new_staging(tmp_path / "r")
     (staging / "a.csv").write_bytes(b"x,y\n")
     check_staged_files(staging, [{"path": "a.csv", "sha256": "0" * 64, "bytes": 4}])
     with pytest.raises(DPReleaseError, match="storage every worker shares"):
@@ -139,13 +141,13 @@ def test_driver_refuses_files_it_cannot_see(tmp_path):
 @pytest.fixture(scope="module")
 def parted(tmp_path_factory):
     """The demo release written in parts of 64 units (as the distributed engines write it)."""
-    from dprelease.examples.generator import write_demo_data
+    from dprelease.pipelines.commands import demo_data
     from dprelease.pipelines.run import run_release
 
     from .conftest import DEMO_SPEC
 
     root = tmp_path_factory.mktemp("parted")
-    data, _ = write_demo_data(root / "data", 20_000, seed=5)
+    data, _ = demo_data(20_000, root / "data", seed=5)
     return run_release(DEMO_SPEC, input_path=str(data), out_dir=root / "out", key_file=root / "k.key",
                        layout=Layout(64, 64)).release_dir
 

@@ -18,7 +18,8 @@ import yaml
 from sqlalchemy.engine import make_url
 
 from dprelease.accounting.ledger import open_ledger, set_budget
-from dprelease.accounting.redact import redact_command_line, redact_url
+from dprelease.accounting.redact import shown
+from dprelease.pipelines.provenance import WITHHELD, beam_options, ledger_kind, location, run_invocation
 from dprelease.pipelines.run import run_release
 
 from .conftest import GEO_LEAVES, small_spec, write_case
@@ -135,7 +136,7 @@ def test_a_level_name_that_is_not_a_name_is_refused(tmp_path, field, value):
 
 
 def test_writers_refuse_a_path_that_leaves_the_directory(tmp_path):
-    from dprelease.pipelines.safe_files import inside
+    from dprelease.pipelines.storage import inside
 
     with pytest.raises(ValueError):
         inside(tmp_path, "../escape")
@@ -197,34 +198,61 @@ PASSWORDS = ["Zq9p/ss", "Zq9a?b#c d", "Zq9x@y9Q", "Zq9%2Fq", "Zq9semi;colon&amp"
 
 
 @pytest.mark.parametrize("password", PASSWORDS)
-def test_a_ledger_password_with_url_characters_is_redacted(password):
+def test_a_ledger_password_with_url_characters_is_never_shown(password):
     url = f"postgresql+psycopg://agency:{password}@db.example:5432/ledger"
     parsed = make_url(url).password  # what SQLAlchemy would connect with
-    for shown in (redact_url(url), " ".join(redact_command_line(["dprelease", "run", "s.yaml", "--ledger", url]))):
-        assert "Zq9" not in shown and parsed not in shown, shown
-        assert shown.endswith("db.example:5432/ledger")
+    assert "Zq9" not in shown(url) and parsed not in shown(url), shown(url)
+    assert shown(url).endswith("db.example:5432/ledger")
+    assert ledger_kind(url) == "postgresql+psycopg"  # all a manifest says of a ledger
 
 
-def test_beam_options_publish_only_allow_listed_values():
-    line = redact_command_line(["dprelease", "run", "spec.yaml", "--engine", "beam", "--runner", "FlinkRunner", "--",
-                                "--s3_secret_access_key=SECRET1", "--azure_connection_string",
-                                "DefaultEndpointsProtocol=https;AccountKey=SECRET2", "--flink_master=host:8081",
-                                "--hdfs_user", "SECRET3", "--parallelism=8"])
-    text = " ".join(line)
-    assert "SECRET" not in text
-    assert "--flink_master=host:8081" in line and "--parallelism=8" in line and "FlinkRunner" in line
-    assert "--s3_secret_access_key=***" in line and "--azure_connection_string" in line
+def test_a_password_as_a_percent_encoded_query_key_is_never_shown():
+    """Issue 29 item 7: `?pass%77ord=` is decoded by SQLAlchemy to `password` (and connected with)."""
+    url = "postgresql+psycopg://agency@db.example/ledger?pass%77ord=Zq9secret"
+    assert make_url(url).query.get("password") == "Zq9secret"
+    assert "Zq9" not in shown(url) and "Zq9" not in str(run_invocation("test", engine="embedded", ledger=url))
 
 
-def test_the_manifest_never_holds_a_ledger_password(case, tmp_path):
-    """End to end: a SQLite URL with a query-string password and user info is redacted in provenance."""
+SECRET_OPTIONS = [
+    "--sdk_location=https://bucket.s3.amazonaws.com/sdk.tar.gz?X-Amz-Credential=Zq9A&X-Amz-Security-Token=Zq9B"
+    "&X-Amz-Signature=Zq9C",
+    "--temp_location=/tmp/x?access_token=Zq9D",
+    "--experiments=use_runner_v2,token=Zq9E",
+    "--staging_location=https://storage.googleapis.com/b/x?X-Goog-Credential=Zq9F&X-Goog-Signature=Zq9G",
+    "--s3_secret_access_key=Zq9H", "--azure_connection_string", "DefaultEndpointsProtocol=https;AccountKey=Zq9I",
+    "--hdfs_user", "Zq9J", "--flink_master=agency:Zq9K@host:8081", "--subnetwork=https://u:Zq9L@example/x",
+]
+"""Credentials inside option values, allow-listed names among them (issue 29 item 8)."""
+
+
+def test_beam_options_publish_typed_values_only():
+    published = beam_options([*SECRET_OPTIONS, "--flink_master=host:8081", "--parallelism=8",
+                              "--temp_location=gs://bucket/tmp", "--num_workers=x9"])
+    text = json.dumps(published)
+    assert "Zq9" not in text, text
+    assert published["flink_master"] == "host:8081" and published["parallelism"] == 8
+    assert published["temp_location"] == "gs://bucket/tmp" and published["num_workers"] == WITHHELD
+    assert published["experiments"] == ["use_runner_v2", WITHHELD]
+    assert published["sdk_location"] == WITHHELD and published["other_options"] == 3  # names off the list: counted
+    assert location("abfs://acct:Zq9TOK@container/rel") == WITHHELD and "Zq9" not in shown("abfs://acct:Zq9TOK@c/r")
+
+
+def test_the_manifest_never_holds_a_secret_of_its_invocation(case, tmp_path):
+    """End to end: secrets in the ledger URL, the output URI and pipeline options never reach the manifest."""
     book = tmp_path / "ledger.sqlite"
     set_budget(open_ledger(book), "test-data", "epsilon", Fraction(5))
-    result = run_release(case(), ledger=book, key_file=tmp_path / "k.key",
-                         command_line=["dprelease", "run", "spec.yaml", "--ledger",
-                                       "postgresql://agency:p/ss w?rd#1@db/ledger", "--", "--aws_secret=SECRET"])
+    invocation = run_invocation("test", engine="embedded", ledger="postgresql://agency:p/ss w?rd#1@db/ledger",
+                                out_dir="s3://bkt/out?X-Amz-Signature=Zq9S", beam_options_given=SECRET_OPTIONS)
+    result = run_release(case(), ledger=book, key_file=tmp_path / "k.key", invocation=invocation)
     text = (result.release_dir / "manifest.json").read_text()
-    assert "p/ss" not in text and "w?rd" not in text and "SECRET" not in text
+    assert "p/ss" not in text and "w?rd" not in text and "Zq9" not in text
+    assert json.loads(text)["provenance"]["invocation"]["options"]["out"] == WITHHELD
+
+
+def test_an_error_naming_a_uri_shows_no_credentials(case, tmp_path):
+    """Issue 29 item 9: user info anywhere in a URI is hidden in messages (only the query was stripped)."""
+    ran = cli("run", case(), "--no-ledger", "--out", "abfs://acct:Zq9TOK@container/rel")
+    assert ran.returncode == 2 and "Zq9" not in ran.stderr and "container/rel" in ran.stderr, ran.stderr
 
 
 # ---- 15. the internal validation report is private -------------------------------------------------------------------

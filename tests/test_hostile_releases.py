@@ -300,7 +300,7 @@ def test_verify_against_a_ledger_never_tracebacks(release, published, edit):
 
 def test_verify_never_creates_a_ledger(release, tmp_path):
     ran = cli("verify", release, "--ledger", tmp_path / "new.sqlite")
-    assert ran.returncode == 1 and "no such ledger file" in ran.stderr and not (tmp_path / "new.sqlite").exists()
+    assert ran.returncode == 2 and "no such ledger file" in ran.stderr and not (tmp_path / "new.sqlite").exists()
 
 
 def test_a_csv_that_differs_from_its_parquet_is_a_mismatch(release):

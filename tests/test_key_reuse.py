@@ -139,13 +139,13 @@ def test_the_ledger_refuses_a_key_committed_for_another_spec_input_or_release(ca
 
 
 def test_monthly_script_refuses_a_past_month_rerun_on_changed_data(tmp_path):
-    from dprelease.examples.generator import write_demo_data
+    from dprelease.pipelines.commands import demo_data
 
     series = tmp_path / "series"
     series.mkdir()
     shutil.copy(REPO / "examples" / "demo" / "monthly.yaml", series / "monthly.yaml")
     shutil.copy(REPO / "examples" / "demo" / "geography.txt", series / "geography.txt")
-    write_demo_data(series / "data", 5_000, seed=1)
+    demo_data(5_000, series / "data", seed=1)
     ledger = tmp_path / "ledger.sqlite"
     assert cli("ledger", "set-budget", "demo-census", "--rho", 10, "--ledger", ledger).returncode == 0
     script = REPO / "deploy" / "schedule" / "monthly-release.sh"
@@ -153,7 +153,7 @@ def test_monthly_script_refuses_a_past_month_rerun_on_changed_data(tmp_path):
     assert subprocess.run(month, capture_output=True, text=True).returncode == 0
     published = series / "releases" / "demo-2026-01" / "manifest.json"
     before = published.read_bytes()
-    write_demo_data(series / "data", 5_000, seed=2)  # the month's file corrected after publication
+    demo_data(5_000, series / "data", overwrite=True, seed=2)  # the month's file corrected after publication
     rerun = subprocess.run([*month, "--overwrite"], capture_output=True, text=True)
     assert rerun.returncode == 2 and "different input" in rerun.stderr, rerun.stderr
     assert published.read_bytes() == before

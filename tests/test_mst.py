@@ -363,6 +363,14 @@ def test_each_round_scores_a_pair_less_the_expected_error_of_measuring_it(tmp_pa
     assert result.release_dir.is_dir()
 
 
+def implied_of_version(root, version: int) -> dict:
+    """The implied loss as a manifest of `version` states it (before 6: without the selections)."""
+    from dprelease.pipelines.manifest import implied_loss
+    from dprelease.pipelines.verify import verify_release
+
+    return json.loads(json.dumps(implied_loss(verify_release(root).plan, version)))
+
+
 def test_a_version_3_manifest_verifies_with_the_score_of_its_time(tmp_path):
     """Releases published before the noise penalty (manifest version 3) state the plain L1 score and still
     verify; a version-4 manifest stating the old score, or a version-3 one stating the new, does not."""
@@ -374,7 +382,7 @@ def test_a_version_3_manifest_verifies_with_the_score_of_its_time(tmp_path):
     root = run_release(path, key_file=tmp_path / "k.key", ledger=None).release_dir
     manifest_path = root / "manifest.json"
     published = json.loads(manifest_path.read_text())
-    assert published["manifest_version"] == 5 and published["selections"][0]["score"] == SELECTION_SCORE + NOISE_PENALTY
+    assert published["manifest_version"] == 6 and published["selections"][0]["score"] == SELECTION_SCORE + NOISE_PENALTY
     assert verify_release(root).ok
     for version, score, ok in ((3, SELECTION_SCORE, True), (4, SELECTION_SCORE + NOISE_PENALTY, True),
                                (4, SELECTION_SCORE, False),
@@ -382,6 +390,7 @@ def test_a_version_3_manifest_verifies_with_the_score_of_its_time(tmp_path):
         edited = json.loads(json.dumps(published))
         edited["manifest_version"] = version
         edited["selections"][0]["score"] = score
+        edited["implied_loss"] = implied_of_version(root, version)
         manifest_path.write_text(json.dumps(edited, indent=1))
         report = verify_release(root)
         assert report.ok == ok, report.problems

@@ -15,7 +15,7 @@ import pytest
 import dprelease
 from dprelease.accounting.errors import PublishError, SpecError
 from dprelease.accounting.ledger import COMMITTED, open_ledger, set_budget
-from dprelease.pipelines import remote as remote_module
+from dprelease.pipelines.storage import objects as remote_module
 from dprelease.pipelines.run import run_release
 from dprelease.pipelines.verify import published_manifest_sha256
 
@@ -147,8 +147,8 @@ def test_a_downloaded_object_is_read_no_further_than_its_manifest_says(s3, crede
     with store(s3).open_output_stream("bounded/releases/test-release/tables/pop.nation.csv") as handle:
         handle.write(b"x" * (1 << 22))
     with remote_module.downloaded(published.release_dir) as copy:
-        assert (copy / "tables" / "pop.nation.csv").stat().st_size == listed["tables/pop.nation.csv"] + 1
-        assert not dprelease.pipelines.verify.verify_release(copy).ok
+        assert (copy.path / "tables" / "pop.nation.csv").stat().st_size == listed["tables/pop.nation.csv"] + 1
+        assert not dprelease.pipelines.verify.verify_release(copy.path).ok
 
 
 def test_objects_under_the_release_prefix_are_never_removed_without_overwrite(s3, credentials, tmp_path):

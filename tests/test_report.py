@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dprelease.pipelines.report import write_report
+from dprelease.pipelines.commands import write_report
 from dprelease.pipelines.run import run_release
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

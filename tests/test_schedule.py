@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
-from dprelease.examples.generator import write_demo_data
+from dprelease.pipelines.commands import demo_data
 
 from .conftest import REPO
 
@@ -15,7 +15,7 @@ def test_three_monthly_releases_with_budget_for_two(tmp_path):
     series.mkdir()
     shutil.copy(REPO / "examples" / "demo" / "monthly.yaml", series / "monthly.yaml")
     shutil.copy(REPO / "examples" / "demo" / "geography.txt", series / "geography.txt")
-    write_demo_data(series / "data", 20_000)
+    demo_data(20_000, series / "data")
     ledger = tmp_path / "ledger.sqlite"
     budget = subprocess.run(["dprelease", "ledger", "set-budget", "demo-census", "--rho", "2", "--per-period", "1",
                              "--ledger", str(ledger)],

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dprelease.accounting.errors import DPReleaseError, SpecError
-from dprelease.examples.generator import write_demo_data
+from dprelease.pipelines.commands import demo_data
 from dprelease.pipelines.layout import Layout
 from dprelease.pipelines.run import run_release
 from dprelease.pipelines.verify import verify_release
@@ -29,7 +29,7 @@ ROWS = 60_000
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     root = tmp_path_factory.mktemp("spark")
-    data, _ = write_demo_data(root / "data", ROWS, seed=7)
+    data, _ = demo_data(ROWS, root / "data", seed=7)
     key = root / "demo.key"
     embedded = run_release(DEMO_SPEC, input_path=str(data), out_dir=root / "embedded", key_file=key)
     return {"root": root, "data": data, "key": key, "embedded": embedded.release_dir}

@@ -129,7 +129,7 @@ def test_an_input_changed_during_the_run_publishes_nothing(s3, credentials, tmp_
         return bound
 
     monkeypatch.setattr(run_module, "bind_release_key", rewrite_after_fingerprint)
-    with pytest.raises(dprelease.DPReleaseError, match="changed while the release ran"):
+    with pytest.raises(dprelease.DPReleaseError, match="bytes changed after the release key was bound"):
         run_release(spec, input_path=f"s3://moving/persons.parquet?endpoint_override={s3}&scheme=http",
                     out_dir=tmp_path / "out")
     assert not (tmp_path / "out" / "test-release").exists()
@@ -170,25 +170,26 @@ COLLIDING = (bytes.fromhex(
 
 def test_objects_sharing_an_etag_get_different_fingerprints(s3, credentials):
     """An ETag is an MD5: two different inputs can share one (a found review: a free rerun on other data with the
-    same noise). The fingerprint reads the bytes, so it tells them apart; the ETag only serves change stamps."""
-    from dprelease.pipelines.source import _file_chunks
-    from dprelease.pipelines.storage import content_tag, open_store
-    from dprelease.transforms.csprng import ReleaseKey
+    same noise). The fingerprint reads the bytes, so it tells them apart."""
+    from dprelease.pipelines.storage import fingerprint_files, open_store
 
     assert COLLIDING[0] != COLLIDING[1]
     upload(s3, "collide", {"a/part-0.csv": COLLIDING[0], "b/part-0.csv": COLLIDING[1]})
     store, _ = open_store(f"s3://collide/?endpoint_override={s3}&scheme=http", "input.path")
-    assert content_tag(store, "collide/a/part-0.csv") == content_tag(store, "collide/b/part-0.csv")
-    key = ReleaseKey.generate()
-    fingerprints = {key.fingerprint(_file_chunks([store.uri(f"collide/{side}/part-0.csv")], store))
+    infos = store.filesystem.get_file_info(["collide/a/part-0.csv", "collide/b/part-0.csv"])
+    assert infos[0].size == infos[1].size
+    fingerprints = {fingerprint_files([(f"collide/{side}/part-0.csv", side)], store.filesystem, b"k" * 32)[0]
                     for side in ("a", "b")}
     assert len(fingerprints) == 2
 
 
-def test_an_object_rewritten_with_the_same_size_within_a_second_changes_the_stamps(s3, credentials, tmp_path):
-    """S3 keeps modification times to the second: the ETag tells two same-sized writes apart."""
+def test_an_object_rewritten_with_the_same_size_after_the_fingerprint_is_never_parsed(s3, credentials, tmp_path):
+    """S3 keeps modification times to the second and an ETag is an MD5: only the bytes tell. A worker parses a
+    private copy whose SHA-256 is the one taken with the fingerprint, or nothing."""
     import csv
     import io
+
+    from dprelease.pipelines.storage import InputChanged
 
     def table(value: str) -> bytes:
         out = io.StringIO()
@@ -199,11 +200,17 @@ def test_an_object_rewritten_with_the_same_size_within_a_second_changes_the_stam
 
     upload(s3, "sametime", {"persons.csv": table("F")})
     source = s3_source(s3, "sametime", tmp_path / "b")
-    before = source.stamps()
-    upload(s3, "sametime", {"persons.csv": table("M")})
-    after = source.stamps()
-    assert [s[1] for s in before] == [s[1] for s in after]  # same size
-    assert before != after
+    from dprelease.transforms.csprng import ReleaseKey
+
+    source.fingerprint(ReleaseKey.generate())
+    path = source.files()[0]
+    assert sum(batch.num_rows for batch in source.batches(path)) == 50
+    upload(s3, "sametime", {"persons.csv": table("M")})  # same size, within the same second
+    with pytest.raises(InputChanged, match="persons.csv"):
+        list(source.batches(path))
+    reader = source.reader()  # what a Spark executor or Beam worker gets: the same check
+    with pytest.raises(InputChanged):
+        list(reader.batches(path))
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "csv"])

@@ -174,11 +174,11 @@ def test_schema_and_values_validate_under_pandas_string_inference(case, tmp_path
     great-expectations' type check did not accept: every geography column failed the schema check."""
     import pandas as pd
 
-    from dprelease.pipelines.run import validate_only
+    from dprelease import Release
 
     with pd.option_context("future.infer_string", True):
         assert str(pa.table({"x": ["a"]}).to_pandas().dtypes["x"]) == "str"
-        report = validate_only(case(rows=DIRTY), tmp_path / "internal")
+        report = Release.from_yaml(case(rows=DIRTY)).validate(tmp_path / "internal")
     failed = {e["kwargs"]["column"] for e in json.loads(report.read_text())["expectations"] if not e["success"]}
     assert failed == {"pid", "geo", "age", "sex"}  # the dirty values, and no schema failure
 

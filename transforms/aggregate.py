@@ -10,6 +10,7 @@ depend on the data.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -124,7 +125,7 @@ def unravel_cells(sizes: tuple[int, ...]) -> list[np.ndarray]:
     """Per-dimension coordinates of every cell, in the C order used by `TableLayout`."""
     if not sizes:
         return []
-    grids = np.unravel_index(np.arange(int(np.prod(sizes)), dtype=np.int64), sizes)
+    grids = np.unravel_index(np.arange(math.prod(map(int, sizes)), dtype=np.int64), sizes)
     return [np.asarray(g, dtype=np.int64) for g in grids]
 
 

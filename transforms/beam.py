@@ -3,8 +3,8 @@
 Elements are pyarrow Tables (a Parquet row group or CSV block, or a part of one), never single
 rows. The steps, composable in any Beam pipeline:
 
-    ReadInputBatches(columns, fmt)        file paths -> pa.Table batches (Parquet through Beam's
-                                          ReadAllFromParquetBatched; CSV through pyarrow, as text)
+    ReadInputBatches(reader)              read tasks (files, row-group ranges) -> pa.Table batches, read
+                                          through the input's verified reader
     EncodeRecords(domains, unit)          batches -> encoded tables: integer codes of the public
                                           domains (+ the unit), invalid values by declared policy
     BoundContributions(k, subkey, sizes)  encoded tables -> the same, at most k records per unit:
@@ -24,8 +24,10 @@ rows. The steps, composable in any Beam pipeline:
 
 Privacy: a cell's noise is a pure function of (key, table, cell), and the records kept for a unit
 depend only on (key, unit, records), so any sharding, bundling, retry or runner gives the same
-release as the embedded engine. The key travels inside the serialized DoFns: on remote runners the
-staging location must be as private as the key (deploy/beam/README.md).
+release as the embedded engine. The key is either given (the launcher's, `dprelease run --engine beam`:
+it then travels inside the serialized DoFns of a pipeline built and run once for that run, so on remote
+runners the staging location must be as private as the key, deploy/beam/README.md) or a PCollection
+holding a key drawn when the pipeline runs (`key_argument`), which no pipeline graph ever contains.
 """
 from __future__ import annotations
 
@@ -48,33 +50,22 @@ NOISE_RANGE_CELLS = 1 << 18
 
 
 class ReadInputBatches(beam.PTransform):
-    """File paths -> pa.Table batches of `columns` (Parquet: Beam's IO, one batch per row group). With `store_uri`
-    (an input URI, `pipelines.storage`), the paths are URIs of that store, read through pyarrow's filesystem,
-    which each worker opens from the URI (credentials from the worker's environment, never the URI)."""
+    """Read tasks -> pa.Table batches, read by `reader` (`dprelease.pipelines.source.FileReader`: Parquet or CSV,
+    local or through pyarrow's filesystems, which each worker opens from the input's URI with credentials from
+    its environment; once the key is bound, each file parsed from a private copy of the bytes it is bound to)."""
 
-    def __init__(self, columns: list[str], fmt: str = "parquet", store_uri: str | None = None):
+    def __init__(self, reader):
         super().__init__()
-        self.columns, self.fmt, self.store_uri = list(columns), fmt, store_uri
+        self.reader = reader
 
-    def expand(self, paths):
-        if self.fmt == "parquet" and self.store_uri is None:
-            return paths | "ReadParquet" >> beam.io.ReadAllFromParquetBatched(columns=self.columns).with_output_types(Any)
-        columns, fmt, store_uri = self.columns, self.fmt, self.store_uri
+    def expand(self, tasks):
+        reader = self.reader
 
-        def read(path: str) -> Iterable[pa.Table]:
-            from dprelease.pipelines.source import read_batches
-
-            if store_uri is None:
-                batches = read_batches(path, fmt, columns)
-            else:
-                from dprelease.pipelines.storage import open_store
-
-                store, _ = open_store(store_uri, "input.path")
-                batches = read_batches(store.path(path), fmt, columns, store.filesystem)
-            for batch in batches:
+        def read(task) -> Iterable[pa.Table]:
+            for batch in reader.batches(task):
                 yield pa.Table.from_batches([batch])
 
-        return paths | f"Read{fmt.capitalize()}" >> beam.FlatMap(read).with_output_types(Any)
+        return tasks | "ReadFiles" >> beam.FlatMap(read).with_output_types(Any)
 
 
 class EncodeRecords(beam.PTransform):
@@ -96,13 +87,20 @@ class EncodeRecords(beam.PTransform):
                 | "DropEmpty" >> beam.Filter(lambda table: table.num_rows > 0).with_output_types(Any))
 
 
-def _split_by_shard(table: pa.Table, shards: int, salt: int) -> Iterable[tuple[int, pa.Table]]:
+def key_argument(key):
+    """What a transform hands its callables for `key`: the key itself, or, when `key` is a PCollection holding one
+    key (drawn when the pipeline runs: `dprelease.transforms.beam_release.PublishedTables`), that PCollection as
+    a singleton side input, resolved in each worker at run time (never part of the pipeline graph)."""
+    return beam.pvalue.AsSingleton(key) if isinstance(key, beam.pvalue.PCollection) else key
+
+
+def _split_by_shard(table: pa.Table, shards: int, key: ReleaseKey) -> Iterable[tuple[int, pa.Table]]:
     """(shard, rows of that shard), the shard a keyed hash of the unit (`unit_shards`).
     Each part is a compact copy (a slice would pickle its parent's whole buffers)."""
     if UNIT not in table.column_names:
         raise ValueError("BoundContributions: the encoded records carry no privacy unit (privacy_unit: null); "
                          "build it with unit=False, or with BoundContributions.from_plan")
-    shard = unit_shards(table.column(UNIT), shards, salt)
+    shard = unit_shards(table.column(UNIT), shards, shard_salt(key))
     order = np.argsort(shard, kind="stable")
     bounds = np.searchsorted(shard[order], np.arange(shards + 1))
     for s in range(shards):
@@ -111,11 +109,11 @@ def _split_by_shard(table: pa.Table, shards: int, salt: int) -> Iterable[tuple[i
 
 
 def _bound_shard(tables: Iterable[pa.Table], columns: list[str], sizes: list[int], k: int,
-                 subkey: bytes) -> pa.Table:
+                 key: ReleaseKey) -> pa.Table:
     """All records of a shard's units, bounded to k per unit by the bounding kernel."""
     table = pa.concat_tables(list(tables)).combine_chunks()
     keys = record_keys([table.column(c).to_numpy() for c in columns], sizes)
-    keep = bound_contributions(table.column(UNIT), keys, k, subkey)
+    keep = bound_contributions(table.column(UNIT), keys, k, key.derive("dprelease/bound"))
     return table.filter(pa.array(keep))
 
 
@@ -125,32 +123,32 @@ class BoundContributions(beam.PTransform):
     Shards by a keyed hash of the unit (GroupByKey), so every unit's records meet in one shard; the k
     kept records are chosen by the keyed PRF of the bounding kernel, independent of the sharding."""
 
-    def __init__(self, k: int, subkey: bytes, sizes: dict[str, int], shards: int = 16, salt: int = 0,
-                 unit: bool = True):
-        """`unit=False` (a spec with `privacy_unit: null`): every record is its own unit, k must be 1, and the
-        records pass unchanged (there is nothing to bound)."""
+    def __init__(self, k: int, key, sizes: dict[str, int], shards: int = 16, unit: bool = True):
+        """`key`: the bound release key, or a PCollection holding it (`key_argument`). `unit=False` (a spec with
+        `privacy_unit: null`): every record is its own unit, k must be 1, and the records pass unchanged (there
+        is nothing to bound)."""
         super().__init__()
         if not unit and k != 1:
             raise ValueError(f"BoundContributions: k = {k} without a privacy unit; each record is its own unit, "
                              "so k must be 1")
-        self.k, self.subkey, self.shards, self.salt, self.unit = k, subkey, shards, salt, unit
+        self.k, self.key, self.shards, self.unit = k, key, shards, unit
         self.columns = sorted(sizes)
         self.sizes = [sizes[c] for c in self.columns]
 
     @classmethod
-    def from_plan(cls, plan, key: ReleaseKey, shards: int = 16) -> "BoundContributions":
+    def from_plan(cls, plan, key, shards: int = 16) -> "BoundContributions":
         sizes = {c: plan.domains[c].size for c in plan.encoded_columns()}
-        return cls(plan.bounds.max_records_per_unit, key.derive("dprelease/bound"), sizes, shards, shard_salt(key),
-                   unit=plan.spec.privacy_unit is not None)
+        return cls(plan.bounds.max_records_per_unit, key, sizes, shards, unit=plan.spec.privacy_unit is not None)
 
     def expand(self, encoded):
         if not self.unit:
             return encoded
-        shards, columns, sizes, k, subkey = self.shards, self.columns, self.sizes, self.k, self.subkey
+        shards, columns, sizes, k, key = self.shards, self.columns, self.sizes, self.k, key_argument(self.key)
         return (encoded
-                | "ShardByUnit" >> beam.FlatMap(_split_by_shard, shards, self.salt).with_output_types(tuple[int, Any])
+                | "ShardByUnit" >> beam.FlatMap(_split_by_shard, shards, key).with_output_types(tuple[int, Any])
                 | "GroupShards" >> beam.GroupByKey()
-                | "BoundShard" >> beam.MapTuple(lambda _, tables: _bound_shard(tables, columns, sizes, k, subkey)).with_output_types(Any))
+                | "BoundShard" >> beam.FlatMap(lambda element, key: [_bound_shard(element[1], columns, sizes, k, key)],
+                                               key).with_output_types(Any))
 
 
 class _SumSparseCounts(beam.CombineFn):
@@ -239,18 +237,17 @@ class _NoiseRange(beam.DoFn):
     """One range of one table: its measurements (zeros where no record fell) released by the table's
     mechanism (noise, or a quantile selection per cell and q)."""
 
-    def __init__(self, releases: dict[str, TableRelease], key: ReleaseKey, steps: dict[str, int],
-                 fail_first_dir: str | None):
-        self.releases, self.key, self.steps, self.fail_first_dir = releases, key, steps, fail_first_dir
+    def __init__(self, releases: dict[str, TableRelease], steps: dict[str, int], fail_first_dir: str | None):
+        self.releases, self.steps, self.fail_first_dir = releases, steps, fail_first_dir
 
     def start_bundle(self):
         self._ranges_seen: list[str] = []
 
-    def process(self, element):
+    def process(self, element, key: ReleaseKey):
         (name, start), parts = element
         release = self.releases[name]
         stop = min(start + self.steps[name], release.n_measured)
-        values = noisy_range(self.key, release, start, stop, *_sparse_parts(parts))
+        values = noisy_range(key, release, start, stop, *_sparse_parts(parts))
         self._ranges_seen.append(f"{name}-{start}")
         yield name, release.output_start(start), values
 
@@ -273,8 +270,9 @@ class AddNoise(beam.PTransform):
     ranges come from the public domain sizes, so every cell is released whether or not any record fell
     in it."""
 
-    def __init__(self, releases: dict[str, TableRelease], key: ReleaseKey, range_cells: int = NOISE_RANGE_CELLS,
+    def __init__(self, releases: dict[str, TableRelease], key, range_cells: int = NOISE_RANGE_CELLS,
                  steps: dict[str, int] | None = None):
+        """`key`: the bound release key, or a PCollection holding it (`key_argument`)."""
         super().__init__()
         self.releases, self.key, self.range_cells = dict(releases), key, range_cells
         self.steps = {name: (steps or {}).get(name) or release.range_length(range_cells)
@@ -283,7 +281,7 @@ class AddNoise(beam.PTransform):
         self.fail_first_dir = hook.removeprefix("noise:") if hook.startswith("noise:") else None
 
     @classmethod
-    def from_plan(cls, plan, key: ReleaseKey, names: Iterable[str] | None = None,
+    def from_plan(cls, plan, key, names: Iterable[str] | None = None,
                   range_cells: int = NOISE_RANGE_CELLS, steps: dict[str, int] | None = None) -> "AddNoise":
         """AddNoise for the plan's tables (or those in `names`), with their calibrated mechanisms; `steps`:
         measured entries per range by table, where not the default (ranges never change the noise)."""
@@ -292,7 +290,8 @@ class AddNoise(beam.PTransform):
 
     def expand(self, counts):
         return (counts | "Ranges" >> GroupRanges(self.releases, self.steps)
-                | "Noise" >> beam.ParDo(_NoiseRange(self.releases, self.key, self.steps, self.fail_first_dir)).with_output_types(Any))
+                | "Noise" >> beam.ParDo(_NoiseRange(self.releases, self.steps, self.fail_first_dir),
+                                        key_argument(self.key)).with_output_types(Any))
 
 
 class GroupRanges(beam.PTransform):

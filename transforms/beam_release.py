@@ -9,11 +9,15 @@
       -> post-processing      the release's consistency step, as `dprelease run` applies it
       -> (table name, pa.Table)  every published table (counts with `gls_variance`), means included
 
-Privacy: the noise is a pure function of the key bound to (dataset, release, plan fingerprint, input binding).
-By default each application of the transform draws a fresh key, never stored, bound to "beam-pipeline-input"
-(nothing can be re-run, nothing is reused); a key you pass must come with the input fingerprint it is bound
-to, and must never be applied to other data under the same release id. Post-processing touches
-noisy values only. Budget accounting, the manifest and `verify` belong to the launcher path
+Privacy: the noise is a pure function of the key bound to (dataset, release, plan fingerprint, "beam-pipeline-
+input"), and the key is drawn from the OS by one worker each time the pipeline runs (`ExecutionKey`: a Create of
+nothing, mapped to a fresh key, handed to the bounding and noise steps as a singleton side input). So no key is
+in the pipeline graph, a template or a pickled DoFn, and running one pipeline object twice, a template, or a
+scheduled job built once, draws independent noise every time: two outputs never share noise, so their
+difference is never the exact difference of two inputs. A runner keeps the side input as it keeps any data in
+flight (its shuffle or temporary storage): as private as the input. Nothing can be re-run for free, nothing is
+reused. Post-processing touches noisy values only. Budget accounting, the manifest and `verify` belong to the
+launcher path
 (`dprelease run --engine beam`, or `dprelease.Release.run`), which also post-processes per geographic unit
 in the workers; this transform gathers the noisy tables on one worker for post-processing, so it is for
 releases that fit one worker's memory (`max_cells`, default the embedded engine's cell limit, is checked
@@ -81,17 +85,30 @@ def _table_of_records(records: list[dict], columns: list[str]) -> pa.Table:
     return pa.table(arrays)
 
 
+def draw_execution_key(_, plan) -> ReleaseKey:
+    """A fresh key from the OS, bound to the plan's release: called by one worker when the pipeline runs."""
+    return _bound(plan, ReleaseKey.generate(), PIPELINE_INPUT)
+
+
+class ExecutionKey(beam.PTransform):
+    """pipeline -> a PCollection of one key, drawn when the pipeline runs (never when it is built)."""
+
+    def __init__(self, plan):
+        super().__init__()
+        self.plan = plan
+
+    def expand(self, pipeline):
+        return pipeline | "Nothing" >> beam.Create([None]) | "Draw" >> beam.Map(draw_execution_key, self.plan)
+
+
 class PublishedTables(beam.PTransform):
     """Records -> (table name, pa.Table) for every published table of a release spec (see the module's
     docstring for the steps and the privacy contract)."""
 
-    def __init__(self, plan, key: ReleaseKey | None = None, max_cells: int | None = None,
-                 input_fingerprint: str | None = None):
-        """`key`: None (the default) draws a fresh key, never stored, each time the transform is applied, so no
-        two applications (to the same or other data) share noise. A key you pass is bound here to the dataset,
-        release, plan and `input_fingerprint`, which must then be given: what `dprelease run` binds to the
-        input's keyed fingerprint (with it the tables equal the launcher's on the same files). Never apply a
-        passed key to other data under the same release id and fingerprint: the noise would be the same."""
+    def __init__(self, plan, max_cells: int | None = None):
+        """`plan`: the release's plan (`dprelease.Release.build_plan()`). The key is drawn per execution, so the
+        transform takes none: a release that must be reproducible, accounted and verified is run by the launcher
+        (`dprelease run --engine beam`)."""
         super().__init__()
         from dprelease.pipelines.limits import check_plan_limits
 
@@ -101,23 +118,19 @@ class PublishedTables(beam.PTransform):
 
             raise SpecError(f"queries {[s.query for s in plan.selections]}: `select: mst` chooses its tables from "
                             "the data before measuring them; run it with `dprelease run --engine embedded`")
-        if key is not None and not input_fingerprint:
-            raise ValueError("PublishedTables: a key you pass needs input_fingerprint (what it is bound to); "
-                             "pass no key for a fresh one per application")
         self.plan = plan
-        self.key = None if key is None else _bound(plan, key, input_fingerprint)
 
     @classmethod
-    def from_spec(cls, spec, key: ReleaseKey | None = None, max_cells: int | None = None) -> "PublishedTables":
+    def from_spec(cls, spec, max_cells: int | None = None) -> "PublishedTables":
         """From a spec file path or a `dprelease.Release`."""
         from dprelease.pipelines.api import Release
 
         release = spec if isinstance(spec, Release) else Release.from_yaml(spec)
-        return cls(release.build_plan(), key, max_cells)
+        return cls(release.build_plan(), max_cells)
 
     def expand(self, records):
         plan = self.plan
-        key = self.key or _bound(plan, ReleaseKey.generate(), PIPELINE_INPUT)  # fresh for this application
+        key = records.pipeline | "ExecutionKey" >> ExecutionKey(plan)
         columns = plan.input_columns()
         encoded = (records | "Batches" >> RecordsToBatches(columns)
                    | "Columns" >> beam.Map(_columns, columns)
@@ -129,11 +142,11 @@ class PublishedTables(beam.PTransform):
                 | "PostProcess" >> beam.FlatMap(_published_tables, plan))
 
 
-def _bound(plan, key: ReleaseKey, input_fingerprint: str) -> ReleaseKey:
+def _bound(plan, key: ReleaseKey, input_binding: str) -> ReleaseKey:
     from dprelease.pipelines.manifest import plan_fingerprint
 
     spec = plan.spec
-    return key.bind(spec.dataset_id, spec.release_id, plan_fingerprint(plan), input_fingerprint)
+    return key.bind(spec.dataset_id, spec.release_id, plan_fingerprint(plan), input_binding)
 
 
 def _columns(table: pa.Table, names: list[str]) -> pa.Table:

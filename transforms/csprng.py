@@ -37,13 +37,17 @@ class ReleaseKey:
         return cls(os.urandom(KEY_BYTES))
 
     @classmethod
-    def load(cls, path: Path) -> "ReleaseKey":
-        text = Path(path).read_text().strip()
+    def from_hex(cls, data: bytes) -> "ReleaseKey":
+        """A key from a key file's bytes (hex, as `save` writes it)."""
         try:
-            secret = bytes.fromhex(text)
-        except ValueError:
-            raise ValueError(f"key file {path}: expected {KEY_BYTES * 2} hex digits") from None
+            secret = bytes.fromhex(data.decode("ascii").strip())
+        except (ValueError, UnicodeDecodeError):
+            raise ValueError(f"expected {KEY_BYTES * 2} hex digits") from None
         return cls(secret)
+
+    @classmethod
+    def load(cls, path: Path) -> "ReleaseKey":
+        return cls.from_hex(Path(path).read_bytes())
 
     def save(self, path: Path) -> None:
         """Write the key as hex to a new file readable by its owner only (never overwrites)."""

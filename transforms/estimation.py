@@ -39,7 +39,7 @@ class CountTable:
 
     @property
     def n_cells(self) -> int:
-        return int(np.prod([d.size for d in self.dims])) if self.dims else 1
+        return math.prod(map(int, [d.size for d in self.dims])) if self.dims else 1
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def linked_pairs(tables: list[CountTable], geographies: dict[str, GeographyDomai
 def projection_size(target: Coarsening, table: CountTable, geographies: dict[str, GeographyDomain]) -> int:
     sizes = {d.column: d.size for d in table.dims}
     geo = [len(geographies[c].labels(level)) for c, level in target.geography]
-    return int(np.prod(geo + [sizes[a] for a in target.attributes]))
+    return math.prod(map(int, geo + [sizes[a] for a in target.attributes]))
 
 
 def _joined(i: int, j: int, common: Coarsening, adjacent: dict[int, list[tuple[int, Coarsening]]],
@@ -238,7 +238,7 @@ def gls_variances(tables: list[CountTable], geographies: dict[str, GeographyDoma
             result.append(total.copy() if geo and level != NATION else np.full(t.n_cells, float(total[0])))
             continue
         internal, block_total = blocks[level][0][t.name], blocks[level][1]
-        per_unit = int(np.prod([d.size for d in attributes]))
+        per_unit = math.prod(map(int, [d.size for d in attributes]))
         unit_variance = internal - (block_total - total) / per_unit ** 2
         unit_of_cell = _unit_of_cell(t, geographies)
         result.append(np.maximum(unit_variance[unit_of_cell], 0.0))

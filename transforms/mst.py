@@ -75,7 +75,7 @@ class CliqueEstimate:
 
     def cells(self, start: int, stop: int) -> np.ndarray:
         """The rounded estimate of the table's cells [start, stop) (int64), cell by cell."""
-        width = int(np.prod(self.sizes, dtype=np.int64))
+        width = math.prod(map(int, self.sizes))
         unit, rest = np.divmod(np.arange(start, stop, dtype=np.int64), width)
         digits = np.unravel_index(rest, self.sizes)
         separator_cell = np.zeros(rest.size, dtype=np.int64)

@@ -77,13 +77,15 @@ class Engine(ABC):
 
     def workers_share_driver_disk(self) -> bool:
         """Whether the workers write where the driver's local disk is (one machine): a release published to an
-        object store is staged there first (`pipelines.remote`)."""
+        object store is staged there first (`pipelines.storage.objects`)."""
         return True
 
-    def release_parts(self, plan: Plan, source: InputSource, key: ReleaseKey, staging: Path, layout: "Layout",
-                      progress: ProgressHook = no_progress) -> tuple[list[dict], dict]:
+    def release_parts(self, plan: Plan, source: InputSource, key: ReleaseKey, staging: Path, staging_token: str,
+                      layout: "Layout", progress: ProgressHook = no_progress) -> tuple[list[dict], dict]:
         """Noise, post-processing and every table part written into `staging` by the workers
-        (`pipelines.dataflow`); returns (file entries, variance summaries), all the driver receives.
+        (`pipelines.dataflow`), each worker first checking that the directory holds `staging_token` (it is the
+        driver's, so nothing is written where the driver could not check and remove it); returns (file
+        entries, variance summaries), all the driver receives.
 
         Privacy: the same bytes as the embedded engine's release: noise(key, table, cell) on the bounded
         counts, then post-processing of the noisy values only."""

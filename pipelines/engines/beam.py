@@ -273,8 +273,8 @@ class BeamEngine(Engine):
         from dprelease.transforms.beam import BoundContributions, EncodeRecords, ReadInputBatches
 
         encoded = (pipeline
-                   | "InputFiles" >> beam.Create(source.files())
-                   | "Read" >> ReadInputBatches(source.columns, source.format, source.location)
+                   | "InputFiles" >> beam.Create(source.read_tasks(self.workers))
+                   | "Read" >> ReadInputBatches(source.reader())
                    | "Encode" >> EncodeRecords.from_plan(plan))
         if source.unit_column:
             shards = max(self.workers * SHARDS_PER_WORKER, -(-source.estimated_rows() // 1_000_000))
@@ -318,7 +318,7 @@ class BeamEngine(Engine):
         progress("select", 2, 2)
         return checked_scores(scores, scorer.expected_ranges(), "the Beam selection pipeline")
 
-    def release_parts(self, plan: Plan, source: InputSource, key: ReleaseKey, staging, layout,
+    def release_parts(self, plan: Plan, source: InputSource, key: ReleaseKey, staging, staging_token: str, layout,
                       progress: ProgressHook = no_progress):
         """The whole release after the input, in the Beam workers: noise, post-processing stage by stage,
         every table part written into `staging` (a directory every worker reaches); each group's file
@@ -326,7 +326,7 @@ class BeamEngine(Engine):
         from ..dataflow import Flow, range_length, results, run_token
 
         flow = Flow(plan, layout, str(staging))
-        token = run_token(plan, layout, staging)
+        token = run_token(plan, layout, staging, staging_token)
         steps = {t.name: range_length(flow, i) for i, t in enumerate(plan.tables)}
 
         def build(pipeline, directory: str) -> None:
@@ -371,8 +371,8 @@ class BeamEngine(Engine):
 
         def build(pipeline, directory: str) -> None:
             (pipeline
-             | "InputFiles" >> beam.Create(source.files())
-             | "Read" >> ReadInputBatches(source.columns, source.format, source.location)
+             | "InputFiles" >> beam.Create(source.read_tasks(self.workers))
+             | "Read" >> ReadInputBatches(source.reader())
              | "Validate" >> ValidateBatches(expectations, plan, f"{directory}/validation.json"))
 
         def read(directory: str) -> ValidationOutcome:

@@ -95,6 +95,18 @@ def _encode_bound_count_function(plan: Plan, unit: str | None, subkey: bytes, st
     return encode_bound_count
 
 
+def _read_function(reader, tasks: list, schema: pa.Schema):
+    """Per partition of task numbers: the records of those read tasks (`source.FileReader`), cast to `schema`
+    (dictionary columns as their values, as Spark holds them)."""
+    def read(batches):
+        for batch in batches:
+            for index in batch.column("task").to_pylist():
+                for records in reader.batches(tasks[index]):
+                    yield from pa.Table.from_batches([records]).cast(schema).to_batches()
+
+    return read
+
+
 def _fails_first_attempt(stage: str = "noise") -> bool:
     """Test hook, read on the driver (executors do not see its environment): fail the first attempt of each
     task of `stage` ('noise' or 'groups')."""
@@ -221,12 +233,6 @@ def _shuffle_partitions(spark, groups: int) -> int:
     return max(1, min(groups, 4 * spark.sparkContext.defaultParallelism))
 
 
-def _hadoop_uri(path: str) -> str:
-    """An input URI as Spark's Hadoop filesystems name it: pyarrow's s3:// is Hadoop's s3a:// (the S3A connector,
-    `hadoop-aws` on the classpath); hdfs://, gs:// (the GCS connector) and local paths are the same."""
-    return "s3a://" + path[len("s3://"):] if path.startswith("s3://") else path
-
-
 ARROW_SETTINGS = {"spark.sql.execution.arrow.pyspark.enabled": "true",
                   "spark.sql.execution.arrow.maxRecordsPerBatch": str(ARROW_BATCH_ROWS)}
 """Session settings the jobs need (runtime SQL settings: set on a caller's session for the job, then restored)."""
@@ -325,15 +331,17 @@ class SparkEngine(Engine):
             raise InputSchemaError(problems)
 
     def _read(self, spark, source: InputSource):
-        files = [_hadoop_uri(f) for f in source.files()]
-        if source.format == "parquet":
-            from pyspark.sql.pandas.types import from_arrow_schema
+        """The input's records as a DataFrame, read by the executors through pyarrow (`source.FileReader`: local
+        paths, or any store pyarrow's filesystems reach, with no Hadoop connector): one task per file or range
+        of row groups, each parsing a private copy of the bytes the key is bound to."""
+        from pyspark.sql.pandas.types import from_arrow_schema
 
-            plain = _plain_schema(source.dataset.schema, source.columns)
-            frame = spark.read.schema(from_arrow_schema(plain)).parquet(*files)
-        else:
-            frame = spark.read.csv(files, header=True, inferSchema=False, mode="DROPMALFORMED")
-        return frame.select(*source.columns)
+        plain = _plain_schema(source.dataset.schema, source.columns) if source.format == "parquet" else \
+            pa.schema([pa.field(c, pa.string()) for c in source.columns])
+        tasks = source.read_tasks(spark.sparkContext.defaultParallelism)
+        listed = spark.createDataFrame([(i,) for i in range(len(tasks))], "task int").repartition(len(tasks), "task")
+        return listed.mapInArrow(_read_function(source.reader(), tasks, plain),
+                                 from_arrow_schema(plain)).select(*source.columns)
 
     def validate_input(self, plan: Plan, source: InputSource, runner):
         """The value-level expectations on a Spark DataFrame, columns in the form the encoder reads
@@ -481,8 +489,8 @@ class SparkEngine(Engine):
                 .repartition(min(partitions, len(ranges)), "table_id", "range_id")
                 .groupBy("table_id", "range_id"))
 
-    def release_parts(self, plan: Plan, source: InputSource, key: ReleaseKey, staging: Path, layout,
-                      progress: ProgressHook = no_progress):
+    def release_parts(self, plan: Plan, source: InputSource, key: ReleaseKey, staging: Path, staging_token: str,
+                      layout, progress: ProgressHook = no_progress):
         """The whole release after the input, in executors: noise, then each post-processing stage (a
         shuffle by group key, a kernel per group: `pipelines.dataflow`), every table part written into
         `staging` (a directory the executors reach). The driver receives the file entries and variance
@@ -492,7 +500,7 @@ class SparkEngine(Engine):
         from ..dataflow import (FILES, SPARK_SCHEMA, Flow, from_table, results, run_token, stage_groups, stage_order,
                                 stage_sources)
 
-        token = run_token(plan, layout, staging)
+        token = run_token(plan, layout, staging, staging_token)
         flow = Flow(plan, layout, str(staging))
         with self._job() as spark:
             tree = spark.sparkContext.broadcast(flow.tree)

@@ -10,6 +10,7 @@ range of the level below.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,7 +53,7 @@ def _joint_cells(level, tables) -> int:
     for name in tables:
         block = level.table(name)
         sizes.update(zip(block.attributes, block.shape))
-    return int(np.prod(list(sizes.values()))) if sizes else 1
+    return math.prod(map(int, list(sizes.values()))) if sizes else 1
 
 
 def transitions(tree: UnitTree, budget: int = GROUP_WORK) -> list[Transition]:  # noqa: B008

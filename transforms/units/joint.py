@@ -17,6 +17,7 @@ Post-processing: noisy tables, their public variances and public totals only.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,10 +56,10 @@ class JointShape:
 
     @property
     def cells(self) -> int:
-        return int(np.prod(self.sizes))
+        return math.prod(map(int, self.sizes))
 
     def table_cells(self, table: JointTable) -> int:
-        return int(np.prod([self.sizes[a] for a in table.axes]))
+        return math.prod(map(int, [self.sizes[a] for a in table.axes]))
 
     def groups(self) -> list[tuple[tuple[int, ...], list[int]]]:
         """Tables grouped under shared intermediate margins: [(kept axes, table indices)]. Greedily, while
@@ -108,7 +109,7 @@ def _broadcast(values: np.ndarray, shape: JointShape, table: JointTable) -> np.n
 
 def _chunk_rows(rows: np.ndarray, dims: tuple[int, ...], width: int) -> np.ndarray:
     """Units' rows (units x cells, at most `width` units) as a unit-minor chunk (dims..., width), zero padded."""
-    out = np.zeros((int(np.prod(dims)) if dims else 1, width))
+    out = np.zeros((math.prod(map(int, dims)) if dims else 1, width))
     out[:, :rows.shape[0]] = rows.T
     return out.reshape(tuple(dims) + (width,))
 

@@ -5,6 +5,7 @@ Public: built from the plan alone (tables, domains, variances), identically on e
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,7 +33,7 @@ class UnitTable:
 
     @property
     def n_cells(self) -> int:
-        return int(np.prod([d.size for d in self.dims])) if self.dims else 1
+        return math.prod(map(int, [d.size for d in self.dims])) if self.dims else 1
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class BlockTable:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape)) if self.shape else 1
+        return math.prod(map(int, self.shape)) if self.shape else 1
 
 
 @dataclass
@@ -167,7 +168,7 @@ def decompose(tables: list[UnitTable], geographies: dict[str, GeographyDomain], 
     attribute_sets = [{d.column for d in _attributes(t, geographies)} for t in tables]
     copy_names = sorted(set.intersection(*attribute_sets)) if attribute_sets else []
     copy_sizes = {d.column: d.size for t in tables for d in _attributes(t, geographies)}
-    copies = int(np.prod([copy_sizes[c] for c in copy_names])) if copy_names else 1
+    copies = math.prod(map(int, [copy_sizes[c] for c in copy_names])) if copy_names else 1
     names = _tree_levels(tables, geographies, geo)
     levels = []
     for index, name in enumerate(names):
@@ -189,7 +190,7 @@ def _build_level(index: int, name: str, units: int, parent, tables: list[UnitTab
         attributes = _attributes(t, geographies)
         shape = tuple(d.size for d in attributes)
         blocks.append(BlockTable(t, offset, shape, tuple(d.column for d in attributes)))
-        offset += int(np.prod([float(s) for s in shape])) if shape else 1
+        offset += math.prod(map(int, shape)) if shape else 1
     if offset > MAX_BLOCK_CELLS:
         raise ValueError(f"the tables at level {name} hold {offset:,} cells per unit, over {MAX_BLOCK_CELLS:,}")
     level = Level(index, name, units, parent, tuple(blocks), offset, copies,

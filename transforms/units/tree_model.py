@@ -14,6 +14,7 @@ Post-processing: published tables and a public seed only.
 """
 from __future__ import annotations
 
+import math
 import numpy as np
 
 from ..segments import project_segments, round_segments
@@ -143,7 +144,7 @@ def junction_tables(unit_totals: np.ndarray, root: str, root_table: np.ndarray, 
     fitted: list[tuple[tuple[str, ...], np.ndarray]] = []
     for i, (separator, child, table) in enumerate(steps):
         rows = np.asarray(table, dtype=np.float64)
-        separator_cells, child_size = int(np.prod(rows.shape[1:-1])), rows.shape[-1]
+        separator_cells, child_size = math.prod(map(int, rows.shape[1:-1])), rows.shape[-1]
         flat = rows.reshape(units * separator_cells, child_size)
         if margins is not None:
             flat = shrunk_rows(flat, np.repeat(margins[child], separator_cells, axis=0), variances[i])
@@ -170,7 +171,7 @@ def sample_junction(unit_totals: np.ndarray, root: str, root_table: np.ndarray, 
         group = unit
         for attribute, size in zip(separator, dealt.shape[1:-1]):
             group = group * size + codes[attribute]
-        separator_cells, child_size = int(np.prod(dealt.shape[1:-1])), dealt.shape[-1]
+        separator_cells, child_size = math.prod(map(int, dealt.shape[1:-1])), dealt.shape[-1]
         order = np.lexsort((rng.random(group.size), group))
         child_codes = np.empty(group.size, dtype=np.int64)
         child_codes[order] = np.repeat(np.tile(np.arange(child_size), units * separator_cells), dealt.ravel())

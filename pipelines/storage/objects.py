@@ -26,10 +26,14 @@ import pyarrow.fs as pafs
 
 from dprelease.accounting.errors import DPReleaseError, SpecError
 
-from .outputs import MANIFEST
-from .safe_files import safe_relative
-from .storage import Store, is_uri, open_store
-from .verify import MAX_MANIFEST_BYTES
+from dprelease.accounting.redact import shown
+
+from .local import safe_relative
+from .targets import MANIFEST
+from .uris import Store, is_uri, open_store
+
+MAX_MANIFEST_BYTES = 64 << 20
+"""Largest manifest read (verify's bound too)."""
 
 UNLISTED_READ = 1 << 20
 """Bytes read of an object the manifest does not list (enough for verify to name it as unlisted)."""
@@ -58,14 +62,46 @@ class RemoteRelease:
         return info.type == pafs.FileType.File
 
     def objects(self) -> dict[str, int]:
-        """Every object under the release's prefix: relative path -> size."""
-        selector = pafs.FileSelector(self.path, recursive=True, allow_not_found=True)
-        infos = self.store.filesystem.get_file_info(selector)
-        return {info.path[len(self.path) + 1:]: info.size for info in infos if info.type == pafs.FileType.File}
+        """Every object under the release's prefix with a plain name: relative path -> size (`listing`)."""
+        return self.listing().files
+
+    def listing(self) -> "Listing":
+        """Every object under the release's prefix (`list_prefix`)."""
+        return list_prefix(self.store, self.path)
+
+
+@dataclass(frozen=True)
+class Listing:
+    """The objects under a prefix: `files`, those with a plain relative name (relative path -> size), and `odd`,
+    the names of the others (`..`, `.` or empty components, a backslash, or an object that is also the prefix of
+    other objects), which a store normalises into other names: never read, written over or removed as if they
+    were the names they look like."""
+
+    files: dict[str, int]
+    odd: list[str]
+
+
+def list_prefix(store: Store, path: str) -> Listing:
+    """Every object below `path` (a prefix; the objects `path/...`), each shown to lie under it with a plain,
+    distinct name, or set aside as odd (see `Listing`)."""
+    selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
+    infos = store.filesystem.get_file_info(selector)
+    named = sorted((info.path, info.size) for info in infos if info.type == pafs.FileType.File)
+    files, odd = {}, []
+    names = [name for name, _ in named]
+    for i, (name, size) in enumerate(named):
+        relative = name[len(path) + 1:] if name.startswith(path + "/") else None
+        prefix_of_next = i + 1 < len(names) and names[i + 1].startswith(name + "/")
+        repeated = (i > 0 and names[i - 1] == name) or (i + 1 < len(names) and names[i + 1] == name)
+        if relative is None or safe_relative(relative) is None or prefix_of_next or repeated:
+            odd.append(name[len(path) + 1:] if name.startswith(path + "/") else name)
+        else:
+            files[relative] = size
+    return Listing(files, odd)
 
 
 def open_release(uri: str, field: str) -> RemoteRelease:
-    """The release at `uri` (SpecError, exit 2, for a URI the storage rules refuse)."""
+    """The release at `uri` (SpecError, exit 2, for a URI the storage rules refuse, a path with `..` among them)."""
     store, path = open_store(uri, field)
     return RemoteRelease(store, path.rstrip("/"), uri.split("?", 1)[1] if "?" in uri else "")
 
@@ -78,22 +114,45 @@ def release_under(root_uri: str, release_id: str, field: str) -> RemoteRelease:
 
 def check_remote_target(release: RemoteRelease, overwrite: bool) -> None:
     """Refuse to publish where the store holds anything under the release's prefix (a release, the leftovers of
-    a failed upload, or other objects) without `overwrite`, as a local run refuses an existing directory."""
+    a failed upload, or other objects) without `overwrite`, as a local run refuses an existing directory; and
+    always where it holds an object with an odd name (`Listing`): removing it would remove another object (a
+    store normalises `a/../b` to `b`), so it is named for its owner to remove. Also refused: a release prefix
+    inside another published release (a manifest at any prefix above it)."""
     try:
-        held = release.objects()
+        listing = release.listing()
+        holder = _release_above(release)
     except (pa.ArrowException, OSError) as error:
-        raise SpecError(f"output: {release.uri}: cannot be reached ({type(error).__name__})") from None
+        raise SpecError(f"output: {shown(release.uri)}: cannot be reached ({type(error).__name__})") from None
+    if holder is not None:
+        raise SpecError(f"output: {shown(release.uri)} lies inside the published release {shown(holder)}; "
+                        "publish beside it, never into it")
+    if listing.odd:
+        names = ", ".join(repr(shown(n)) for n in listing.odd[:5])
+        raise SpecError(f"output: {shown(release.uri)} holds object(s) whose names are not plain ({names}); a "
+                        "store reads them as other names, so nothing is written or removed there: remove them")
+    held = listing.files
     if held and not overwrite:
         what = "a release" if MANIFEST in held else f"{len(held)} object(s) but no manifest (a failed upload?)"
-        raise SpecError(f"output: {release.uri.split('?', 1)[0]} already holds {what}; pass --overwrite to "
-                        "replace it")
+        raise SpecError(f"output: {shown(release.uri)} already holds {what}; pass --overwrite to replace it")
+
+
+def _release_above(release: RemoteRelease) -> str | None:
+    """The URI of a published release whose prefix holds `release`'s (a manifest at a prefix above it)."""
+    parts = release.path.split("/")
+    first = 1 if release.store.holds_objects else 0  # the bucket itself holds no manifest of ours
+    for end in range(len(parts) - 1, first, -1):
+        above = "/".join(parts[:end])
+        info = release.store.filesystem.get_file_info(f"{above}/{MANIFEST}")
+        if info.type == pafs.FileType.File:
+            return release.store.uri(above)
+    return None
 
 
 def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool) -> None:
     """Publish the staged release at `local_dir` to the store: with `overwrite`, what the prefix holds is removed
     first (a manifest first, so it stops being a release); then every file is copied, the manifest last: a
     reader never sees a manifest whose files are not all there."""
-    check_remote_target(release, overwrite)
+    check_remote_target(release, overwrite)  # no odd names: every object removed is the one listed
     filesystem = release.store.filesystem
     old = release.objects()
     if MANIFEST in old:
@@ -148,21 +207,31 @@ def _listed_sizes(manifest_bytes: bytes) -> dict[str, int]:
     return sizes
 
 
+@dataclass(frozen=True)
+class LocalCopy:
+    """A release downloaded from a store: `path`, the private local copy, and `odd`, the names of objects under
+    its prefix that could not be copied as themselves (`Listing`): each one a mismatch for verify."""
+
+    path: Path
+    odd: tuple[str, ...] = ()
+
+
 @contextlib.contextmanager
-def downloaded(uri: str, field: str = "RELEASE") -> Iterator[Path]:
+def downloaded(uri: str, field: str = "RELEASE") -> Iterator[LocalCopy]:
     """A local, private copy of the release at `uri`, removed afterwards. Each object is read at most to the
     smaller of its size and its listed size plus one byte (so a longer object is a mismatch, not a long read);
     unlisted objects to UNLISTED_READ bytes, the first MAX_UNLISTED_OBJECTS of them (the rest named by empty
-    files); names that would leave the copy, or that a store cannot open, are skipped (verify reports listed
-    ones missing); an object that cannot be read is left out the same way."""
+    files); objects with odd names are never read and are named in `odd`; an object that cannot be read is left
+    out (verify reports a listed one missing)."""
     release = open_release(uri, field)
-    shown = uri.split("?", 1)[0]
+    where = shown(uri)
     try:
-        objects = release.objects()
+        listing = release.listing()
     except (pa.ArrowException, OSError) as error:
-        raise DPReleaseError(f"{field} = {shown!r}: cannot be listed ({type(error).__name__})") from None
+        raise DPReleaseError(f"{field} = {where!r}: cannot be listed ({type(error).__name__})") from None
+    objects = listing.files
     if MANIFEST not in objects:
-        raise DPReleaseError(f"{field} = {shown!r}: no {MANIFEST} there: not a published release")
+        raise DPReleaseError(f"{field} = {where!r}: no {MANIFEST} there: not a published release")
     holder = Path(tempfile.mkdtemp(prefix="dprelease-download-"))
     try:
         copy = holder / PurePosixPath(release.path).name
@@ -170,13 +239,13 @@ def downloaded(uri: str, field: str = "RELEASE") -> Iterator[Path]:
         try:
             manifest_bytes = _read_bounded(release, MANIFEST, MAX_MANIFEST_BYTES + 1)
         except (pa.ArrowException, OSError) as error:
-            raise DPReleaseError(f"{field} = {shown!r}: {MANIFEST} cannot be read ({type(error).__name__})") \
+            raise DPReleaseError(f"{field} = {where!r}: {MANIFEST} cannot be read ({type(error).__name__})") \
                 from None
         (copy / MANIFEST).write_bytes(manifest_bytes)
         listed = _listed_sizes(manifest_bytes)
         unlisted = 0
         for relative, size in sorted(objects.items()):
-            if relative == MANIFEST or safe_relative(relative) is None:  # would leave the copy, or unopenable
+            if relative == MANIFEST:
                 continue
             target = copy / relative
             if relative in listed:
@@ -187,10 +256,10 @@ def downloaded(uri: str, field: str = "RELEASE") -> Iterator[Path]:
             try:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 _copy_bounded(release, relative, limit, target)
-            except (pa.ArrowException, OSError):  # unreadable, or an object that is also a prefix
+            except (pa.ArrowException, OSError):  # unreadable
                 with contextlib.suppress(OSError):
                     target.unlink(missing_ok=True)
-        yield copy
+        yield LocalCopy(copy, tuple(listing.odd))
     finally:
         shutil.rmtree(holder, ignore_errors=True)
 
@@ -207,5 +276,5 @@ def read_manifest_bytes(uri: str) -> bytes | None:
     return data if len(data) <= MAX_MANIFEST_BYTES else None
 
 
-__all__ = ["RemoteRelease", "check_remote_target", "downloaded", "is_uri", "open_release", "read_manifest_bytes",
-           "release_under", "upload_release"]
+__all__ = ["Listing", "LocalCopy", "RemoteRelease", "check_remote_target", "downloaded", "is_uri", "list_prefix",
+           "open_release", "read_manifest_bytes", "release_under", "upload_release"]

@@ -1,4 +1,8 @@
-"""Reading files of a release directory that anyone may have written: only regular files inside it.
+"""Local files, read and written through one set of guards: only regular files inside a root, links never
+followed below it, reads bounded, private directories and files owner-only (and never made so by a chmod of
+something that already existed).
+
+Reading files of a release directory that anyone may have written: only regular files inside it.
 
 A published release is untrusted input for `verify`, `report`, `synthesize` and `ledger reconcile`: a
 manifest may name any path, a file may be a symbolic link (to the password database), a FIFO (a read
@@ -13,6 +17,10 @@ import os
 import stat
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
+
+
+from dprelease.accounting.errors import SpecError
+from dprelease.accounting.redact import shown
 
 
 class UnsafeFile(Exception):
@@ -151,3 +159,72 @@ def inside(root: Path, relative: str) -> Path:
     if not joined.resolve().is_relative_to(Path(root).resolve()):
         raise ValueError(f"{relative!r}: leaves {root}")
     return joined
+
+
+def read_named(path: Path | str, limit: int, field: str) -> bytes:
+    """The bytes of a file a user named (a spec, a key, a public or private signing key): opened without
+    blocking (a FIFO returns at once) and read only when it is a regular file of at most `limit` bytes, so a
+    FIFO, a device (/dev/zero) or a huge file is a SpecError (exit 2) naming `field`, never a hang or a read
+    that exhausts memory. A link the user named is followed (they named it), to a regular file only."""
+    if not isinstance(path, (str, Path)) or not str(path) or "\0" in str(path):
+        raise SpecError(f"{field} = {shown(path)!r}: a path to a file")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as error:
+        raise SpecError(f"{field} = {shown(path)!r}: cannot be read ({error.strerror})") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise SpecError(f"{field} = {shown(path)!r}: not a regular file (a FIFO, a device or a directory)")
+    os.set_blocking(fd, True)
+    with os.fdopen(fd, "rb") as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise SpecError(f"{field} = {shown(path)!r}: too large; at most {limit:,} bytes")
+    return data
+
+
+def private_directory(path: Path | str, field: str) -> Path:
+    """A directory for confidential files (validation reports, reconstruction results, failure details): a new
+    one is created owner-only (0700); an existing one must be a real directory (not a link), owned by this user
+    and already private. It is never made private by changing the mode of something that exists (which could
+    be someone else's directory reached through a link). Never inside a release. SpecError (exit 2) otherwise."""
+    from .targets import release_holding
+
+    path = Path(path)
+    holder = release_holding(path.parent.resolve() / path.name)
+    if holder is not None:
+        raise SpecError(f"{field} = {shown(path)!r}: inside the release {shown(holder)}; confidential files never "
+                        "go into a release")
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            return private_directory(path, field)
+        except OSError as error:
+            raise SpecError(f"{field} = {shown(path)!r}: cannot be created ({error.strerror})") from None
+        os.chmod(path, 0o700)  # the directory just made (umask may have narrowed it, never widened)
+        return path
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise SpecError(f"{field} = {shown(path)!r}: exists and is not a directory (or is a symbolic link); name "
+                        "a private directory of yours or a new one")
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise SpecError(f"{field} = {shown(path)!r}: exists with mode {stat.S_IMODE(info.st_mode):04o} (owner uid "
+                        f"{info.st_uid}); a directory for confidential files must be yours and private: name a new "
+                        f"one, or chmod 700 it yourself")
+    return path
+
+
+def write_private(path: Path, data: bytes | str, overwrite: bool = True) -> Path:
+    """Write a file readable by its owner only (0600, also when it existed before with a wider mode), never
+    through a link: what it holds is confidential (counts, sample values, tracebacks that may quote values).
+    Without `overwrite` an existing file is refused (FileExistsError)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if overwrite else os.O_EXCL)
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data.encode("utf-8") if isinstance(data, str) else data)
+    return Path(path)

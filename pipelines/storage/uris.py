@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from dprelease.accounting.errors import SpecError
+from dprelease.accounting.redact import shown
 
 URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 PUBLIC_OPTIONS = {
@@ -51,7 +52,7 @@ def local_path(text: str) -> str:
         return text
     parts = urlsplit(text)
     if parts.netloc not in ("", "localhost") or parts.query:
-        raise SpecError(f"input.path = {_shown(text)!r}: a file:// URI names a local path (file:///path), "
+        raise SpecError(f"input.path = {shown(text)!r}: a file:// URI names a local path (file:///path), "
                         "without host or options")
     return unquote(parts.path)
 
@@ -82,7 +83,7 @@ def open_store(uri: str, field: str) -> tuple[Store, str]:
     parts = urlsplit(uri)
     scheme = parts.scheme.lower()
     if scheme not in PUBLIC_OPTIONS:
-        raise SpecError(f"{field} = {_shown(uri)!r}: allowed: a local path, or an s3://, gs:// or hdfs:// URI")
+        raise SpecError(f"{field} = {shown(uri)!r}: allowed: a local path, or an s3://, gs:// or hdfs:// URI")
     unknown = sorted({name for name, _ in parse_qsl(parts.query, keep_blank_values=True)} - PUBLIC_OPTIONS[scheme])
     if unknown or parts.password or (parts.username and parts.username != "anonymous"):
         what = f"options {unknown}" if unknown else "user info"
@@ -92,67 +93,59 @@ def open_store(uri: str, field: str) -> tuple[Store, str]:
     try:
         filesystem, path = pafs.FileSystem.from_uri(uri)
     except (pa.ArrowException, OSError, ValueError) as error:
-        raise SpecError(f"{field} = {_shown(uri)!r}: cannot be opened ({type(error).__name__}: no installed "
+        raise SpecError(f"{field} = {shown(uri)!r}: cannot be opened ({type(error).__name__}: no installed "
                         "filesystem reads it, or its store cannot be reached)") from None
+    if not plain_store_path(path):
+        raise SpecError(f"{field} = {shown(uri)!r}: the path {shown(path)!r} is not plain (no '..', '.' or empty "
+                        "components): a store reads such a name as another one")
     bucket_first = scheme in ("s3", "gs", "gcs")  # their paths start with the bucket
     return Store(filesystem, f"{scheme}://" if bucket_first else f"{scheme}://{parts.netloc}"), path
 
 
-def _shown(uri: str) -> str:
-    """A URI without its query (connection settings) for messages."""
-    return uri.split("?", 1)[0]
+def plain_store_path(path: str) -> bool:
+    """Whether a store path (bucket/prefix..., a trailing '/' allowed) has only plain components."""
+    from .local import safe_relative
+
+    trimmed = path.rstrip("/")
+    return bool(trimmed) and safe_relative(trimmed.lstrip("/")) is not None
 
 
 def file_info(store: Store, path: str, field: str) -> pafs.FileInfo:
     try:
         info = store.filesystem.get_file_info(path)
     except (pa.ArrowException, OSError) as error:
-        raise SpecError(f"{field} = {store.uri(path)!r}: cannot be read ({type(error).__name__})") from None
+        raise SpecError(f"{field} = {shown(store.uri(path))!r}: cannot be read ({type(error).__name__})") from None
     if info.type == pafs.FileType.NotFound:
-        raise SpecError(f"{field} = {store.uri(path)!r}: no such file or directory")
+        raise SpecError(f"{field} = {shown(store.uri(path))!r}: no such file or directory")
     return info
 
 
 def list_files(store: Store, path: str, field: str) -> list[str]:
-    """Every file at or below `path` in the store, sorted (object stores have no links: each object once). An
-    object that is also a prefix of other objects is refused (which one was meant cannot be told)."""
+    """Every file at or below `path` in the store, sorted, each shown to lie below `path` under a plain name that
+    no other listed object shares once normalised (object stores have no links, but a key such as
+    `in/../in/a.parquet` is read by the store as `in/a.parquet`, a second time, and `in6/../in/a.parquet` is
+    outside `in6/`). An odd name, or an object that is also the prefix of other objects (which one was meant
+    cannot be told), is a SpecError naming it (exit 2), before anything is read."""
+    from .objects import list_prefix
+
     path = path.rstrip("/")
     info = file_info(store, path, field)
+    if info.type == pafs.FileType.File and not store.holds_objects:
+        return [info.path]
     try:
-        below = store.filesystem.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)) \
-            if info.type == pafs.FileType.Directory or store.holds_objects else []
+        listing = list_prefix(store, path)
     except (pa.ArrowException, OSError):
-        below = []  # a plain object: nothing below it
-    files = sorted(f.path for f in below if f.type == pafs.FileType.File)
+        listing = None  # a plain object: nothing below it
+    if listing is not None and listing.odd:
+        names = ", ".join(repr(shown(n)) for n in listing.odd[:5])
+        raise SpecError(f"{field} = {shown(store.uri(path))!r}: holds object(s) whose names are not plain or are "
+                        f"also prefixes of other objects ({names}{', ...' if len(listing.odd) > 5 else ''}); a "
+                        "store reads such a name as another one (the same records twice, or records outside the "
+                        "prefix): remove or rename them")
+    files = sorted(f"{path}/{relative}" for relative in (listing.files if listing else {}))
     if info.type == pafs.FileType.File:
         if files:
-            raise SpecError(f"{field} = {store.uri(path)!r}: is an object and the prefix of {len(files)} other "
-                            "objects; name one of them or remove the ambiguity")
+            raise SpecError(f"{field} = {shown(store.uri(path))!r}: is an object and the prefix of {len(files)} "
+                            "other objects; name one of them or remove the ambiguity")
         return [info.path]
     return files
-
-
-def content_tag(store: Store, path: str) -> bytes | None:
-    """The store's checksum of an object, without reading it, where the store gives one: S3's ETag (a HEAD
-    request). Used only to notice a change (`stamps`), never to identify content: an ETag is an MD5, and MD5
-    collisions are cheap (the fingerprint reads the bytes: `source._file_chunks`). None elsewhere."""
-    if not isinstance(store.filesystem, pafs.S3FileSystem):
-        return None
-    try:
-        with store.filesystem.open_input_file(store.path(path)) as handle:
-            metadata = dict(handle.metadata())
-    except (pa.ArrowException, OSError):
-        return None
-    tag = metadata.get("ETag") or metadata.get(b"ETag")
-    return (tag.encode() if isinstance(tag, str) else bytes(tag)) if tag else None
-
-
-def stamps(store: Store, paths: list[str]) -> list[tuple]:
-    """(path, size, modification time, checksum) of each file: taken before the fingerprint and after the
-    engine's read, so that a file changed in between (same key, other bytes) aborts the run before anything is
-    published. S3 keeps modification times to the second; its ETag tells most writes within one second apart
-    (not a change undone within the same second, nor an MD5 collision: the engine's read is bracketed, not
-    hashed)."""
-    infos = store.filesystem.get_file_info([store.path(p) for p in paths])
-    return [(p, i.size if i.type == pafs.FileType.File else None, i.mtime_ns,
-             content_tag(store, p) if i.type == pafs.FileType.File else None) for p, i in zip(paths, infos)]

@@ -12,7 +12,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dprelease.accounting.errors import SpecError
+from dprelease.accounting.errors import SpecError, VerificationError
 from dprelease.accounting.redact import shown
 
 from . import arguments
@@ -36,6 +36,14 @@ def local_release(location: object, field: str = "RELEASE") -> Iterator[LocalCop
 def _odd_objects(copy: LocalCopy) -> list[str]:
     return [f"object {shown(name)!r} under the release's prefix: not a plain name (a store reads it as another "
             "name); a release holds only its listed files" for name in copy.odd]
+
+
+def _verified_only(copy: LocalCopy, location: object) -> None:
+    """Refuse (as a failed verify does) a release whose store holds objects with odd names: commands that verify
+    a release before they use it (synthesize, attack) use only releases that verify in full."""
+    if copy.odd:
+        raise VerificationError(f"{shown(location)}: does not verify ({'; '.join(_odd_objects(copy)[:3])}); run "
+                                "`dprelease verify` on it")
 
 
 def verify(location: str | Path, public_key: str | Path | None = None, ledger: str | Path | None = None,
@@ -106,6 +114,7 @@ def synthesize(location: str | Path, out: str | Path | None = None, overwrite: b
     overwrite = arguments.flag(overwrite, "overwrite")
     max_records = arguments.count(max_records, "max_records", optional=False)
     with public_errors(stage="synthesize"), local_release(location) as copy:
+        _verified_only(copy, location)
         target = check_output_file(out or _beside(location, ".synthetic.parquet"), overwrite, "--out")
         report_path = check_output_file(target.with_name(target.name + ".utility.json"), overwrite, "--out")
         synthetic = draw(copy.path, max_records=max_records, shown_as=shown(location))
@@ -127,6 +136,7 @@ def attack(location: str | Path, data: str | Path, internal_dir: str | Path, max
     max_units = arguments.count(max_units, "max_units")
     time_limit = arguments.number(time_limit, "time_limit", 0.1, 86_400)
     with terminate_as_exit(), public_errors(internal, "attack"), local_release(location) as copy:
+        _verified_only(copy, location)
         return reconstruct(copy.path, str(data), internal, max_units, time_limit, progress=progress)
 
 

@@ -22,6 +22,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from dprelease.accounting.errors import DPReleaseError, InputSchemaError, SpecError
+from dprelease.accounting.redact import shown
 from dprelease.transforms.encode import is_text
 
 from .plan import Plan
@@ -255,6 +256,9 @@ def discover_files(path: Path) -> InputFiles:
     count the same records twice. Names starting with '_' or '.' are data like any other, except the
     known marker files (MARKER_FILES, *.crc), which are skipped and listed."""
     if not path.is_dir():
+        if not path.is_file():
+            raise SpecError(f"input.path: {shown(path)} is neither a regular file nor a directory (a FIFO, a device "
+                            "or a dangling link)")
         return InputFiles([str(path)], [])
     data: list[str] = []
     skipped: list[str] = []

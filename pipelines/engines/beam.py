@@ -31,6 +31,7 @@ from dprelease.transforms.csprng import ReleaseKey
 
 from ..plan import Plan
 from ..source import InputSource
+from ..storage import InputChanged
 from .base import Engine, ProgressHook, checked_scores, no_progress
 
 REQUIRED_OPTIONS = {
@@ -347,7 +348,8 @@ class BeamEngine(Engine):
                 with beam.Pipeline(runner=self._runner(), options=self.options) as pipeline:
                     build(pipeline, directory)
             except Exception as error:  # runner errors may quote data; keep the message public-only
-                raise DPReleaseError(f"{what} failed: {type(error).__name__}") from error
+                raise InputChanged.in_worker(error) or DPReleaseError(f"{what} failed: {type(error).__name__}") \
+                    from error
             return read(directory)
         finally:
             if local:

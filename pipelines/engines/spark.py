@@ -34,6 +34,7 @@ from dprelease.transforms.samplers import FAIL_FIRST_ATTEMPT_ENV
 
 from ..plan import Plan
 from ..source import InputSource, value_type
+from ..storage import InputChanged
 from .base import Engine, ProgressHook, checked_scores, no_progress
 
 NOISE_RANGE_CELLS = 1 << 18
@@ -399,7 +400,8 @@ class SparkEngine(Engine):
         except Exception as error:
             if isinstance(error, DPReleaseError):
                 raise
-            raise DPReleaseError(f"the Spark job failed: {type(error).__name__}") from error
+            raise InputChanged.in_worker(error) or DPReleaseError(f"the Spark job failed: {type(error).__name__}") \
+                from error
         finally:
             self._stop_started(spark)
 

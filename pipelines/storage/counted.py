@@ -28,8 +28,20 @@ IN_MEMORY_BYTES = 512 << 20
 """Files up to this size are copied into memory; larger ones into a private (0600) temporary file, mapped."""
 
 
+CHANGED = "its bytes changed after the release key was bound to them"
+"""The fixed words of every InputChanged message: an engine that gets a worker's failure back as text (Spark,
+Beam) looks for them, and only them, to say the public reason instead of the exception's type."""
+
+
 class InputChanged(DPReleaseError):
     """An input file's bytes differ from those the key was bound to (exit 1): nothing is published."""
+
+    @classmethod
+    def in_worker(cls, error: BaseException) -> "InputChanged | None":
+        """The public error for a worker's failure that was an InputChanged (its text holds CHANGED), else None.
+        The worker's text is searched, never shown."""
+        return cls(f"an input file: {CHANGED}; nothing was published: run it again on an input that is not being "
+                   "written") if CHANGED in str(error) else None
 
 
 @dataclass(frozen=True)
@@ -103,8 +115,8 @@ def verified_copy(located: str, filesystem: pafs.FileSystem | None, expected: Fi
                 else:
                     blocks.append(block)
         if read != expected.size or digest.hexdigest() != expected.sha256:
-            raise InputChanged(f"input file {shown(named)}: its bytes changed after the release key was bound to "
-                               "them; nothing was published: run it again on an input that is not being written")
+            raise InputChanged(f"input file {shown(named)}: {CHANGED}; nothing was published: run it again on an "
+                               "input that is not being written")
         if spill is None:
             return pa.BufferReader(pa.py_buffer(b"".join(blocks)))
         spill[1].close()

@@ -230,6 +230,9 @@ def downloaded(uri: str, field: str = "RELEASE") -> Iterator[LocalCopy]:
     except (pa.ArrowException, OSError) as error:
         raise DPReleaseError(f"{field} = {where!r}: cannot be listed ({type(error).__name__})") from None
     objects = listing.files
+    if MANIFEST in listing.odd:
+        raise DPReleaseError(f"{field} = {where!r}: {MANIFEST} is also the prefix of other objects, so which object "
+                             "is the manifest cannot be told: not a release as dprelease publishes one")
     if MANIFEST not in objects:
         raise DPReleaseError(f"{field} = {where!r}: no {MANIFEST} there: not a published release")
     holder = Path(tempfile.mkdtemp(prefix="dprelease-download-"))

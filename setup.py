@@ -52,6 +52,7 @@ setup(
         "rich>=13",
         "SQLAlchemy>=2.0",
         "platformdirs>=3",
+        "pandas>=2.2,<3",  # the Python API's tables and plans are DataFrames (pandas 3 is not yet tested on)
     ],
     extras_require={
         "test": ["pytest>=7.4", "scipy>=1.11", "dp-accounting>=0.4", "opendp>=0.12", "jsonschema>=4",

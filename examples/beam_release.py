@@ -3,8 +3,8 @@ publish every table with `PublishedTables`, write each table to DIR/<name>.parqu
 
     python examples/beam_release.py SPEC INPUT.parquet OUT_DIR [beam pipeline options...]
 
-The key is fresh and never stored; budget accounting, the manifest and verify are the launcher's
-(`dprelease run --engine beam`).
+The key is drawn when the pipeline runs, fresh each run, never in the pipeline graph; budget accounting, the
+manifest and verify are the launcher's (`dprelease run --engine beam`).
 """
 from __future__ import annotations
 

@@ -10,7 +10,6 @@ import pytest
 
 from .conftest import DEMO_SPEC, REPO
 
-SHARED_ADULT = REPO.parent / "shared" / "data" / "adult" / "adult.csv"
 
 
 def cli(*args, cwd=None) -> subprocess.CompletedProcess:
@@ -51,7 +50,6 @@ def test_demo_release_end_to_end(tmp_path):
     assert again.returncode == 2 and "already exists" in again.stderr
 
 
-@pytest.mark.skipif(not SHARED_ADULT.is_file(), reason="shared Adult data not beside the repository")
 def test_missing_input_is_exit_2(tmp_path):
     ran = cli("run", DEMO_SPEC, "--input", tmp_path / "nope.parquet", "--out", tmp_path)
     assert ran.returncode == 2

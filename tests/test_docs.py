@@ -90,16 +90,15 @@ def bash_blocks(path) -> list[str]:
 
 
 def test_the_statistician_and_auditor_tutorials_run_as_written(tmp_path):
-    """Every bash block of the two tutorials, in order, from a copy of the repository's layout (the Adult spec
-    beside the shared data), with the user's default ledger: the shipped Adult release planned, run, reported
-    and verified (also --recompute and --ledger) from the CLI."""
+    """Every bash block of the two tutorials, in order, from a copy of the repository's examples with nothing
+    beside it (the Adult data ships in examples/adult/data/), with the user's default ledger: the shipped Adult
+    release planned, run, reported and verified (also --recompute and --ledger) from the CLI."""
     import shutil
     import subprocess
 
     root = tmp_path / "repo"
     (root / "examples").mkdir(parents=True)
     shutil.copytree(REPO / "examples" / "adult", root / "examples" / "adult")
-    (tmp_path / "shared").symlink_to((REPO.parent / "shared").resolve())
     blocks = bash_blocks(REPO / "docs" / "tutorials" / "statistician.md") + \
         bash_blocks(REPO / "docs" / "tutorials" / "auditor.md")
     assert len(blocks) == 4
@@ -114,15 +113,14 @@ def test_the_statistician_and_auditor_tutorials_run_as_written(tmp_path):
 
 
 def run_adult_howto(tmp_path, page: str, blocks: int):
-    """Every bash block of docs/howto/`page`, in order, from a copy of the repository's layout (the Adult specs
-    beside the shared data); the repository copy's root and the last block's result."""
+    """Every bash block of docs/howto/`page`, in order, from a copy of the repository's examples with nothing
+    beside it; the repository copy's root and the last block's result."""
     import shutil
     import subprocess
 
     root = tmp_path / "repo"
     (root / "examples").mkdir(parents=True)
     shutil.copytree(REPO / "examples" / "adult", root / "examples" / "adult")
-    (tmp_path / "shared").symlink_to((REPO.parent / "shared").resolve())
     found = bash_blocks(REPO / "docs" / "howto" / page)
     assert len(found) == blocks
     for block in found:
@@ -159,7 +157,7 @@ def test_the_randomized_response_howto_runs_as_written(tmp_path):
 
     root, done = run_adult_howto(tmp_path, "randomized_response.md", 2)
     assert "Randomized response: income>50K (k = 2" in " ".join(done.stdout.split())
-    truth = int((pandas.read_csv(REPO.parent / "shared" / "data" / "adult" / "adult.csv")["income>50K"] == 1).sum())
+    truth = int((pandas.read_csv(REPO / "examples" / "adult" / "data" / "adult.csv")["income>50K"] == 1).sum())
     release = dprelease.ReleaseResult.open(root / "examples" / "adult" / "releases" / "adult-randomized")
     debiased = release.debiased("income").set_index("income>50K")
     assert abs(debiased.loc["1", "estimate"] - truth) < 5 * debiased.loc["1", "std"]

@@ -73,8 +73,8 @@ def test_two_runs_race_for_the_last_budget_and_the_password_is_never_published(p
     winner = next(i for i, (code, _) in enumerate(outcomes) if code == 0)
     manifest_text = (tmp_path / f"out{winner}" / f"r{winner}" / "manifest.json").read_text()
     assert "S3CRET-PASSWORD" not in manifest_text
-    command_line = json.loads(manifest_text)["provenance"]["command_line"]
-    assert f"postgresql+psycopg://***@127.0.0.1:{postgres.port}/{database}" in command_line
+    invocation = json.loads(manifest_text)["provenance"]["invocation"]
+    assert invocation["entry"] == "cli run" and invocation["options"]["ledger"] == "postgresql+psycopg"
     assert all("S3CRET" not in stderr for _, stderr in outcomes)
     assert [r.status for r in history(open_ledger(url), "test-data")[1]] == ["committed"]
 

@@ -53,7 +53,7 @@ from .periods import UNITS as PERIOD_UNITS
 from .periods import budget_periods, overlaps, parse_period
 from .redact import redact_url
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 MIGRATIONS = {
     2: ["ALTER TABLE datasets ADD COLUMN period_budget VARCHAR(64)",
         "ALTER TABLE releases ADD COLUMN period VARCHAR(128)"],
@@ -65,6 +65,8 @@ MIGRATIONS = {
         "ALTER TABLE releases ADD COLUMN owner_token VARCHAR(64)",
         "ALTER TABLE releases ADD COLUMN plan_sha256 VARCHAR(64)"],
     5: ["ALTER TABLE releases ADD COLUMN selection_sha256 VARCHAR(64)"],
+    6: ["ALTER TABLE datasets ADD COLUMN delta VARCHAR(32)",
+        "ALTER TABLE releases ADD COLUMN delta VARCHAR(32)"],
 }
 """(`TIMESTAMP WITH TIME ZONE`: PostgreSQL's TIMESTAMP alone would store an aware UTC time as the session's
 local time.)"""
@@ -85,7 +87,10 @@ datasets = Table(
     Column("period_budget", String(64)),
     Column("period_unit", String(16)),
     Column("updated_at", DateTime(timezone=True), nullable=False),
+    Column("delta", String(32)),
 )
+"""`delta`: for a dataset accounted in rho whose lifetime budget was given as (epsilon, delta), that delta (the
+spend is shown as epsilon at it); None otherwise."""
 releases = Table(
     "releases", metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
@@ -106,6 +111,7 @@ releases = Table(
     Column("owner_token", String(64)),
     Column("plan_sha256", String(64)),
     Column("selection_sha256", String(64)),
+    Column("delta", String(32)),
 )
 """`selection_sha256`: what a release's selections chose (the tables, in order), recorded by its first run; a
 free re-run must choose exactly the same (`check_selection`)."""
@@ -286,9 +292,10 @@ KEEP = object()
 
 
 def set_budget(engine: Engine, dataset_id: str, unit: str, lifetime: Fraction, per_period=KEEP,
-               period_unit: str | None = None) -> None:
+               period_unit: str | None = None, delta: float | None = None) -> None:
     """Create or update a dataset's lifetime budget and (Fraction, None = no limit, KEEP) per-period budget,
-    whose periods are `period_unit` long (year, quarter, month or day; default month)."""
+    whose periods are `period_unit` long (year, quarter, month or day; default month). `delta`: the delta at
+    which a rho budget was given as epsilon (`epsilon_budget`), kept to show spends as epsilon at it."""
     if unit not in ("epsilon", "rho"):
         raise SpecError(f"unit ({unit!r}) must be epsilon or rho")
     if lifetime <= 0:
@@ -304,7 +311,8 @@ def set_budget(engine: Engine, dataset_id: str, unit: str, lifetime: Fraction, p
         spent = _spent(connection, dataset_id)
         if lifetime < spent:
             raise BudgetError(f"dataset {dataset_id!r} has already spent {spent} {unit}; the budget cannot be {lifetime}")
-        values = {"unit": unit, "lifetime_budget": str(lifetime), "updated_at": _now()}
+        values = {"unit": unit, "lifetime_budget": str(lifetime), "updated_at": _now(),
+                  "delta": None if delta is None else repr(float(delta))}
         if per_period is not KEEP:
             values["period_budget"] = None if per_period is None else str(per_period)
             values["period_unit"] = None if per_period is None else (period_unit or "month")
@@ -394,7 +402,8 @@ def _check_release_id(identity: ReleaseIdentity, rows: list) -> None:
 
 def reserve(engine: Engine, dataset_id: str, release_id: str, key_id: str, spec_sha256: str,
             unit: str, spend: Fraction, period: str | None = None, *, input_fingerprint: str | None = None,
-            release_dir: str | None = None, owner: str | None = None, plan_sha256: str | None = None) -> Reservation:
+            release_dir: str | None = None, owner: str | None = None, plan_sha256: str | None = None,
+            delta: float | None = None) -> Reservation:
     """Hold `spend` for a run, or raise BudgetError (exit 3) / KeyReuseError or SpecError (exit 2) leaving the
     ledger unchanged. The row is held under a fresh owner token and a lease (`lease_seconds`) that the run
     renews with a `LeaseKeeper`; `owner` (host:pid.start) and `release_dir` are recorded for people and for
@@ -407,7 +416,13 @@ def reserve(engine: Engine, dataset_id: str, release_id: str, key_id: str, spec_
             raise BudgetError(f"dataset {dataset_id!r} has no budget in the ledger; set one with "
                               f"`dprelease ledger set-budget {dataset_id} --{unit} VALUE`")
         if row.unit != unit:
-            raise BudgetError(f"dataset {dataset_id!r} is accounted in {row.unit}, this release spends {unit}")
+            raise BudgetError(
+                f"dataset {dataset_id!r} is accounted in {row.unit} ({'pure DP' if row.unit == 'epsilon' else 'zCDP'}), "
+                f"but this release's budget spends {unit} ("
+                + ("a pure budget" if unit == "epsilon" else "a zcdp or approx budget, accounted through zCDP")
+                + "); a dataset is accounted in one unit: give the spec a "
+                + ("zcdp or approx budget" if row.unit == "rho" else "pure budget")
+                + " to charge this dataset, or account this series as another dataset_id")
         lifetime = Fraction(row.lifetime_budget)
         live = _live_rows(connection, dataset_id)
         spent = sum((Fraction(r.spend) for r in live), Fraction(0))
@@ -448,6 +463,7 @@ def reserve(engine: Engine, dataset_id: str, release_id: str, key_id: str, spec_
             dataset_id=dataset_id, release_id=release_id, period=period, key_id=key_id, spec_sha256=spec_sha256,
             input_fingerprint=input_fingerprint, release_dir=release_dir, owner=owner,
             spend=str(spend), status=RESERVED, reserved_at=now, owner_token=token, plan_sha256=plan_sha256,
+            delta=None if delta is None else repr(float(delta)),
             lease_expires_at=_lease_end(lease_seconds())))
         return Reservation(result.inserted_primary_key[0], dataset_id, unit, spend, spent, lifetime, rerun=False,
                            owner_token=token, **fields)

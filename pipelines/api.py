@@ -96,10 +96,18 @@ class Release:
         self.base_dir = arguments.path(base_dir, "base_dir", optional=False).resolve()
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "Release":
-        """The spec in a YAML file; its relative paths start from the file's directory."""
+    def from_yaml(cls, path: str | Path, base_dir: str | Path | None = None) -> "Release":
+        """The spec in a YAML file; its relative paths start from the file's directory (or `base_dir`)."""
         spec, base = load_spec(arguments.path(path, "spec", optional=False))
-        return cls(spec, base)
+        return cls(spec, base if base_dir is None else arguments.path(base_dir, "base_dir"))
+
+    def release_location(self) -> str | Path:
+        """Where a run publishes this release without `out_dir`: <output.dir>/<release id> (a URI for a store)."""
+        root = as_location(self.spec.output.dir, self.base_dir)
+        if isinstance(root, Path):
+            return root / self.release_id
+        prefix, _, query = root.partition("?")
+        return f"{prefix.rstrip('/')}/{self.release_id}" + (f"?{query}" if query else "")
 
     @classmethod
     def from_dict(cls, document: Mapping[str, Any], base_dir: str | Path = ".") -> "Release":
@@ -142,10 +150,11 @@ class Release:
         return pd.DataFrame.from_records(records, columns=[*PLAN_COLUMNS, "quantiles", "mean_std_at_n"])
 
     def validate(self, internal_dir: str | Path, data: str | Path | None = None, *, engine: str | None = None,
-                 master: str | None = None) -> Path:
+                 master: str | None = None):
         """`dprelease validate`: the input (the spec's, or the path `data`) checked against the spec's
         great-expectations suite; no key, budget or noise. Schema failures raise InputSchemaError (exit 2); the
-        value-level report (confidential) goes to `internal_dir`, a private directory; returns its path."""
+        value-level report (confidential) goes to `internal_dir`, a private directory. Returns a `ValueCheck`:
+        the report's path and the failed value checks in public words (columns and checks, never values)."""
         from .run import validate_spec
 
         internal = arguments.path(internal_dir, "internal_dir", optional=False)
@@ -251,6 +260,7 @@ class _input_of:
             self._check_spark_staging(data.sparkSession)
             target = self._directory(self.spark_staging) / "input"
             data.write.parquet(str(target))
+            _remove_markers(target)
             return str(target), data.sparkSession
         table = arrow_of(data)
         if isinstance(table, pa.Table) and (self.engine or self.spec_engine) == "embedded":
@@ -286,6 +296,17 @@ class _input_of:
     def __exit__(self, *exc) -> None:
         if self.temporary is not None:
             shutil.rmtree(self.temporary, ignore_errors=True)
+
+
+def _remove_markers(directory: Path) -> None:
+    """Remove the marker files Spark's writer leaves (_SUCCESS, *.crc) from the run's own copy of a frame, so the
+    input reader has none to skip and name (it names markers it finds in a user's input)."""
+    from .source import is_marker
+
+    if directory.is_dir():
+        for entry in directory.iterdir():
+            if is_marker(entry.name) and entry.is_file() and not entry.is_symlink():
+                entry.unlink()
 
 
 def _is_spark_frame(data: Any) -> bool:

@@ -58,6 +58,11 @@ def _handled():
         _fail(error)
 
 
+BASE_DIR_OPTION = click.option(
+    "--base-dir", type=click.Path(file_okay=False, path_type=Path),
+    help="Where the spec's relative paths (input, domain files, output) start; default: the spec file's directory "
+         "(a scheduler can fill a template into a private work directory and keep the template's paths).")
+
 MAX_CELLS_OPTION = click.option(
     "--max-cells", type=click.IntRange(1), envvar="DPRELEASE_MAX_CELLS",
     help="Refuse a release with more public cells than this (env DPRELEASE_MAX_CELLS; default 20,000,000, "
@@ -138,11 +143,13 @@ def _dash(value, form) -> str:
     return "-" if value is None else form(value)
 
 
-def _plan_json(plan, estimate) -> str:
-    """`plan --json`: the records, the totals and the paths, for programs."""
+def _plan_json(plan, estimate, release_location) -> str:
+    """`plan --json`: the records, the totals and the paths, for programs (`release_dir`: where a run publishes
+    the release, without --out)."""
     from .plan_table import plan_records
 
-    return json.dumps({"release_id": plan.spec.release_id, "definition": plan.definition,
+    return json.dumps({"release_id": plan.spec.release_id, "release_dir": str(release_location),
+                       "definition": plan.definition,
                        "budget_unit": "epsilon" if plan.definition == "pure" else "rho",
                        "cells": plan.n_cells, "tables": plan_records(plan, estimate),
                        "estimate_exact": estimate.exact, "paths": _path_lines(plan),
@@ -196,11 +203,12 @@ def _totals_text(plan) -> str:
 
 @main.command()
 @click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
+@BASE_DIR_OPTION
 @MAX_CELLS_OPTION
 @click.option("--engine", type=click.Choice(ENGINES), help="The engine the memory statement is for (default: the spec's).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the plan as JSON (per table: cells, sensitivity, budget, noise, std, 95% margin, GLS std).")
-def plan(spec: Path, max_cells: int | None, engine: str | None, as_json: bool) -> None:
+def plan(spec: Path, base_dir: Path | None, max_cells: int | None, engine: str | None, as_json: bool) -> None:
     """Show the budget allocation, expected error and memory of every table; reads no data.
 
     Exit 2 when the release exceeds the cell limit (--max-cells) on the engine, as `run` would.
@@ -211,7 +219,7 @@ def plan(spec: Path, max_cells: int | None, engine: str | None, as_json: bool) -
     from .postprocessing import EstimateVariances, estimate_variances
 
     with _handled(), public_errors(stage="plan"):
-        release = Release.from_yaml(spec)
+        release = Release.from_yaml(spec, base_dir)
         result = release.build_plan()
         parsed = release.spec
         engine = engine or parsed.engine
@@ -220,7 +228,7 @@ def plan(spec: Path, max_cells: int | None, engine: str | None, as_json: bool) -
         estimate = EstimateVariances({}, True) if over_limit else estimate_variances(result)
         if as_json:
             check_plan_limits(result, limit, engine)
-            click.echo(_plan_json(result, estimate))
+            click.echo(_plan_json(result, estimate, release.release_location()))
             return
         console.print(_plan_table(result, estimate))
         console.print(f"Sensitivity: {result.sensitivity.derivation}")
@@ -239,6 +247,7 @@ def plan(spec: Path, max_cells: int | None, engine: str | None, as_json: bool) -
 @main.command(context_settings={"allow_interspersed_args": True})
 @click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("pipeline_options", nargs=-1, type=click.UNPROCESSED)
+@BASE_DIR_OPTION
 @click.option("--key-file", type=click.Path(dir_okay=False, path_type=Path),
               help="Use this key (created fresh, mode 0600, if the file does not exist). An existing key must be "
                    "owned by you, mode 0600/0400 and outside the output directory; with a ledger it re-runs only "
@@ -265,7 +274,8 @@ def plan(spec: Path, max_cells: int | None, engine: str | None, as_json: bool) -
               help="Validate the input with the spec's great-expectations suite and write the detailed report "
                    "(confidential) here; never inside the release.")
 @click.option("--strict", is_flag=True,
-              help="Abort (exit 1) when any value-level expectation fails. Makes whether a release exists depend "
+              help="Stop (exit 1) when any value-level expectation fails, before any key is drawn or budget "
+                   "reserved (the failed checks are named, never values). Makes whether a release exists depend "
                    "on the data: an internal choice. Needs --internal-dir.")
 @click.option("--sign-key", type=click.Path(dir_okay=False, path_type=Path),
               help="Sign the manifest with this Ed25519 private key (PEM; openssl genpkey -algorithm ed25519).")
@@ -276,7 +286,7 @@ def plan(spec: Path, max_cells: int | None, engine: str | None, as_json: bool) -
                    "group (default 2,000,000; env DPRELEASE_GROUP_WORK). Any value gives the same values.")
 @click.option("--part-rows", type=click.IntRange(64), envvar="DPRELEASE_PART_ROWS",
               help="Rows per part of the other tables (default 4,000,000; env DPRELEASE_PART_ROWS).")
-def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_path, engine, workers, overwrite,
+def run(spec: Path, pipeline_options: tuple[str, ...], base_dir, key_file, out_dir, input_path, engine, workers, overwrite,
         master, runner, ledger, no_ledger, internal_dir, strict, sign_key, max_cells, group_work, part_rows) -> None:
     """Run a release: bound, aggregate, add noise, post-process, publish atomically.
 
@@ -302,7 +312,7 @@ def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_
                 tasks[stage] = progress.add_task(STAGES.get(stage, stage), total=total)
             progress.update(tasks[stage], completed=done, total=total)
 
-        result = Release.from_yaml(spec).publish(
+        result = Release.from_yaml(spec, base_dir).publish(
             input_path, ledger=None if no_ledger else (ledger or DEFAULT_LEDGER), out_dir=out_dir, key_file=key_file,
             engine=engine, workers=workers, overwrite=overwrite, internal_dir=internal_dir, strict=strict,
             sign_key=sign_key, max_cells=max_cells, layout=layout, master=master, runner=runner,
@@ -324,22 +334,34 @@ def run(spec: Path, pipeline_options: tuple[str, ...], key_file, out_dir, input_
 
 @main.command()
 @click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
+@BASE_DIR_OPTION
 @click.option("--internal-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Private directory for the detailed (confidential) report.")
 @click.option("--input", "input_path", help="Validate this input instead of the spec's input.path.")
 @click.option("--engine", type=click.Choice(ENGINES), help="Engine (default: the spec's).")
 @click.option("--master", help="Spark master URL (spark engine only).")
-def validate(spec: Path, internal_dir: Path, input_path, engine, master) -> None:
+def validate(spec: Path, base_dir, internal_dir: Path, input_path, engine, master) -> None:
     """Check an input against the spec's great-expectations suite; release nothing, spend nothing.
 
-    Exit 2 on schema-level failures (missing column, wrong type). Value-level results are confidential:
-    they go to the report in --internal-dir only, and the exit code does not depend on them.
+    Exit 2 on schema-level failures (missing column, wrong type). The value-level results go to the report in
+    --internal-dir (confidential: counts and sample values); the console names only the checks that failed
+    (the column and what the spec asks of it, never a value), and the exit code is 1 when any failed: the data
+    does not match the spec (a mis-coded column would send every record to `(other)`). `run --strict` stops on
+    the same checks before anything is reserved.
     """
     from .api import Release
 
     with _handled():
-        path = Release.from_yaml(spec).validate(internal_dir, input_path, engine=engine, master=master)
-    console.print(f"Schema-level expectations met; the value-level report (confidential) is {path}", soft_wrap=True)
+        checked = Release.from_yaml(spec, base_dir).validate(internal_dir, input_path, engine=engine, master=master)
+    if checked.passed:
+        console.print(f"Every expectation met (schema and values); the report (confidential) is "
+                      f"{printable(checked.report)}", soft_wrap=True)
+        return
+    errors.print(styled("The data does not match the spec:", "bold yellow", " value checks failed for "
+                        + printable("; ".join(checked.failed))), soft_wrap=True)
+    console.print(f"Schema-level expectations met; the value-level report (confidential) is "
+                  f"{printable(checked.report)}", soft_wrap=True)
+    sys.exit(1)
 
 
 @main.command()
@@ -493,7 +515,11 @@ def ledger() -> None:
 
 @ledger.command("set-budget")
 @click.argument("dataset")
-@click.option("--epsilon", "epsilon", help="Lifetime pure-DP budget (for pure releases).")
+@click.option("--epsilon", "epsilon", help="Lifetime pure-DP budget (for pure releases); with --delta, an (ε, δ) "
+                                          "budget for zcdp and approx releases.")
+@click.option("--delta", "delta", type=click.FloatRange(0, 0.5, min_open=True),
+              help="With --epsilon: the budget is (ε, δ)-DP; it is kept as the largest ρ whose conversion is (ε, δ)-DP "
+                   "(zcdp and approx releases are accounted in ρ), and spends are shown as ε at this δ.")
 @click.option("--rho", "rho", help="Lifetime zCDP budget (for zcdp and approx releases).")
 @click.option("--per-period", "per_period",
               help="Budget per period of a release series, in the same unit; 'none' removes it. Default: keep the "
@@ -502,29 +528,43 @@ def ledger() -> None:
 @click.option("--period-unit", type=click.Choice(["year", "quarter", "month", "day"]),
               help="Length of the budget periods of --per-period (default month).")
 @LEDGER_OPTION
-def ledger_set_budget(dataset: str, epsilon, rho, per_period, period_unit, ledger: str) -> None:
+def ledger_set_budget(dataset: str, epsilon, delta, rho, per_period, period_unit, ledger: str) -> None:
     """Create or change a dataset's lifetime budget (never below what it has spent)."""
     from dprelease.accounting.ledger import KEEP
 
     from .commands import Ledger
 
     with _handled():
-        unit, amount, period = Ledger(ledger).set_budget(dataset, epsilon=epsilon, rho=rho, per_period=per_period,
-                                                         period_unit=period_unit)
-    text = "" if period is KEEP else (f"; per-{period_unit or 'month'} budget {period}" if period is not None
-                                      else "; per-period budget none")
-    console.print(f"Dataset {printable(dataset)}: lifetime budget {amount} {unit}{text}", soft_wrap=True)
+        unit, amount, period = Ledger(ledger).set_budget(dataset, epsilon=epsilon, rho=rho, delta=delta,
+                                                         per_period=per_period, period_unit=period_unit)
+    text = "" if period is KEEP else (f"; per-{period_unit or 'month'} budget {_amount_text(period, unit)}"
+                                      if period is not None else "; per-period budget none")
+    given = f" (ε = {epsilon} at δ = {delta:g})" if delta is not None else ""
+    console.print(f"Dataset {printable(dataset)}: lifetime budget {_amount_text(amount, unit)}{given}{text}",
+                  soft_wrap=True)
 
 
-DELTA_OPTION = click.option("--delta", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=1e-10,
-                            show_default=True, help="δ at which a rho (zCDP) spend is also shown as (ε, δ)-DP.")
+def _amount_text(amount, unit: str) -> str:
+    """A budget amount, decimals first: `0.985 rho (784673401/796600953)`; a whole or short fraction as is."""
+    from fractions import Fraction
+
+    amount = Fraction(amount)
+    exact = str(amount)
+    decimal = f"{float(amount):.4g}"
+    return f"{decimal} {unit}" + ("" if exact == decimal or len(exact) <= 8 and amount.denominator == 1
+                                  else f" ({exact})")
+
+
+DELTA_OPTION = click.option("--delta", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+                            help="δ at which a rho (zCDP) spend is also shown as (ε, δ)-DP (default: each release's "
+                                 "own δ, and the dataset's when its budget was given as (ε, δ)).")
 
 
 @ledger.command("show")
 @click.argument("dataset")
 @LEDGER_OPTION
 @DELTA_OPTION
-def ledger_show(dataset: str, ledger: str, delta: float) -> None:
+def ledger_show(dataset: str, ledger: str, delta: float | None) -> None:
     """A dataset's budget, spend and every release."""
     _print_ledger(ledger, dataset, delta)
 
@@ -532,21 +572,23 @@ def ledger_show(dataset: str, ledger: str, delta: float) -> None:
 @ledger.command("list")
 @LEDGER_OPTION
 @DELTA_OPTION
-def ledger_list(ledger: str, delta: float) -> None:
+def ledger_list(ledger: str, delta: float | None) -> None:
     """Every dataset with its budget and spend."""
     _print_ledger(ledger, None, delta)
 
 
-def _as_epsilon(unit: str, spent, delta: float) -> str:
-    """The spend under the dataset's definition: ε adds (pure); ρ adds (zCDP), shown as (ε, δ) too."""
+def _as_epsilon(unit: str, spent, delta: float | None) -> str:
+    """A spend as ε: itself under pure DP; a ρ (zCDP) spend converted at `delta` (none known: '-')."""
     from dprelease.accounting.conversions import zcdp_to_epsilon
 
     if unit == "epsilon":
-        return f"ε = {float(spent):.6g}"
-    return f"ε = {zcdp_to_epsilon(float(spent), delta):.6g} at δ = {delta:g}" if spent > 0 else "ε = 0"
+        return f"ε = {float(spent):.4g}"
+    if delta is None:
+        return "-"
+    return f"ε = {zcdp_to_epsilon(float(spent), delta):.4g} at δ = {delta:g}" if spent > 0 else "ε = 0"
 
 
-def _print_ledger(location: str, dataset: str | None, delta: float = 1e-10) -> None:
+def _print_ledger(location: str, dataset: str | None, delta: float | None = None) -> None:
     from fractions import Fraction
 
     from dprelease.accounting.ledger import COMMITTED, RESERVED
@@ -556,23 +598,32 @@ def _print_ledger(location: str, dataset: str | None, delta: float = 1e-10) -> N
     with _handled():
         rows, releases = Ledger(location).history(dataset)
     summary = Table(title="Datasets")
-    for header in ("dataset", "unit", "lifetime", "spent", "spent as (ε, δ)", "remaining", "per period"):
+    for header in ("dataset", "accounted in", "lifetime", "spent", "remaining", "spent as (ε, δ)", "per period"):
         summary.add_column(header)
     for row in rows:
         spent = sum((Fraction(r.spend) for r in releases
                      if r.dataset_id == row.dataset_id and r.status in (COMMITTED, RESERVED)), Fraction(0))
         lifetime = Fraction(row.lifetime_budget)
-        summary.add_row(*map(printable, (row.dataset_id, row.unit, str(lifetime), str(spent),
-                                         _as_epsilon(row.unit, spent, delta), str(lifetime - spent),
-                                         row.period_budget or "-")))
+        at = delta if delta is not None else (float(row.delta) if row.delta else None)
+        unit = "epsilon (pure DP)" if row.unit == "epsilon" else "rho (zCDP)"
+        period = _amount_text(Fraction(row.period_budget), row.unit) + f" per {row.period_unit or 'month'}" \
+            if row.period_budget else "-"
+        summary.add_row(*map(printable, (row.dataset_id, unit, _amount_text(lifetime, row.unit),
+                                         _amount_text(spent, row.unit), _amount_text(lifetime - spent, row.unit),
+                                         _as_epsilon(row.unit, spent, at), period)))
     console.print(summary)
     if dataset:
         detail = Table(title=f"Releases of {printable(dataset)}")
-        for header in ("release", "period", "key id", "spend", "status", "reserved at", "manifest sha256"):
+        for header in ("release", "period", "key id", "spend", "as ε at its δ", "status", "reserved at",
+                       "manifest sha256"):
             detail.add_column(header)
         for r in releases:
-            detail.add_row(*map(printable, (r.release_id, r.period or "-", r.key_id, r.spend, r.status,
-                                            str(r.reserved_at), (r.manifest_sha256 or "")[:16])))
+            own = delta if delta is not None else (float(r.delta) if r.delta else None)
+            unit = next((row.unit for row in rows if row.dataset_id == r.dataset_id), "rho")
+            detail.add_row(*map(printable, (r.release_id, r.period or "-", r.key_id,
+                                            _amount_text(Fraction(r.spend), unit),
+                                            _as_epsilon(unit, Fraction(r.spend), own), r.status, str(r.reserved_at),
+                                            (r.manifest_sha256 or "")[:16])))
         console.print(detail)
 
 

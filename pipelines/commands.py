@@ -190,31 +190,35 @@ class Ledger:
 
         return open_ledger(self.location, create=create)
 
-    def set_budget(self, dataset: str, *, epsilon=None, rho=None, per_period=None,
+    def set_budget(self, dataset: str, *, epsilon=None, rho=None, delta: float | None = None, per_period=None,
                    period_unit: str | None = None) -> tuple[str, Fraction, object]:
-        """Create or change a dataset's lifetime budget (exactly one of `epsilon` or `rho`: a number or an exact
-        fraction as text), and its per-period budget (`per_period`: an amount, or 'none' to remove it; kept when
-        None). Returns (unit, amount, the per-period budget set or KEEP)."""
+        """Create or change a dataset's lifetime budget: exactly one of `epsilon` (pure DP; with `delta`, an
+        (epsilon, delta) budget for zCDP and approximate releases, kept as the largest rho whose conversion is
+        (epsilon, delta)-DP) or `rho` (zCDP), each a number or an exact fraction as text; and its per-period budget
+        (`per_period`: an amount in the same terms, or 'none' to remove it; kept when None). Returns (unit, the
+        lifetime amount in that unit, the per-period budget set or KEEP)."""
+        from dprelease.accounting.conversions import approx_to_zcdp
         from dprelease.accounting.ledger import KEEP, set_budget
         from dprelease.accounting.rationals import parse_rational
 
         dataset = _dataset_id(dataset)
         if (epsilon is None) == (rho is None):
             raise SpecError("ledger set-budget: give exactly one of --epsilon or --rho")
+        if delta is not None and epsilon is None:
+            raise SpecError("--delta: goes with --epsilon (an (epsilon, delta) budget); a --rho budget has none")
+        if delta is not None:
+            delta = arguments.number(delta, "delta", 1e-100, 0.5)
         unit, value = ("epsilon", epsilon) if epsilon is not None else ("rho", rho)
-        try:
-            amount = Fraction(parse_rational(value))
-        except (ValueError, TypeError) as error:
-            raise SpecError(f"--{unit} = {shown(value)!r}: {error}") from None
+        amount = _amount(value, f"--{unit}")
         period = KEEP
         if per_period is not None:
-            try:
-                period = None if str(per_period).lower() == "none" else Fraction(parse_rational(per_period))
-            except (ValueError, TypeError) as error:
-                raise SpecError(f"--per-period = {shown(per_period)!r}: {error}; or 'none'") from None
+            period = None if str(per_period).lower() == "none" else _amount(per_period, "--per-period")
+        if delta is not None:  # (epsilon, delta): accounted in rho, as the releases it funds are
+            unit, amount = "rho", approx_to_zcdp(amount, delta)
+            period = period if period in (None, KEEP) else approx_to_zcdp(period, delta)
         period_unit = arguments.choice(period_unit, "period_unit", ("year", "quarter", "month", "day"))
         with public_errors(stage="ledger set-budget"):
-            set_budget(self._open(create=True), dataset, unit, amount, period, period_unit)
+            set_budget(self._open(create=True), dataset, unit, amount, period, period_unit, delta)
         return unit, amount, period
 
     def history(self, dataset: str | None = None) -> tuple[list, list]:
@@ -238,6 +242,16 @@ class Ledger:
         dry_run = arguments.flag(dry_run, "dry_run")
         with public_errors(stage="ledger reconcile"):
             return reconcile(self._open(create=False), published_manifest_sha256, dry_run, owner_alive)
+
+
+def _amount(value: object, name: str) -> Fraction:
+    """A budget amount: a positive number or exact fraction as text."""
+    from dprelease.accounting.rationals import parse_rational
+
+    try:
+        return Fraction(parse_rational(value))
+    except (ValueError, TypeError) as error:
+        raise SpecError(f"{name} = {shown(value)!r}: {error}") from None
 
 
 def _dataset_id(value: object) -> str:

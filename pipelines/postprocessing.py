@@ -199,7 +199,8 @@ def _unit_tree(plan: Plan) -> UnitTree | None:
 
 
 def estimation_path(plan: Plan) -> str:
-    """How the least-squares estimate is computed, for people: per geographic unit, or globally and why."""
+    """How the least-squares estimate is computed, for people: what it means for the tables first (one estimate
+    behind every count table, each cell's error stated), then per geographic unit or globally, and why."""
     tables, hierarchies = _tree_inputs(plan)
     if not tables:
         return "no count tables"
@@ -210,9 +211,15 @@ def estimation_path(plan: Plan) -> str:
         except ValueError as error:
             problem = str(error)
         else:
-            return (f"per geographic unit: two passes over {len(tree.levels)} levels "
+            return (f"{ESTIMATE_MEANING}; computed per geographic unit: two passes over {len(tree.levels)} levels "
                     f"({' > '.join(level.name for level in tree.levels)}), each unit's block of tables at a time")
-    return f"global (conjugate gradients over every table at once): the tables do not form a tree of units, {problem}"
+    return (f"{ESTIMATE_MEANING}; computed globally (conjugate gradients over every table at once, on one machine), "
+            f"since the tables do not form a tree of geographic units ({problem})")
+
+
+ESTIMATE_MEANING = ("every count table is published from one least-squares estimate of all of them together, so "
+                    "tables that share a margin agree before rounding and each cell's error is stated (its GLS std "
+                    "above, usually below its own table's noise)")
 
 
 def least_squares_estimates(plan: Plan, noisy: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -427,9 +434,21 @@ def _unit_totals(query: MarginalsQuery, tables: list[TablePlan], estimates, unit
     return np.maximum(np.rint(estimate), 0).astype(np.int64)
 
 
+CONSISTENCY_STATED = (
+    " Which published tables agree exactly: the estimate (before the integer step) is consistent wherever two "
+    "tables can be compared; after it, the tables of one query agree as its step says, a marginals query's unit "
+    "totals equal the hierarchy's at its level when it has one, and otherwise tables of different queries agree "
+    "on a shared total only up to rounding (each table rounds on its own: a histogram's total can differ from "
+    "the hierarchy's nation value by a few units)")
+"""What manifests state from version 6 (SELECTION_LOSS_VERSION) after each count query's step: precisely which
+tables agree, since rounding per query can leave two queries' grand totals a few units apart."""
+
+
 def steps_applied(plan: Plan, manifest_version: int = 2) -> list[dict]:
     """The post-processing steps, per query, as a manifest of `manifest_version` lists them."""
     texts = {**STEPS, **LEGACY_STEPS} if manifest_version == 1 else STEPS
+    if manifest_version >= 6:
+        texts = {key: text + CONSISTENCY_STATED if text.startswith(ESTIMATE) else text for key, text in texts.items()}
     steps = []
     for q in plan.spec.queries:
         if isinstance(q, HierarchyQuery):

@@ -75,7 +75,8 @@ def _reserve(ledger: str | Path | None, plan: Plan, key: ReleaseKey, input_finge
     spec = plan.spec
     reservation = reserve(book, spec.dataset_id, spec.release_id, key.key_id(), spec.spec_hash(), unit, spend,
                           spec.period, input_fingerprint=input_fingerprint, release_dir=location,
-                          owner=owner(), plan_sha256=plan_fingerprint(plan))
+                          owner=owner(), plan_sha256=plan_fingerprint(plan),
+                          delta=None if plan.definition == "pure" else plan.delta)
     LOG.info("ledger: reserved %s %s of dataset %s", "nothing (re-run)" if reservation.rerun else spend, unit,
              spec.dataset_id)
     return book, reservation
@@ -168,31 +169,48 @@ def check_input_schema(plan: Plan, source: InputSource, internal_dir: Path | Non
     return InputValidation(suite, schema_results, Path(internal_dir), strict)
 
 
+@dataclass(frozen=True)
+class ValueCheck:
+    """The outcome of the value-level expectations: the (confidential) report's path, and the checks that failed
+    in public words (`ValidationOutcome.failed_checks`: columns and what the spec asks, never a value or count),
+    for the operator's console. Nothing of it is published."""
+
+    report: Path
+    failed: tuple[str, ...]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failed
+
+
 def _value_report(plan: Plan, engine: Engine, source: InputSource, validation: InputValidation,
-                  created_at: str) -> tuple[bool, Path]:
+                  created_at: str) -> ValueCheck:
     """Run the value-level expectations with the engine and write the (confidential) report to the
-    internal directory. Returns (whether every expectation held, the report's path): internal only."""
+    internal directory."""
     LOG.info("input validation: checking values (%s engine)", engine.name)
     outcome = engine.validate_input(plan, source, validation.suite)
     report = write_internal_report(validation.internal_dir, plan, validation.suite, validation.schema_results,
                                    outcome, engine.name, source.files(), created_at)
     LOG.info("input validation: report written to the internal directory %s", validation.internal_dir)
-    return outcome.success, report
+    return ValueCheck(report, tuple(outcome.failed_checks()))
 
 
 def check_input_values(plan: Plan, engine: Engine, source: InputSource, validation: InputValidation,
                        created_at: str) -> dict:
-    """Validate the values (report to the internal directory only). With strict, a failure aborts
-    (exit 1; data-dependent, internal). Returns the manifest's public block (suite hash and
-    policies, no results)."""
-    passed, report = _value_report(plan, engine, source, validation, created_at)
-    if validation.strict and not passed:
-        raise StrictValidationError(f"--strict: the input failed value-level expectations; see {report}")
+    """Validate the values (report to the internal directory only), before any key is drawn or budget reserved:
+    the operator holds the data, and nothing is published. Without strict, what a run prints never depends on
+    the outcome (it goes to the report); with strict, a failure stops the run there, before anything is
+    reserved or drawn, naming the failed checks in public words (exit 1; data-dependent, internal).
+    Returns the manifest's public block (suite hash and policies, no results)."""
+    checked = _value_report(plan, engine, source, validation, created_at)
+    if validation.strict and not checked.passed:
+        raise StrictValidationError(f"--strict: the data does not match the spec ({'; '.join(checked.failed)}); "
+                                    f"nothing was reserved or drawn; details in {shown(checked.report)}")
     return manifest_record(plan)
 
 
 def validate_spec(spec: ReleaseSpec, spec_dir: Path, internal_dir: Path, *, input_path: str | None = None,
-                  engine: str | None = None, master: str | None = None) -> Path:
+                  engine: str | None = None, master: str | None = None) -> ValueCheck:
     """Validate an input against the spec's suite without releasing anything (no key, no budget, no
     noise): schema failures raise (exit 2); the value-level report goes to `internal_dir` (a private
     directory, checked before anything is read)."""
@@ -204,7 +222,7 @@ def validate_spec(spec: ReleaseSpec, spec_dir: Path, internal_dir: Path, *, inpu
         source = open_input(plan, spec_dir, input_path)
         engine_.check_input_schema(source)
         validation = check_input_schema(plan, source, internal_dir, strict=False)
-        return _value_report(plan, engine_, source, validation, created_at)[1]
+        return _value_report(plan, engine_, source, validation, created_at)
     finally:
         engine_.close()
 
@@ -288,6 +306,7 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
         engine_.check_input_schema(source)
         LOG.info("input: %d %s file(s); engine %s", len(source.files()), source.format, engine_.name)
         validation = check_input_schema(plan, source, internal_dir, strict)
+        validation_record = check_input_values(plan, engine_, source, validation, created_at) if validation else None
         key_path = (Path(key_file) if key_file else default_key_path(spec_dir, spec.release_id, created_at)).absolute()
         check_key_location(key_path, root)
         key, reused = load_or_generate(key_path)
@@ -311,8 +330,9 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                 plan = select_tables(plan, engine_, source, release_key, progress or no_progress)
                 if plan.selections and reservation:
                     check_selection(book, reservation, selection_fingerprint(plan))
-                staged = _release_and_stage(plan, engine_, source, validation, created_at, key, key_path, key_saved,
-                                            release_key, final_dir, progress, invocation, reservation, signer, layout)
+                staged = _release_and_stage(plan, engine_, source, validation_record, created_at, key, key_path,
+                                            key_saved, release_key, final_dir, progress, invocation, reservation,
+                                            signer, layout)
                 try:
                     if reservation:
                         commit(book, reservation, staged.manifest_sha256)
@@ -359,11 +379,10 @@ def _remote_target(spec: ReleaseSpec, out_dir, overwrite: bool) -> RemoteRelease
     return remote
 
 
-def _release_and_stage(plan: Plan, engine_: Engine, source: InputSource, validation, created_at: str, key,
-                       key_path: Path, key_saved: bool, release_key: ReleaseKey, final_dir: Path, progress,
-                       invocation: Invocation, reservation, signer, layout: Layout):
-    """Validate values, save a fresh key, draw the noisy measurements, post-process and stage the release."""
-    validation_record = check_input_values(plan, engine_, source, validation, created_at) if validation else None
+def _release_and_stage(plan: Plan, engine_: Engine, source: InputSource, validation_record: dict | None,
+                       created_at: str, key, key_path: Path, key_saved: bool, release_key: ReleaseKey, final_dir: Path,
+                       progress, invocation: Invocation, reservation, signer, layout: Layout):
+    """Save a fresh key, draw the noisy measurements, post-process and stage the release."""
     if not key_saved:
         key.save(key_path)
     record = dict(engine=engine_.name, key_id=key.key_id(), created_at=created_at,

@@ -529,6 +529,14 @@ def _location(loc: tuple) -> str:
     return text or "spec"
 
 
+DISCRIMINATED = {
+    "definition": "pure (epsilon), zcdp (rho, delta) or approx (epsilon, delta)",
+    "type": "categorical (values), integer (min, max, bins) or geography (domain_file, levels)",
+    "kind": "histogram, marginals, hierarchy, sum, mean, quantile or count_units",
+}
+"""The field that says which kind a block is, and what each kind allows (for a block without it)."""
+
+
 def _pydantic_messages(error: ValidationError) -> list[str]:
     messages = []
     for item in error.errors():
@@ -539,6 +547,11 @@ def _pydantic_messages(error: ValidationError) -> list[str]:
         msg = item["msg"].removeprefix("Value error, ")
         if item["type"] == "missing":
             messages.append(f"{path}: required field is missing")
+        elif item["type"] in ("union_tag_not_found", "union_tag_invalid"):
+            tag = item["ctx"]["discriminator"].strip("'")
+            allowed = DISCRIMINATED.get(tag, "see `dprelease schema`")
+            found = "is missing" if item["type"] == "union_tag_not_found" else f"= {brief(item['ctx'].get('tag'))}"
+            messages.append(f"{path}.{tag} {found}; allowed: {allowed}")
         elif item["type"] == "extra_forbidden":
             messages.append(f"{path}: unknown field (value {brief(item['input'])}); check the spelling against "
                             "`dprelease schema`")

@@ -110,8 +110,25 @@ def _check_workload(query: MarginalsQuery, path: str, problems: list[str]) -> No
                 problems.append(f"{where}: listed twice in one marginal")
 
 
+def _location_problems(spec: ReleaseSpec) -> list[str]:
+    """The spec's input and output URIs checked as a run would check them, with no store reached."""
+    from dprelease.accounting.errors import SpecError
+
+    from .storage.uris import check_uri, is_uri, local_path
+
+    problems = []
+    for field, value in (("input.path", spec.input.path), ("output.dir", spec.output.dir)):
+        try:
+            text = local_path(value)
+            if is_uri(text):
+                check_uri(text, field)
+        except SpecError as error:
+            problems.append(str(error))
+    return problems
+
+
 def cross_reference_problems(spec: ReleaseSpec) -> list[str]:
-    problems: list[str] = []
+    problems: list[str] = _location_problems(spec)
     for name, column in spec.columns.items():
         _check_column(name, column, problems)
     if spec.privacy_unit is None and spec.contribution.max_records_per_unit != 1:

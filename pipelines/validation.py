@@ -238,6 +238,25 @@ class ValidationOutcome:
     def success(self) -> bool:
         return all(r["success"] for r in self.results.values())
 
+    def failed_checks(self) -> list[str]:
+        """The value checks that failed, in public words: the column and what the spec asks of it (its domain,
+        bounds or non-null), never a value or a count. For the operator's console (nothing is published)."""
+        return [describe_check(self.expectations[index]) for index, result in sorted(self.results.items())
+                if not result["success"]]
+
+
+CHECK_WORDS = {
+    "expect_column_values_to_be_in_set": "values outside the spec's domain (e.g. codes spelled otherwise)",
+    "expect_column_values_to_be_between": "values outside the spec's range",
+    "expect_column_values_to_not_be_null": "missing values",
+    "expect_column_values_to_be_in_type_list": "values that are not text codes",
+}
+
+
+def describe_check(expectation: dict) -> str:
+    """One expectation in public words: its column and what it asks."""
+    return f"{expectation['kwargs']['column']}: {CHECK_WORDS.get(expectation['type'], expectation['type'])}"
+
 
 def _jsonable(value):
     if isinstance(value, (np.generic,)):

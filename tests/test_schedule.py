@@ -1,5 +1,6 @@
 """A scheduled monthly series (deploy/schedule) against one ledger: a second release in one month is
-refused by the per-period budget, the third month by the lifetime budget."""
+refused by the per-period budget, the third month by the lifetime budget, and a re-run of a published month
+is a no-op."""
 from __future__ import annotations
 
 import shutil
@@ -44,6 +45,16 @@ def test_three_monthly_releases_with_budget_for_two(tmp_path):
             assert extra.returncode == 3 and "month 2026-01" in extra.stderr, extra.stderr
             assert not (tmp_path / "other-keys" / "2026-01.key").exists()
     assert statuses == [0, 0, 3]
+    # a catch-up (or repeated) run of a published month is a no-op: verified against the ledger, exit 0
+    january = series / "releases" / "demo-2026-01" / "manifest.json"
+    before = january.read_bytes()
+    again = subprocess.run(["bash", str(script), str(series / "monthly.yaml"), "2026-01", str(ledger),
+                            str(tmp_path / "keys")], capture_output=True, text=True)
+    assert again.returncode == 0 and "nothing to do" in again.stdout, again.stderr
+    assert january.read_bytes() == before
+    # the filled-in specs went to a private work directory, never beside the template
+    assert sorted(p.name for p in series.iterdir()) == ["corrected.yaml", "data", "geography.txt", "monthly.yaml",
+                                                         "releases"]
     published = sorted(p.name for p in (series / "releases").iterdir() if not p.name.startswith("."))
     assert published == ["demo-2026-01", "demo-2026-02"]
     assert sorted(p.name for p in (tmp_path / "keys").iterdir()) == ["2026-01.key", "2026-02.key"]

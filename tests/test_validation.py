@@ -131,16 +131,19 @@ def test_schema_level_expectations_name_each_failure(case):
     assert all(r["success"] for r in check_schema(suite, ok, plan).values())
 
 
-def test_strict_stops_on_failed_values_and_releases_the_reservation(case, tmp_path):
+def test_strict_stops_on_failed_values_before_anything_is_reserved(case, tmp_path):
+    """Issue 30 item 3: the operator's own validation runs before the key is drawn and the budget reserved, so a
+    mis-coded column stops a --strict run for free, naming the failed checks (never a value)."""
     book = tmp_path / "ledger.sqlite"
     set_budget(open_ledger(book), "test-data", "epsilon", Fraction(5))
     common = ("--ledger", book, "--out", tmp_path / "out", "--key-file", tmp_path / "k.key",
               "--internal-dir", tmp_path / "internal", "--strict")
     stopped = cli("run", case(rows=DIRTY), *common)
-    assert stopped.returncode == 1 and "--strict" in stopped.stderr
+    assert stopped.returncode == 1 and "--strict" in stopped.stderr and "nothing was reserved" in stopped.stderr
+    assert "sex: values outside the spec's domain" in " ".join(stopped.stderr.split())
     assert not (tmp_path / "out").exists() and not (tmp_path / "k.key").exists()
     _, rows = history(open_ledger(book), "test-data")
-    assert [r.status for r in rows] == ["aborted"]
+    assert rows == []  # nothing reserved, nothing to abort
     published = cli("run", case(rows=CLEAN), *common)
     assert published.returncode == 0, published.stderr
     assert cli("run", case(), "--no-ledger", "--strict").returncode == 2  # strict needs an internal directory
@@ -160,10 +163,16 @@ def test_verify_recomputes_the_suite_hash(case, tmp_path):
 
 
 def test_validate_command_checks_without_releasing(case, tmp_path):
+    """The console says the data does not match the spec, naming the failed checks in public words (exit 1);
+    the report holds the details; nothing is released."""
     spec_path = case(rows=DIRTY)
     checked = cli("validate", spec_path, "--internal-dir", tmp_path / "internal")
-    assert checked.returncode == 0, checked.stderr
+    assert checked.returncode == 1, checked.stderr
+    said = " ".join(checked.stderr.split())
+    assert "The data does not match the spec" in said and "sex: values outside the spec's domain" in said
     assert internal_report(tmp_path / "internal")["success"] is False
+    clean = cli("validate", case(rows=CLEAN), "--internal-dir", tmp_path / "clean")
+    assert clean.returncode == 0 and "Every expectation met" in clean.stdout, clean.stderr
     assert not (spec_path.parent / "out").exists() and not (spec_path.parent / "keys").exists()
     broken = cli("validate", case(rows={k: v for k, v in CLEAN.items() if k != "age"}), "--internal-dir", tmp_path / "i2")
     assert broken.returncode == 2 and "age" in broken.stderr
@@ -178,7 +187,7 @@ def test_schema_and_values_validate_under_pandas_string_inference(case, tmp_path
 
     with pd.option_context("future.infer_string", True):
         assert str(pa.table({"x": ["a"]}).to_pandas().dtypes["x"]) == "str"
-        report = Release.from_yaml(case(rows=DIRTY)).validate(tmp_path / "internal")
+        report = Release.from_yaml(case(rows=DIRTY)).validate(tmp_path / "internal").report
     failed = {e["kwargs"]["column"] for e in json.loads(report.read_text())["expectations"] if not e["success"]}
     assert failed == {"pid", "geo", "age", "sex"}  # the dirty values, and no schema failure
 

@@ -77,19 +77,31 @@ class Store:
         return self.prefix.endswith("://")
 
 
-def open_store(uri: str, field: str) -> tuple[Store, str]:
-    """(the store, the path of `uri` in it). SpecError (exit 2) naming `field` for a URI with credentials in it,
-    a scheme no installed filesystem reads, or a store that cannot be reached."""
+def check_uri(uri: str, field: str) -> None:
+    """The checks of a URI that need no store (SpecError, exit 2, naming `field`): a scheme a store reads, no user
+    info, only connection options (no credentials), and a plain path. Run on the spec's URIs when it is parsed, so
+    `plan` refuses what `run` would."""
     parts = urlsplit(uri)
     scheme = parts.scheme.lower()
     if scheme not in PUBLIC_OPTIONS:
         raise SpecError(f"{field} = {shown(uri)!r}: allowed: a local path, or an s3://, gs:// or hdfs:// URI")
     unknown = sorted({name for name, _ in parse_qsl(parts.query, keep_blank_values=True)} - PUBLIC_OPTIONS[scheme])
-    if unknown or parts.password or (parts.username and parts.username != "anonymous"):
-        what = f"options {unknown}" if unknown else "user info"
-        raise SpecError(f"{field}: the URI holds {what}, which could be credentials; a URI is published with the "
-                        f"release: give credentials through the environment or the store's configuration (allowed "
-                        f"options for {scheme}://: {', '.join(sorted(PUBLIC_OPTIONS[scheme]))})")
+    if unknown or "@" in parts.netloc:
+        what = "options other than connection settings" if unknown else "user info"
+        raise SpecError(f"{field} = {shown(uri)!r}: the URI holds {what}, which could be credentials; give "
+                        f"credentials through the environment or the store's configuration (allowed options for "
+                        f"{scheme}://: {', '.join(sorted(PUBLIC_OPTIONS[scheme]))})")
+    if not plain_store_path(unquote(parts.netloc + parts.path)):
+        raise SpecError(f"{field} = {shown(uri)!r}: the path is not plain (no '..', '.' or empty components): a "
+                        "store reads such a name as another one")
+
+
+def open_store(uri: str, field: str) -> tuple[Store, str]:
+    """(the store, the path of `uri` in it). SpecError (exit 2) naming `field` for a URI with credentials in it,
+    a scheme no installed filesystem reads, or a store that cannot be reached."""
+    check_uri(uri, field)
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
     try:
         filesystem, path = pafs.FileSystem.from_uri(uri)
     except (pa.ArrowException, OSError, ValueError) as error:

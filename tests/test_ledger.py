@@ -42,7 +42,30 @@ def test_monthly_series_stops_when_the_budget_is_spent(case, tmp_path):
     shown = cli("ledger", "show", "test-data", "--ledger", book, "--delta", "1e-9")
     assert shown.returncode == 0 and "committed" in shown.stdout
     from dprelease.accounting.conversions import zcdp_to_epsilon
-    assert f"ε = {zcdp_to_epsilon(1.0, 1e-9):.6g} at δ = 1e-09" in shown.stdout  # rho adds, then converts
+    assert f"ε = {zcdp_to_epsilon(1.0, 1e-9):.4g} at δ = 1e-09" in shown.stdout  # rho adds, then converts
+    own = cli("ledger", "show", "test-data", "--ledger", book)  # each release's own δ (the spec's default, 1e-10)
+    assert f"ε = {zcdp_to_epsilon(0.5, 1e-10):.4g} at δ = 1e-10" in own.stdout, own.stdout
+
+
+def test_an_epsilon_delta_lifetime_budget_is_kept_in_rho_and_shown_at_its_delta(case, tmp_path):
+    """Issue 30: a budget given as (ε, δ) is accepted (kept as the largest ρ whose conversion is (ε, δ)-DP) and
+    the spend is shown as ε at that δ, decimals first."""
+    from dprelease.accounting.conversions import zcdp_to_epsilon
+
+    book = tmp_path / "ledger.sqlite"
+    given = cli("ledger", "set-budget", "test-data", "--epsilon", "3", "--delta", "1e-9", "--ledger", book)
+    assert given.returncode == 0 and "ε = 3 at δ = 1e-09" in given.stdout, given.stderr
+    rows, _ = history(open_ledger(book), "test-data")
+    rho = Fraction(rows[0].lifetime_budget)
+    assert rows[0].unit == "rho" and zcdp_to_epsilon(float(rho), 1e-9) <= 3 < zcdp_to_epsilon(float(rho) * 1.001, 1e-9)
+    ran = cli("run", case(budget={"definition": "approx", "epsilon": 1, "delta": 1e-9}), "--ledger", book,
+              "--key-file", tmp_path / "k.key", "--out", tmp_path / "out")
+    assert ran.returncode == 0, ran.stderr
+    shown = " ".join(cli("ledger", "list", "--ledger", book).stdout.split())
+    assert "rho (zCDP)" in shown and "at δ = 1e-09" in shown
+    wrong = cli("run", case(budget={"definition": "pure", "epsilon": 1}, release_id="p"), "--ledger", book,
+                "--key-file", tmp_path / "p.key", "--out", tmp_path / "out")
+    assert wrong.returncode == 3 and "give the spec a zcdp or approx budget" in " ".join(wrong.stderr.split())
 
 
 def test_rerun_with_the_same_key_is_free_and_states_the_cost(case, tmp_path):

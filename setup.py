@@ -40,6 +40,7 @@ setup(
     package_data={
         "dprelease.examples": ["demo/*.yaml", "adult/*.yaml"],
         "dprelease.accounting": ["manifest.schema.json"],
+        "dprelease.pipelines": ["templates/*.j2"],
     },
     install_requires=[
         "numpy>=1.26",
@@ -53,6 +54,8 @@ setup(
         "SQLAlchemy>=2.0",
         "platformdirs>=3",
         "pandas>=2.2,<3",  # the Python API's tables and plans are DataFrames (pandas 3 is not yet tested on)
+        "jinja2>=3.1",  # the report page, autoescaped
+        "matplotlib>=3.8",  # the report's figures, as inline SVG
     ],
     extras_require={
         "test": ["pytest>=7.4", "scipy>=1.11", "dp-accounting>=0.4", "opendp>=0.12", "jsonschema>=4",

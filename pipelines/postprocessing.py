@@ -435,7 +435,7 @@ def _unit_totals(query: MarginalsQuery, tables: list[TablePlan], estimates, unit
 
 
 CONSISTENCY_STATED = (
-    " Which published tables agree exactly: the estimate (before the integer step) is consistent wherever two "
+    "; which published tables agree exactly: the estimate (before the integer step) is consistent wherever two "
     "tables can be compared; after it, the tables of one query agree as its step says, a marginals query's unit "
     "totals equal the hierarchy's at its level when it has one, and otherwise tables of different queries agree "
     "on a shared total only up to rounding (each table rounds on its own: a histogram's total can differ from "

@@ -1,121 +1,308 @@
-"""`dprelease report DIR`: a self-contained HTML page for auditors (no scripts, no network).
+"""`dprelease report DIR`: a self-contained HTML page (no scripts, no network), for a director first and an
+auditor after.
 
-Built from the manifest after `verify` has re-checked it: the verification result, the budget
-split (an inline SVG chart), each table's expected error (standard deviation and 95% margin, drawn
-as error bars, one scale per kind of value), the loss per attribute and geography level, the published
-values of small tables with their 95% intervals (read from the verified files), the post-processing steps,
-the invariants (unprotected), the ledger (the manifest's block, and the dataset's history when a ledger is
-given), the signature status and the file hashes.
-Written beside the release directory, never inside it (the release stays exactly as published).
+The first screen says what was published (tables, cells, geography levels), the guarantee in one sentence (ε to
+three significant figures, the exact fraction on hover and in the manifest), each query's typical error as a
+share of its typical value and the share of its cells known to within ±10%, which tables are too noisy to use,
+and which checks ran (plain verify shows the release agrees with itself; `--recompute` that its tables are the
+post-processing of its measurements; `--ledger` that it was charged; `--public-key` the signature). Figures
+(matplotlib, inline SVG: `report_figures`) show error against cell size, small tables' values with their 95%
+intervals on a readable scale, and error by geography level. The auditor's sections follow: the budget per
+query (identical tables grouped), noise and expected error, the loss per attribute and level (with the worst
+case over selections), post-processing, invariants, ledger, validation, coding check and file hashes.
+
+The page is a Jinja2 template with autoescaping: every text from a manifest or a table is escaped; only the
+figures' SVG (drawn here) is inserted as markup. Everything on it is post-processing of the verified release's
+public files. Written beside the release directory, never inside it.
 """
 from __future__ import annotations
 
-import json
 import math
-from html import escape
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from jinja2 import Environment, PackageLoader, select_autoescape
+from markupsafe import Markup
 
+from . import report_figures
 from .verify import VerifyReport, verify_release
 
-STYLE = """
-body{font-family:system-ui,sans-serif;margin:2rem;max-width:72rem;color:#1b1b1b}
-h1{margin-bottom:.2rem} h2{margin-top:2rem;border-bottom:1px solid #ccc}
-table{border-collapse:collapse;width:100%;font-size:.9rem} td,th{border:1px solid #ddd;padding:.25rem .5rem;text-align:left}
-th{background:#f3f3f3} .ok{color:#0a6b2d;font-weight:bold} .bad{color:#b00020;font-weight:bold}
-code{font-size:.8rem;overflow-wrap:anywhere} .num{text-align:right;font-variant-numeric:tabular-nums}
-td{overflow-wrap:anywhere}
-"""
+READ_CELLS = 5_000_000
+"""Published cells read for the summary and figures (in table order); a larger release is summarised from its
+first tables and says so (the manifest's expected errors cover every table)."""
+SMALL_TABLE = 30
+"""Tables of at most this many cells are drawn with their values and intervals (the first few of them)."""
+SMALL_TABLES_DRAWN = 4
+PRECISE = 0.10
+"""A cell is known precisely when its 95% margin is within this share of its value."""
+TOO_NOISY = 0.5
+"""A table is too noisy to use when its typical (median) nonzero cell's 95% margin exceeds this share of its
+value."""
 
 
-def _rows(headers: list[str], rows: list[list[str]], numeric: set[int] = frozenset()) -> str:
-    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f'<td class="{"num" if i in numeric else ""}">{cell}</td>'
-                                    for i, cell in enumerate(row)) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+def _environment() -> Environment:
+    environment = Environment(loader=PackageLoader("dprelease.pipelines", "templates"),
+                              autoescape=select_autoescape(["html", "j2"]), trim_blocks=True, lstrip_blocks=True)
+    environment.filters["figure"] = _decimal
+    return environment
 
 
-def _budget_chart(tables: list[dict]) -> str:
-    measured = [t for t in tables if t.get("allocated")]
-    total = sum(t["allocated"]["decimal"] for t in measured) or 1.0
-    width, bar, gap = 640, 18, 6
-    height = len(measured) * (bar + gap) + 10
-    parts = [f'<svg role="img" aria-label="budget split" width="{width + 320}" height="{height}" '
-             f'xmlns="http://www.w3.org/2000/svg">']
-    for i, t in enumerate(measured):
-        share = t["allocated"]["decimal"] / total
-        y = 5 + i * (bar + gap)
-        parts.append(f'<text x="0" y="{y + 13}" font-size="12">{escape(t["name"])}</text>')
-        parts.append(f'<rect x="260" y="{y}" width="{max(share * width, 1):.1f}" height="{bar}" fill="#3b6ea5"/>')
-        parts.append(f'<text x="{266 + share * width:.1f}" y="{y + 13}" font-size="12">'
-                     f'{escape(t["allocated"]["fraction"])} ({share:.1%})</text>')
-    parts.append("</svg>")
-    return "".join(parts)
-
-
-def _error_bar(margin: int, scale: float) -> str:
-    half = margin * scale
-    return (f'<svg width="220" height="16" xmlns="http://www.w3.org/2000/svg"><line x1="{110 - half:.1f}" y1="8" '
-            f'x2="{110 + half:.1f}" y2="8" stroke="#b35c00" stroke-width="2"/><line x1="110" y1="2" x2="110" y2="14" '
-            f'stroke="#1b1b1b"/></svg>')
-
-
-def _bar_scales(tables: list[dict]) -> dict[str, float]:
-    """Pixels per unit of each table's error bar: one scale per kind of value (counts of units together; each
-    measured column's sums, means and counts together), so a sum's margin never flattens the counts' bars."""
-    largest: dict[str, float] = {}
-    for t in tables:
-        margin = (t.get("expected_error") or {}).get("margin_95")
-        if margin:
-            group = _bar_group(t)
-            largest[group] = max(largest.get(group, 0), margin)
-    return {group: 100 / value for group, value in largest.items() if value > 0}
-
-
-def _bar_group(table: dict) -> str:
-    measure = table.get("measure")
-    return f"{table.get('statistic')} of {measure['column']}" if measure else "counts"
-
-
-def _words(key: str) -> str:
-    return key.replace("_", " ").capitalize()
-
-
-def _plain(value) -> str:
-    """A manifest value as a reader expects it: yes/no, a dash for nothing, JSON for nested values."""
+def _decimal(value, digits: int = 3) -> str:
+    """A number for people: three significant figures, grouped thousands, no exponent below a million."""
     if value is None:
         return "–"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, (dict, list)):
-        return json.dumps(value, sort_keys=True)
-    return str(value)
+    number = float(value)
+    if number == 0:
+        return "0"
+    if abs(number) >= 1000:
+        return f"{number:,.0f}"
+    return f"{number:#.{digits}g}".rstrip(".") if abs(number) >= 10 ** (digits - 1) else f"{number:#.{digits}g}"
 
 
-def _record_rows(record: dict) -> str:
-    """A flat manifest block (ledger, input validation) as a two-column table of readable keys and values."""
-    return _rows(["", ""], [[escape(_words(k)), escape(_plain(v))] for k, v in record.items()])
+@dataclass
+class TableSummary:
+    """One published table's values, read from its files, and what they say about its error."""
+
+    name: str
+    query: str
+    cells: int
+    values: np.ndarray
+    margins: np.ndarray
+    labels: list[str]
+
+    @property
+    def nonzero(self) -> np.ndarray:
+        return self.values > 0
+
+    @property
+    def typical_value(self) -> float:
+        return float(np.median(self.values)) if self.values.size else 0.0
+
+    @property
+    def typical_margin(self) -> float:
+        return float(np.median(self.margins)) if self.margins.size else 0.0
+
+    @property
+    def relative(self) -> float:
+        """The typical nonzero cell's 95% margin as a share of its value (inf when no cell is above zero)."""
+        mine = self.nonzero
+        return float(np.median(self.margins[mine] / self.values[mine])) if mine.any() else math.inf
+
+    @property
+    def precise_share(self) -> float:
+        return float(np.mean(self.margins <= PRECISE * self.values)) if self.values.size else 0.0
 
 
-def _loss_rows(implied: dict, unit: str) -> str:
-    """The loss each attribute and each geography level carries (the manifest's implied_loss)."""
-    rows = []
-    for section, label in (("by_attribute", "attribute"), ("by_geography_level", "geography level")):
-        for name, loss in (implied.get(section) or {}).items():
-            amount = loss.get(unit) or {}
-            rows.append([escape(label), escape(name), escape(str(amount.get("fraction", "-"))),
-                         f"{loss['epsilon_at_delta']:.4f}" if loss.get("epsilon_at_delta") is not None else "-"])
-    if not rows:
-        return "<p>Not recorded in this manifest.</p>"
-    return _rows(["of", "name", unit, "epsilon at the release's delta"], rows, {2, 3})
+@dataclass
+class Page:
+    """Everything the template shows, computed here (the template only lays it out)."""
+
+    manifest: dict
+    report: VerifyReport
+    checks: list[dict]
+    published: dict
+    guarantee: dict
+    groups: list[dict]
+    noisy: list[str]
+    figures: dict[str, Markup]
+    budget: list[dict]
+    errors: list[dict]
+    means: list[dict]
+    losses: list[dict]
+    coding: dict
+    history: list | None
+    notes: list[str] = field(default_factory=list)
 
 
-PLOTTED_CELLS = 60
-"""Tables of at most this many cells get a plot of their published values with 95% intervals."""
+def _checks(report: VerifyReport) -> list[dict]:
+    """Which checks ran, what each shows, and which did not run (the banner)."""
+    ran_ledger = not report.ledger.startswith("not checked")
+    signature = report.signature
+    return [
+        {"name": "verify", "state": "passed" if report.ok else "failed",
+         "says": "the release agrees with itself: every file's hash and size, every allocation, mechanism, "
+                 "sensitivity and total re-derived from its spec, every table's structure"},
+        {"name": "--recompute", "state": ("passed" if report.ok else "failed") if report.recomputed else "not run",
+         "says": "the published tables are the post-processing of the published measurements"},
+        {"name": "--ledger", "state": ("passed" if report.ledger.startswith("committed") else "failed")
+         if ran_ledger else "not run", "says": "the release is committed in the ledger at the cost it states, "
+                                               "with this very manifest"},
+        {"name": "--public-key", "state": "passed" if signature.startswith("valid") else
+         ("failed" if report.problems and any(p.startswith("signature") for p in report.problems) else "not run"),
+         "says": "the manifest is signed by the agency's key"},
+    ]
 
 
-def _mean_rows(manifest: dict) -> list[list[str]]:
+def _summaries(report: VerifyReport) -> tuple[list[TableSummary], list[str]]:
+    """The count and sum tables' published values and each cell's 95% margin, read from the verified files."""
+    from .error_columns import with_error_columns
+
+    manifest, summaries, notes, read = report.manifest, [], [], 0
+    for t in manifest.get("tables", []):
+        if t.get("invariant") or t["mechanism"]["kind"] == "exponential" or t.get("statistic") == "units":
+            continue
+        if read + t["cells"] > READ_CELLS:
+            notes.append(f"Tables from {t['name']} on are summarised from the manifest only (over "
+                         f"{READ_CELLS:,} cells read).")
+            break
+        frame = with_error_columns(report.release_dir, manifest, t["name"])
+        value = "count" if "count" in frame.columns else "sum" if "sum" in frame.columns else None
+        if value is None:
+            continue
+        labels = list(frame.columns[:list(frame.columns).index(value)])
+        if "gls_variance" in frame.columns:
+            margins = 1.96 * frame["std"].to_numpy(float)
+        else:
+            margins = np.full(len(frame), float(t["expected_error"]["margin_95"]))
+        text = [" · ".join(str(v) for v in row) for row in frame[labels].itertuples(index=False)] \
+            if t["cells"] <= SMALL_TABLE else []
+        summaries.append(TableSummary(t["name"], t["query"], t["cells"], frame[value].to_numpy(float), margins, text))
+        read += t["cells"]
+    return summaries, notes
+
+
+def _groups(summaries: list[TableSummary], manifest: dict) -> list[dict]:
+    """Per query: its tables and cells, the typical value and margin, the share of cells within ±10%, and a word."""
+    kinds = {q["name"]: q["kind"] for q in manifest["spec"]["queries"]}
+    groups = []
+    for query in dict.fromkeys(s.query for s in summaries):
+        mine = [s for s in summaries if s.query == query]
+        values = np.concatenate([s.values for s in mine])
+        margins = np.concatenate([s.margins for s in mine])
+        nonzero = values > 0
+        relative = float(np.median(margins[nonzero] / values[nonzero])) if nonzero.any() else math.inf
+        precise = float(np.mean(margins <= PRECISE * values)) if values.size else 0.0
+        word = "too noisy to use" if relative > TOO_NOISY else "good" if precise >= 0.5 else "usable with care"
+        groups.append({"query": query, "kind": kinds.get(query, ""), "tables": len(mine),
+                       "cells": int(sum(s.cells for s in mine)),
+                       "typical_value": float(np.median(values[nonzero])) if nonzero.any() else 0.0,
+                       "typical_margin": float(np.median(margins)), "relative": relative, "precise": precise,
+                       "word": word})
+    return groups
+
+
+def _published(manifest: dict) -> dict:
+    tables = manifest.get("tables", [])
+    levels = []
+    for t in tables:
+        for d in t["dimensions"]:
+            if d["level"] and f"{d['column']}.{d['level']}" not in levels:
+                levels.append(f"{d['column']}.{d['level']}")
+    return {"tables": len(tables), "cells": sum(t["cells"] for t in tables),
+            "queries": len(manifest["spec"]["queries"]), "levels": levels,
+            "invariants": [i["table"] for i in manifest.get("invariants") or []]}
+
+
+def _guarantee(manifest: dict) -> dict:
+    """The guarantee in one sentence: ε (and δ) to three significant figures, the exact terms on hover."""
+    privacy, totals = manifest["privacy"], manifest["totals"]
+    unit = "each record" if privacy["unit"] == "record" else f"each {privacy['unit']} (with all their records)"
+    if totals.get("epsilon"):
+        terms = f"ε = {_decimal(totals['epsilon']['decimal'])}"
+        exact = f"epsilon = {totals['epsilon']['fraction']} (pure DP)"
+    else:
+        terms = f"ε = {_decimal(totals['epsilon_at_delta'])}, δ = {totals['delta']:g}"
+        exact = f"rho = {totals['rho']['fraction']} (zCDP), converted to (epsilon, delta) = " \
+                f"({totals['epsilon_at_delta']}, {totals['delta']})"
+    return {"unit": unit, "terms": terms, "exact": exact, "note": privacy["neighbouring_note"]}
+
+
+def _figures(summaries: list[TableSummary], manifest: dict) -> dict[str, Markup]:
+    figures = {}
+    statistics = {t["name"]: t.get("statistic", "count") for t in manifest.get("tables", [])}
+    counts = [s for s in summaries if s.values.size and statistics.get(s.name) == "count"]
+    if counts:
+        groups = {}
+        for query in dict.fromkeys(s.query for s in counts):
+            mine = [s for s in counts if s.query == query]
+            groups[query] = (np.concatenate([s.values for s in mine]), np.concatenate([s.margins for s in mine]))
+        figures["error_against_size"] = Markup(report_figures.error_against_size(groups))
+    kinds = {q["name"]: q["kind"] for q in manifest["spec"]["queries"]}
+    small = sorted((s for s in counts if s.labels), key=lambda s: kinds.get(s.query) != "hierarchy")[:SMALL_TABLES_DRAWN]
+    if small:
+        figures["small_tables"] = Markup(report_figures.values_with_intervals(
+            [(s.name, s.labels, s.values, s.margins) for s in small]))
+    levels = _level_errors(summaries, manifest)
+    if levels:
+        figures["by_level"] = Markup(report_figures.error_by_level(levels))
+    return figures
+
+
+def _level_errors(summaries: list[TableSummary], manifest: dict) -> list[tuple[str, float, float]]:
+    """Per geography level of a hierarchy query: the median margin and the median relative margin."""
+    kinds = {q["name"]: q["kind"] for q in manifest["spec"]["queries"]}
+    found = []
+    for s in summaries:
+        if kinds.get(s.query) != "hierarchy":
+            continue
+        nonzero = s.values > 0
+        relative = float(np.median(s.margins[nonzero] / s.values[nonzero])) if nonzero.any() else 0.0
+        found.append((s.name, s.typical_margin, relative))
+    return found if len(found) > 1 else []
+
+
+def _grouped_budget(manifest: dict) -> list[dict]:
+    """The budget per query: its tables grouped where they got the same share (91 identical rows become one)."""
+    tables = [t for t in manifest.get("tables", []) if t.get("allocated")]
+    total = sum(t["allocated"]["decimal"] for t in tables) or 1.0
+    rows: dict[tuple, dict] = {}
+    for t in tables:
+        key = (t["query"], t["allocated"]["fraction"])
+        row = rows.setdefault(key, {"query": t["query"], "tables": 0, "each": t["allocated"]["decimal"],
+                                    "exact": t["allocated"]["fraction"], "names": []})
+        row["tables"] += 1
+        row["names"].append(t["name"])
+    for row in rows.values():
+        row["share"] = row["each"] * row["tables"] / total
+    for selection in manifest.get("selections") or []:
+        rows[(selection["query"], "selection")] = {
+            "query": f"{selection['query']} (selection)", "tables": selection["rounds"],
+            "each": selection["allocated"]["decimal"] / max(selection["rounds"], 1),
+            "exact": selection["allocated"]["fraction"], "names": [f"{selection['rounds']} rounds"],
+            "share": selection["allocated"]["decimal"] / total}
+    return list(rows.values())
+
+
+def _grouped_errors(manifest: dict) -> list[dict]:
+    """Noise and expected error per table, identical rows (same query, cells, mechanism, error) grouped."""
+    rows: dict[tuple, dict] = {}
+    for t in manifest.get("tables", []):
+        if t.get("invariant"):
+            key = (t["name"], "invariant")
+            rows[key] = {"names": [t["name"]], "cells": t["cells"], "noise": "exact (invariant: not protected)",
+                         "std": 0, "margin": "0", "gls": "–"}
+            continue
+        mechanism = t["mechanism"]
+        if mechanism["kind"] == "exponential":
+            noise = f"exponential mechanism, ε = {_decimal(mechanism['value']['decimal'])} per selection"
+            key = (t["query"], t["cells"], noise)
+            row = rows.setdefault(key, {"names": [], "cells": t["cells"], "noise": noise, "std": None,
+                                        "margin": f"±{t['expected_error']['rank_margin_95']} ranks", "gls": "–"})
+        else:
+            kind = {"discrete_gaussian": "discrete Gaussian, σ² =", "discrete_laplace": "discrete Laplace, b ="}.get(
+                mechanism["kind"], f"{mechanism['kind']} {mechanism['parameter']} =")
+            noise = f"{kind} {_decimal(mechanism['value']['decimal'])}"
+            gls = _estimate_text(t.get("estimate"))
+            key = (t["query"], t["cells"], noise, gls)
+            row = rows.setdefault(key, {"names": [], "cells": t["cells"], "noise": noise,
+                                        "std": t["expected_error"]["std"],
+                                        "margin": f"±{t['expected_error']['margin_95']:,}", "gls": gls,
+                                        "exact": mechanism["value"]["fraction"]})
+        row["names"].append(t["name"])
+    return list(rows.values())
+
+
+def _estimate_text(estimate: dict | None) -> str:
+    """A count table's GLS standard deviation range (version-2 manifests on), else a dash."""
+    if not estimate:
+        return "–"
+    low, high = math.sqrt(estimate["variance_min"]), math.sqrt(estimate["variance_max"])
+    span = _decimal(low) if _decimal(low) == _decimal(high) else f"{_decimal(low)}–{_decimal(high)}"
+    return span + (" (upper bound)" if estimate["bound"] != "exact" else "")
+
+
+def _means(manifest: dict) -> list[dict]:
     """A row per mean: its error at n records from its sum's and count's noise (no budget of its own)."""
     by_name = {t["name"]: t for t in manifest.get("tables", [])}
     rows = []
@@ -125,65 +312,35 @@ def _mean_rows(manifest: dict) -> list[list[str]]:
             continue
         largest = max(abs(float(b)) for b in mean["measure"]["clamp"])
         numerator = math.sqrt(total["expected_error"]["variance"] + largest ** 2 * count["expected_error"]["variance"])
-        rows.append([escape(mean["table"]), f"{total['cells']:,}",
-                     f"ratio {escape(mean['sum_table'])} / {escape(mean['count_table'])} (no budget of its own)",
-                     f"≤ {numerator:,.1f} / n", f"≤ ±{1.96 * numerator:,.1f} / n", "-", ""])
+        rows.append({"name": mean["table"], "cells": total["cells"], "sum": mean["sum_table"],
+                     "count": mean["count_table"], "std_at_n": numerator, "margin_at_n": 1.96 * numerator})
     return rows
 
 
-def _coding_check(report: VerifyReport) -> str:
+def _losses(manifest: dict) -> list[dict]:
+    """The loss each attribute and geography level carries, decimals first, and the worst case over selections."""
+    implied = manifest.get("implied_loss") or {}
+    unit = "epsilon" if manifest["privacy"]["definition"] == "pure" else "rho"
+    worst = implied.get("worst_case_over_selections") or {}
+    rows = []
+    for section, label in (("by_attribute", "attribute"), ("by_geography_level", "geography level")):
+        for name, loss in (implied.get(section) or {}).items():
+            bound = (worst.get(section) or {}).get(name)
+            rows.append({"of": label, "name": name, "amount": loss[unit]["decimal"], "exact": loss[unit]["fraction"],
+                         "epsilon": loss.get("epsilon_at_delta"),
+                         "worst": None if bound is None else bound[unit]["decimal"],
+                         "worst_epsilon": None if bound is None else bound.get("epsilon_at_delta")})
+    return rows
+
+
+def _coding(report: VerifyReport) -> dict:
     """Dimensions whose (other) cells hold a large share of a published count table (public files only)."""
     from .coding_check import OTHER_SHARE_LIMIT, other_shares
 
     if not report.ok:
-        return "<p>Not run: the release did not verify.</p>"
-    found = other_shares(report.release_dir, report.manifest)
-    if not found:
-        return (f"<p>No column or geography level has more than {OTHER_SHARE_LIMIT:.0%} of a published count "
-                "table's total in its (other) cells.</p>")
-    return '<ul class="bad">' + "".join(f"<li>{escape(share.message())}</li>" for share in found) + "</ul>"
-
-
-def _value_plots(report: VerifyReport) -> str:
-    """Per small table (count, sum), its published values with their 95% intervals (counts: 1.96 x the GLS std of
-    the cell; sums: the noise's 95% margin), read from the verified release's own files (public)."""
-    from .error_columns import with_error_columns
-
-    if not report.ok:
-        return "<p>Not drawn: the release did not verify.</p>"
-    manifest = report.manifest
-    plots = []
-    for t in manifest.get("tables", []):
-        if t["cells"] > PLOTTED_CELLS or t.get("invariant") or t["mechanism"]["kind"] == "exponential":
-            continue
-        frame = with_error_columns(report.release_dir, manifest, t["name"])
-        value = "count" if "count" in frame.columns else "sum"
-        if value not in frame.columns:
-            continue
-        labels = frame.columns[:list(frame.columns).index(value)]
-        half = 1.96 * frame["std"] if "gls_variance" in frame.columns else frame.get("margin_95", 0 * frame[value])
-        plots.append(f"<h3>{escape(t['name'])}</h3>" + _dot_plot(
-            [" ".join(str(v) for v in row) for row in frame[list(labels)].itertuples(index=False)],
-            frame[value].to_numpy(float), np.asarray(half, dtype=float)))
-    return "".join(plots) or f"<p>No table has at most {PLOTTED_CELLS} cells.</p>"
-
-
-def _dot_plot(labels: list[str], values, half) -> str:
-    width, row = 420, 16
-    high = float(max(np.max(values + half), 1.0)) if len(values) else 1.0
-    low = float(min(np.min(values - half), 0.0)) if len(values) else 0.0
-    scale = width / (high - low)
-    parts = [f'<svg role="img" aria-label="values with 95% intervals" width="{width + 330}" '
-             f'height="{len(values) * row + 8}" xmlns="http://www.w3.org/2000/svg">']
-    for i, (label, v, h) in enumerate(zip(labels, values, half)):
-        y = 4 + i * row + row / 2
-        x0, x1, x = (200 + (a - low) * scale for a in (v - h, v + h, v))
-        parts.append(f'<text x="0" y="{y + 4:.1f}" font-size="11">{escape(label[:32])}</text>'
-                     f'<line x1="{x0:.1f}" y1="{y:.1f}" x2="{x1:.1f}" y2="{y:.1f}" stroke="#b35c00" stroke-width="2"/>'
-                     f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="#3b6ea5"/>'
-                     f'<text x="{210 + width:.1f}" y="{y + 4:.1f}" font-size="11">{v:,.0f} ± {h:,.1f}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+        return {"ran": False, "limit": OTHER_SHARE_LIMIT, "found": []}
+    return {"ran": True, "limit": OTHER_SHARE_LIMIT,
+            "found": [share.message() for share in other_shares(report.release_dir, report.manifest)]}
 
 
 def _conforms(manifest: dict | None) -> bool:
@@ -199,125 +356,22 @@ def _conforms(manifest: dict | None) -> bool:
     return True
 
 
-def _problems_page(report: VerifyReport) -> str:
-    """A malformed manifest: the page lists what verify found, and draws nothing from the manifest."""
-    items = "".join(f"<li>{escape(p)}</li>" for p in report.problems)
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>dprelease report: malformed '
-            f"manifest</title><style>{STYLE}</style></head><body><h1>{escape(str(report.release_dir.name))}</h1>"
-            f'<p class="bad">MISMATCH: the manifest does not have the published schema\'s shape:</p>'
-            f"<ul>{items}</ul></body></html>\n")
-
-
-def _measure_text(table: dict) -> str:
-    """'sum of income clamped to [0, 500000]; ' for a measure table, '' otherwise (escaped)."""
-    measure = table.get("measure")
-    if not measure:
-        return escape(f"{table['statistic']}; ") if table.get("statistic") else ""
-    low, high = measure["clamp"]
-    return escape(f"{table['statistic']} of {measure['column']} clamped to [{low}, {high}]; ")
-
-
-def _candidates_text(candidates: list) -> str:
-    shown = ", ".join(str(c) for c in candidates[:8])
-    return f"{shown}, ... ({len(candidates)})" if len(candidates) > 8 else shown
-
-
-def _estimate_text(estimate: dict | None) -> str:
-    """A count table's GLS standard deviation range (version-2 manifests), else '-'."""
-    if not estimate:
-        return "-"
-    low, high = math.sqrt(estimate["variance_min"]), math.sqrt(estimate["variance_max"])
-    span = f"{low:.3f}" if f"{low:.3f}" == f"{high:.3f}" else f"{low:.3f}–{high:.3f}"
-    return span + (" (upper bound)" if estimate["bound"] != "exact" else "")
+def page_of(report: VerifyReport, ledger_history: list | None = None) -> Page:
+    """The page's content for a release whose manifest has the published schema's shape."""
+    manifest = report.manifest
+    summaries, notes = _summaries(report) if report.ok else ([], ["Not read: the release did not verify."])
+    groups = _groups(summaries, manifest)
+    noisy = [s.name for s in summaries if s.relative > TOO_NOISY]
+    return Page(manifest, report, _checks(report), _published(manifest), _guarantee(manifest), groups, noisy,
+                _figures(summaries, manifest), _grouped_budget(manifest), _grouped_errors(manifest), _means(manifest),
+                _losses(manifest), _coding(report), ledger_history, notes)
 
 
 def render(report: VerifyReport, ledger_history: list | None = None) -> str:
+    environment = _environment()
     if not _conforms(report.manifest):
-        return _problems_page(report)
-    manifest = report.manifest
-    tables = manifest.get("tables", [])
-    scales = _bar_scales(tables)
-    status = ('<p class="ok">Verified: every file hash, allocation, mechanism and total matches.</p>' if report.ok
-              else '<p class="bad">MISMATCH:</p><ul>' + "".join(f"<li>{escape(p)}</li>" for p in report.problems) + "</ul>")
-    totals = manifest.get("totals", {})
-    total_text = (f"epsilon = {escape(totals['epsilon']['fraction'])}" if totals.get("epsilon")
-                  else f"rho = {escape(totals.get('rho', {}).get('fraction', '?'))}, i.e. "
-                       f"({totals.get('epsilon_at_delta', 0):.4f}, {totals.get('delta')})-DP")
-    error_rows = []
-    for t in tables:
-        if t.get("invariant"):
-            error_rows.append([escape(t["name"]), f"{t['cells']:,}", "exact (invariant)", "0", "0", "-", ""])
-            continue
-        mechanism = t["mechanism"]
-        measured = _measure_text(t)
-        if mechanism["kind"] == "exponential":
-            error_rows.append([escape(t["name"]), f"{t['cells']:,} x {len(t['quantile']['q'])} q",
-                               f"{measured}exponential mechanism, epsilon={escape(mechanism['value']['fraction'])} per "
-                               f"selection; q {escape(', '.join(t['quantile']['q']))}; candidates "
-                               f"{escape(_candidates_text(t['quantile']['candidates']))}",
-                               "-", f"±{t['expected_error']['rank_margin_95']} ranks", "-", ""])
-            continue
-        error_rows.append([escape(t["name"]), f"{t['cells']:,}",
-                           f"{measured}{escape(mechanism['kind'])} {escape(mechanism['parameter'])}={escape(mechanism['value']['fraction'])}",
-                           f"{t['expected_error']['std']:.3f}", f"±{t['expected_error']['margin_95']}",
-                           _estimate_text(t.get("estimate")),
-                           _error_bar(t["expected_error"]["margin_95"], scales.get(_bar_group(t), 1.0))])
-    error_rows += _mean_rows(manifest)
-    privacy = manifest.get("privacy", {})
-    sections = [
-        f"<h1>Release {escape(manifest.get('release_id', '?'))}</h1>",
-        f"<p>Dataset <b>{escape(manifest.get('dataset_id', '?'))}</b> · engine {escape(str(manifest.get('engine')))} · "
-        f"dprelease {escape(str(manifest.get('software', {}).get('version')))} · created "
-        f"{escape(str(manifest.get('provenance', {}).get('created_at')))} · key id <code>{escape(str(manifest.get('key_id')))}</code>"
-        f" · signature: {escape(report.signature)}</p>",
-        status,
-        "<h2>Privacy guarantee</h2>",
-        f"<p>Privacy unit: <b>{escape(str(privacy.get('unit')))}</b>; {escape(str(privacy.get('neighbouring_note', '')))}. "
-        f"Definition {escape(str(privacy.get('definition')))}; total {total_text}; at most "
-        f"{escape(str(privacy.get('contribution_bounds', {}).get('max_records_per_unit')))} records per unit.</p>",
-        "<h2>Budget split</h2>", _budget_chart(tables),
-        "<h2>Privacy loss per attribute and geography level</h2>",
-        "<p>What the release reveals about one attribute or one geography level of a unit: the composed loss of the "
-        "tables that use it.</p>",
-        _loss_rows(manifest.get("implied_loss") or {}, "epsilon" if privacy.get("definition") == "pure" else "rho"),
-        "<h2>Expected error per cell</h2>",
-        _rows(["table", "cells", "noise", "std dev", "95% margin", "GLS std dev", "error bar"], error_rows, {1, 3, 4, 5}),
-        "<p>Error bars: the 95% margin, drawn to one scale per kind of value (" +
-        escape(", ".join(sorted(scales))) + "), so bars compare within a kind only.</p>",
-        "<p>GLS std dev: the standard deviation of a cell's generalised least-squares estimate from all count "
-        "measurements together, before the nonnegative integer step (min–max over the table's cells; per cell in "
-        "the table's <code>gls_variance</code> column); an upper bound where marked.</p>",
-        "<p>Means: the ratio of a sum and a count table; at n records in a cell the standard deviation is at most "
-        "the numerator shown divided by n (delta method: sqrt(Var S + M<sup>2</sup> Var C) / n, M the larger bound "
-        "of the clamp); per cell in the API's <code>std_approx</code> column.</p>" if manifest.get("means") else "",
-        "<h2>Coding check</h2>", _coding_check(report),
-        "<h2>Published values with 95% intervals</h2>",
-        "<p>Tables of at most " + str(PLOTTED_CELLS) + " cells: each cell's published value (dot) and its 95% "
-        "interval (counts: ±1.96 standard deviations of the least-squares estimate; sums: the noise's margin).</p>",
-        _value_plots(report),
-        "<h2>Post-processing</h2>",
-        "<ol>" + "".join(f"<li><b>{escape(s['query'])}</b>: {escape(s['step'])}</li>"
-                          for s in manifest.get("post_processing", [])) + "</ol>",
-        "<h2>Invariants (published without protection)</h2>",
-        ("<ul>" + "".join(f"<li>{escape(i['table'])}: {escape(i['note'])}</li>" for i in manifest["invariants"]) + "</ul>")
-        if manifest.get("invariants") else "<p>None.</p>",
-        "<h2>Ledger</h2>",
-        _record_rows(manifest["ledger"]) if manifest.get("ledger") else "<p>This release was not run against a ledger.</p>",
-    ]
-    if ledger_history:
-        sections.append(_rows(["release", "period", "key id", "spend", "status", "reserved at"],
-                              [[escape(r.release_id), escape(r.period or "-"), f"<code>{escape(r.key_id)}</code>",
-                                escape(r.spend), escape(r.status), escape(str(r.reserved_at))]
-                               for r in ledger_history]))
-    validation = manifest.get("input_validation")
-    sections += ["<h2>Input validation</h2>",
-                 _record_rows(validation) if validation else "<p>The input was not validated with an expectation suite.</p>"]
-    sections += ["<h2>Files</h2>",
-                 _rows(["path", "bytes", "SHA-256"], [[escape(f["path"]), f"{f['bytes']:,}", f"<code>{escape(f['sha256'])}</code>"]
-                                                      for f in manifest.get("files", [])], {1})]
-    title = escape(f"dprelease report: {manifest.get('release_id', '?')}")
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
-            f"<style>{STYLE}</style></head><body>{''.join(sections)}</body></html>\n")
+        return environment.get_template("malformed.html.j2").render(report=report)
+    return environment.get_template("report.html.j2").render(page=page_of(report, ledger_history), inf=math.inf)
 
 
 def render_report(release_dir: Path, public_key: Path | None = None, ledger: str | None = None,

@@ -24,6 +24,53 @@ def test_quickstart_runs_as_written(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "releases" / "quickstart-2026" / "manifest.json").exists()
 
 
+BLOCKER = """
+import importlib.abc, sys
+BLOCKED = frozenset({blocked!r})
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".", 1)[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (only `pip install .`)", name=name)
+        return None
+sys.meta_path.insert(0, Blocker())
+"""
+
+
+def _extra_only_modules() -> set[str]:
+    """The import names of every package only an extra installs (what `pip install .` alone lacks)."""
+    from importlib.metadata import packages_distributions, requires
+
+    def name(requirement: str) -> str:
+        return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].strip().lower().replace("_", "-")
+
+    base = {name(r) for r in requires("dprelease") if "extra ==" not in r}
+    extra = {name(r) for r in requires("dprelease") if "extra ==" in r} - base
+    return {module for module, distributions in packages_distributions().items()
+            if any(d.lower().replace("_", "-") in extra for d in distributions)
+            and not any(d.lower().replace("_", "-") in base for d in distributions)}
+
+
+def test_quickstart_runs_from_the_base_install_alone(tmp_path):
+    """Issue 30: `pip install .` without extras must run the quickstart. Every module only an extra installs
+    is made unimportable (in this process's children too, through sitecustomize), then the blocks run."""
+    import subprocess
+    import sys
+
+    blocked = _extra_only_modules()
+    assert {"pyspark", "apache_beam", "great_expectations"} <= blocked and "pandas" not in blocked
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(BLOCKER.format(blocked=sorted(blocked)))
+    script = tmp_path / "quickstart.py"
+    script.write_text("\n".join(python_blocks(REPO / "docs" / "quickstart.md")))
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "releases" / "quickstart-2026" / "manifest.json").exists()
+
+
 def test_api_reference_names_what_exists():
     """Every `release.x` / `result.x` member docs/api.md documents exists."""
     import dprelease
@@ -99,13 +146,17 @@ def test_the_statistician_and_auditor_tutorials_run_as_written(tmp_path):
     root = tmp_path / "repo"
     (root / "examples").mkdir(parents=True)
     shutil.copytree(REPO / "examples" / "adult", root / "examples" / "adult")
+    (root / "examples" / "demo").mkdir()
+    for name in ("spec.yaml", "geography.txt"):
+        shutil.copy(REPO / "examples" / "demo" / name, root / "examples" / "demo" / name)
     blocks = bash_blocks(REPO / "docs" / "tutorials" / "statistician.md") + \
         bash_blocks(REPO / "docs" / "tutorials" / "auditor.md")
-    assert len(blocks) == 4
+    assert len(blocks) == 6
     for block in blocks:
         done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=root, capture_output=True, text=True)
         assert done.returncode == 0, (block, done.stdout[-2000:], done.stderr[-2000:])
     assert (root / "examples" / "adult" / "releases" / "adult-2way.report.html").exists()
+    assert list((root / "private" / "attack").glob("attack-demo-2026.json"))  # the reconstruction check ran
     assert json.loads((root / "plan.json").read_text())["tables"]
     # the shipped Adult example end to end (the blocks ran and verified it): all 91 2-way tables at (1, 1e-9)
     manifest = json.loads((root / "examples" / "adult" / "releases" / "adult-2way" / "manifest.json").read_text())

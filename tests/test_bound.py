@@ -59,7 +59,7 @@ def test_kept_multiset_does_not_depend_on_order():
     rng = np.random.default_rng(1)
     unit_values = rng.integers(0, 300, 5000)
     codes = [rng.integers(0, 4, 5000), rng.integers(0, 3, 5000)]
-    keys = record_keys(codes, [4, 3])
+    keys = record_keys(codes, [4, 3], 5000)
     secret = os.urandom(32)
     keep = bound_contributions(pa.array(unit_values), keys, 2, secret)
     order = rng.permutation(5000)

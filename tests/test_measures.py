@@ -153,7 +153,7 @@ def _vectors(plan, rows: dict, key_bytes: bytes = b"k" * 32) -> dict[str, np.nda
     codes, keep = encode_batch(batch, encoders)
     codes = {c: v[keep] for c, v in codes.items()}
     units = batch.column(plan.spec.privacy_unit).filter(pa.array(keep))
-    vectors = bounded_counts([t.layout for t in plan.tables], codes, [plan.domains[c].size for c in columns], units,
+    vectors = bounded_counts([t.layout for t in plan.tables], codes, int(keep.sum()), [plan.domains[c].size for c in columns], units,
                              plan.bounds.max_records_per_unit, ReleaseKey(key_bytes).derive("dprelease/bound"))
     return {t.name: v for t, v in zip(plan.tables, vectors)}
 

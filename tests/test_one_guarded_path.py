@@ -326,3 +326,31 @@ def test_submit_leaves_no_temporary_directory(case, tmp_path):
     subprocess.run(["bash", str(REPO / "deploy/spark/submit.sh"), "local[1]", "no-such-spec.yaml", "--no-ledger"],
                    capture_output=True, text=True, env=env, timeout=300)
     assert [p for p in temporary.iterdir() if p.name.startswith("tmp")] == []
+
+
+# ---- review: a release whose tables read no column counts every record, on every engine ----------------------------
+
+@pytest.mark.parametrize("unit", ["pid", None])
+def test_a_total_that_reads_no_column_counts_every_record_on_every_engine(case, tmp_path, unit):
+    """Found by review: with no encoded column the embedded and Spark engines derived each batch's row count
+    from the codes and counted 0, Beam counted right; a free re-run on the other engine would then have
+    published the same noise over another count (the exact total). The row count is passed, never derived."""
+    import pyarrow as pa
+
+    from dprelease.pipelines.engines.spark import _encode_bound_count_function, _range_steps
+    from dprelease.pipelines.plan import build_plan
+    from dprelease.pipelines.spec import load_spec
+
+    rows = {"pid": [1, 2, 3, 3, 4], "geo": ["01001000100"] * 5, "age": [1, 2, 3, 4, 5], "sex": ["F"] * 5}
+    spec = case(rows=rows, privacy_unit=unit, queries=[{"name": "total", "kind": "histogram", "by": []}],
+                budget={"definition": "pure", "epsilon": 1_000_000})
+    expected = 4 if unit else 5  # k = 1: unit 3's second record is not counted
+    for engine in ("embedded", "beam"):
+        released = run_release(spec, key_file=tmp_path / "k.key", out_dir=tmp_path / engine, engine=engine,
+                               ledger=None).release_dir
+        assert pq.read_table(released / "measurements" / "total.parquet").column("noisy_count").to_pylist() \
+            == [expected], engine
+    plan = build_plan(*load_spec(spec))  # the Spark executors' partition kernel, on the same records
+    count = _encode_bound_count_function(plan, unit, b"k" * 32, _range_steps(plan))
+    emitted = list(count(iter([pa.table(rows).to_batches()[0]])))
+    assert sum(sum(batch.column("count").to_pylist()) for batch in emitted) == expected

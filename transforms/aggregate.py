@@ -129,15 +129,17 @@ def unravel_cells(sizes: tuple[int, ...]) -> list[np.ndarray]:
     return [np.asarray(g, dtype=np.int64) for g in grids]
 
 
-def bounded_counts(layouts: list[TableLayout], codes: dict[str, np.ndarray], sizes: list[int],
+def bounded_counts(layouts: list[TableLayout], codes: dict[str, np.ndarray], rows: int, sizes: list[int],
                    units: pa.Array | pa.ChunkedArray | None, k: int, subkey: bytes, sink=None) -> list[np.ndarray]:
-    """True measurement vectors of every table over records that hold all records of their units (a partition);
-    `sink(codes, rows)`, when given, also receives the codes of the records kept.
+    """True measurement vectors of every table over `rows` records (their `codes`; none when no table reads a
+    column) that hold all records of their units (a partition); `sink(codes, rows)`, when given, also receives
+    the codes of the records kept.
 
     Privacy: with `units`, each unit's records are first bounded to k (`bound_contributions`);
-    with None every record is its own unit and is counted as is.
+    with None every record is its own unit and is counted as is. The row count is given, never derived from
+    the codes: a release whose tables read no column (a total) counts every record on every engine.
     """
-    codes, n_rows, keep = bounded_records(codes, sizes, units, k, subkey)
+    codes, n_rows, keep = bounded_records(codes, rows, sizes, units, k, subkey)
     if sink is not None:
         sink(codes, n_rows)
     unit_ids = None
@@ -146,13 +148,15 @@ def bounded_counts(layouts: list[TableLayout], codes: dict[str, np.ndarray], siz
     return [layout.measure_vector(codes, n_rows, unit_ids) for layout in layouts]
 
 
-def bounded_records(codes: dict[str, np.ndarray], sizes: list[int], units: pa.Array | pa.ChunkedArray | None, k: int,
+def bounded_records(codes: dict[str, np.ndarray], rows: int, sizes: list[int],
+                    units: pa.Array | pa.ChunkedArray | None, k: int,
                     subkey: bytes) -> tuple[dict[str, np.ndarray], int, np.ndarray | None]:
-    """(the codes of the records kept, their number, the mask kept or None) of records that hold all records of
-    their units (a partition). Privacy: with `units`, each unit's records bounded to k (`bound_contributions`,
-    keyed by the records' codes of every column in `codes`); with None every record is its own unit, kept."""
-    n_rows = len(next(iter(codes.values()))) if codes else 0
+    """(the codes of the records kept, their number, the mask kept or None) of `rows` records that hold all
+    records of their units (a partition). Privacy: with `units`, each unit's records bounded to k
+    (`bound_contributions`, keyed by the records' codes of every column in `codes`); with None every record is
+    its own unit, kept."""
+    n_rows = rows
     if units is None or not n_rows:
         return codes, n_rows, None
-    keep = bound_contributions(units, record_keys([codes[c] for c in codes], sizes), k, subkey)
+    keep = bound_contributions(units, record_keys([codes[c] for c in codes], sizes, rows), k, subkey)
     return {c: values[keep] for c, values in codes.items()}, int(keep.sum()), keep

@@ -112,7 +112,7 @@ def _bound_shard(tables: Iterable[pa.Table], columns: list[str], sizes: list[int
                  key: ReleaseKey) -> pa.Table:
     """All records of a shard's units, bounded to k per unit by the bounding kernel."""
     table = pa.concat_tables(list(tables)).combine_chunks()
-    keys = record_keys([table.column(c).to_numpy() for c in columns], sizes)
+    keys = record_keys([table.column(c).to_numpy() for c in columns], sizes, table.num_rows)
     keep = bound_contributions(table.column(UNIT), keys, k, key.derive("dprelease/bound"))
     return table.filter(pa.array(keep))
 

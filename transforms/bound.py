@@ -101,12 +101,13 @@ def records_over_limit(units: pa.Array | pa.ChunkedArray, k: int) -> np.ndarray:
     return np.flatnonzero(np.bincount(ids)[ids] > k)
 
 
-def record_keys(codes: list[np.ndarray], sizes: list[int]) -> np.ndarray:
-    """One uint64 per record identifying its encoded values (exact mixed radix when it fits)."""
+def record_keys(codes: list[np.ndarray], sizes: list[int], rows: int) -> np.ndarray:
+    """One uint64 per record of `rows` identifying its encoded values (exact mixed radix when it fits; all equal
+    when no column is encoded)."""
     total = 1
     for size in sizes:
         total *= size
-    key = np.zeros(codes[0].size if codes else 0, dtype=np.uint64)
+    key = np.zeros(rows, dtype=np.uint64)
     if total < 2**63:
         for column, size in zip(codes, sizes):
             key = key * np.uint64(size) + column.astype(np.uint64)

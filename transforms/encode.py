@@ -164,6 +164,9 @@ def encode_batch(batch: pa.RecordBatch | pa.Table, encoders: dict[str, ColumnEnc
 
 UNIT = "__unit__"
 """Name of the privacy-unit column in an encoded table."""
+ROWS = "__rows__"
+"""A placeholder column (zeros) of an encoded table with no encoded column, so that it keeps its row count (an
+Arrow table without columns has none): a release whose tables read no column still counts every record."""
 
 
 def code_dtype(domain_size: int) -> type:
@@ -183,6 +186,8 @@ def encoded_table(batch: pa.RecordBatch | pa.Table, encoders: dict[str, ColumnEn
         keep &= pc.is_valid(batch.column(unit)).to_numpy(zero_copy_only=False)
     mask = pa.array(keep)
     data = {c: pa.array(codes[c].astype(code_dtype(encoders[c].domain.size))).filter(mask) for c in encoders}
+    if not encoders:
+        data[ROWS] = pa.array(np.zeros(int(keep.sum()), dtype=np.int8))
     if unit:
         data[UNIT] = batch.column(unit).filter(mask)
     return pa.table(data)

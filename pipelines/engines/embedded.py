@@ -146,7 +146,7 @@ class EmbeddedEngine(Engine):
         # the codes dict is built inline so the kernel holds its only reference and can drop
         # the unbounded arrays once filtered (peak memory)
         partial = bounded_counts([t.layout for t in plan.tables],
-                                 {c: table.column(c).to_numpy() for c in plan.encoded_columns()},
+                                 {c: table.column(c).to_numpy() for c in plan.encoded_columns()}, table.num_rows,
                                  sizes, units, plan.bounds.max_records_per_unit, subkey, sink)
         for t, values in zip(plan.tables, partial):
             counts[t.name] += values

@@ -73,17 +73,19 @@ def _encode_bound_count_function(plan: Plan, unit: str | None, subkey: bytes, st
     def encode_bound_count(batches):
         parts: dict[str, list] = {c: [] for c in columns}
         units = []
+        rows = 0
         for batch in batches:
             codes, keep = encode_batch(batch, encoders)  # reads each encoder's source column
             for c in columns:
                 parts[c].append(codes[c][keep].astype(np.int32))
             if unit:
                 units.append(batch.column(unit).filter(pa.array(keep)))
-        if not units and not any(parts.values()):
+            rows += int(keep.sum())
+        if not rows:
             return
         codes = {c: np.concatenate(v) if v else np.empty(0, np.int32) for c, v in parts.items()}
         unit_values = pa.chunked_array(units).combine_chunks() if unit else None
-        partial = bounded_counts(layouts, codes, sizes, unit_values, plan.bounds.max_records_per_unit, subkey)
+        partial = bounded_counts(layouts, codes, rows, sizes, unit_values, plan.bounds.max_records_per_unit, subkey)
         for table_id, counts in enumerate(partial):
             cells = np.flatnonzero(counts)
             yield pa.RecordBatch.from_pydict({

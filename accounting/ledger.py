@@ -66,7 +66,8 @@ MIGRATIONS = {
         "ALTER TABLE releases ADD COLUMN plan_sha256 VARCHAR(64)"],
     5: ["ALTER TABLE releases ADD COLUMN selection_sha256 VARCHAR(64)"],
     6: ["ALTER TABLE datasets ADD COLUMN delta VARCHAR(32)",
-        "ALTER TABLE releases ADD COLUMN delta VARCHAR(32)"],
+        "ALTER TABLE releases ADD COLUMN delta VARCHAR(32)",
+        "ALTER TABLE releases ADD COLUMN measurements_sha256 VARCHAR(64)"],
 }
 """(`TIMESTAMP WITH TIME ZONE`: PostgreSQL's TIMESTAMP alone would store an aware UTC time as the session's
 local time.)"""
@@ -112,6 +113,7 @@ releases = Table(
     Column("plan_sha256", String(64)),
     Column("selection_sha256", String(64)),
     Column("delta", String(32)),
+    Column("measurements_sha256", String(64)),
 )
 """`selection_sha256`: what a release's selections chose (the tables, in order), recorded by its first run; a
 free re-run must choose exactly the same (`check_selection`)."""
@@ -266,6 +268,8 @@ class Reservation:
     """Committed before its release was staged (`charge_before_publication`): a failure no longer refunds it."""
     selection_sha256: str | None = None
     """A free re-run: what the committed release's selections chose (None: nothing recorded)."""
+    measurements_sha256: str | None = None
+    """A free re-run: the digest of the committed release's noisy measurements (None: not recorded yet)."""
 
     @property
     def charged_by_this_run(self) -> Fraction:
@@ -445,7 +449,8 @@ def reserve(engine: Engine, dataset_id: str, release_id: str, key_id: str, spec_
                       periods=tuple(charged_periods))
         if committed is not None:
             return Reservation(committed.id, dataset_id, unit, Fraction(committed.spend), spent, lifetime,
-                               rerun=True, selection_sha256=committed.selection_sha256, **fields)
+                               rerun=True, selection_sha256=committed.selection_sha256,
+                               measurements_sha256=committed.measurements_sha256, **fields)
         if spent + spend > lifetime:
             raise BudgetError(
                 f"dataset {dataset_id!r}: this release needs {spend} {unit} ({float(spend):.6g}) but only "
@@ -480,26 +485,48 @@ def _published(connection, row_id: int, manifest_sha256: str) -> None:
                                                     published_at=_now()))
 
 
-def commit(engine: Engine, reservation: Reservation, manifest_sha256: str) -> None:
+def commit(engine: Engine, reservation: Reservation, manifest_sha256: str, measurements_sha256: str) -> None:
     """Charge the reservation for good and record the manifest about to be published (called before the
-    rename). Raises LedgerError, so that nothing is published, when the row is no longer this run's
-    reserved row (settled by `reconcile` after the run's lease expired). A free re-run records only its
-    manifest against the committed row."""
+    rename), with the digest of its noisy measurements. Raises LedgerError, so that nothing is published, when
+    the row is no longer this run's reserved row (settled by `reconcile` after the run's lease expired). A free
+    re-run records only its manifest against the committed row, and only when its noisy measurements are
+    exactly the committed release's (BudgetError otherwise, nothing published): the same key over the same
+    input must reproduce them on any engine and version, and anything else would publish other noise for free
+    (a discrepancy between engines, say, would publish the exact difference of their counts)."""
     with engine.begin() as connection:
+        if reservation.rerun:
+            _check_reproduced(connection, reservation, measurements_sha256)
         if reservation.charged_early:  # its first publication: the row shows it (ledger show, reconcile)
             connection.execute(releases.update().where((releases.c.id == reservation.row_id)
                                                        & releases.c.manifest_sha256.is_(None))
-                               .values(manifest_sha256=manifest_sha256))
+                               .values(manifest_sha256=manifest_sha256, measurements_sha256=measurements_sha256))
         if reservation.rerun or reservation.charged_early:
             _published(connection, reservation.row_id, manifest_sha256)
             return
         done = connection.execute(releases.update().where(_held(reservation)).values(
-            status=COMMITTED, manifest_sha256=manifest_sha256, finished_at=_now(), lease_expires_at=None))
+            status=COMMITTED, manifest_sha256=manifest_sha256, measurements_sha256=measurements_sha256,
+            finished_at=_now(), lease_expires_at=None))
         if done.rowcount != 1:
             raise LedgerError(f"ledger: the reservation of release row {reservation.row_id} is no longer held by this "
                               "run (its lease expired and `dprelease ledger reconcile` settled it?); nothing is "
                               "published. Run the release again")
         _published(connection, reservation.row_id, manifest_sha256)
+
+
+def _check_reproduced(connection, reservation: Reservation, measurements_sha256: str) -> None:
+    """A free re-run publishes only the committed release's noisy measurements; a row committed before they
+    were recorded records them now (its first re-run)."""
+    row = connection.execute(select(releases.c.measurements_sha256).where(releases.c.id == reservation.row_id)).first()
+    recorded = row.measurements_sha256 if row is not None else None
+    if recorded is None:
+        connection.execute(releases.update().where((releases.c.id == reservation.row_id)
+                                                   & releases.c.measurements_sha256.is_(None))
+                           .values(measurements_sha256=measurements_sha256))
+    elif recorded != measurements_sha256:
+        raise BudgetError(f"dataset {reservation.dataset_id!r}: this re-run's noisy measurements are not the "
+                          "published release's (another engine or dprelease version counting otherwise?); a free "
+                          "re-run must reproduce the release exactly. Nothing was published; run it as a new "
+                          "release (new release_id and key) to spend budget on it")
 
 
 def charge_before_publication(engine: Engine, reservation: Reservation) -> Reservation:

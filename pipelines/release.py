@@ -12,6 +12,7 @@ import ctypes
 import errno
 import functools
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -143,6 +144,9 @@ class StagedRelease:
 
     staging: Path
     manifest_sha256: str
+    measurements_sha256: str
+    """SHA-256 over the noisy measurement files (their paths and hashes, in order): what a free re-run must
+    reproduce exactly (`accounting.ledger.commit`)."""
 
     def discard(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
@@ -272,7 +276,9 @@ def finish_release(plan: Plan, staging: Path, entries: list[dict], *, engine: st
     if sign_key is not None:
         (staging / SIGNATURE_FILE).write_bytes(sign(sign_key, manifest_bytes))
     os.chmod(staging, 0o755)
-    return StagedRelease(staging, hashlib.sha256(manifest_bytes).hexdigest())
+    measured = [[e["path"], e["sha256"]] for e in entries if e["path"].startswith(f"{MEASUREMENTS_DIR}/")]
+    return StagedRelease(staging, hashlib.sha256(manifest_bytes).hexdigest(),
+                         hashlib.sha256(json.dumps(measured).encode()).hexdigest())
 
 
 def publish(staged: StagedRelease, final_dir: Path, overwrite: bool) -> None:

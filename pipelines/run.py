@@ -335,7 +335,7 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                                             signer, layout)
                 try:
                     if reservation:
-                        commit(book, reservation, staged.manifest_sha256)
+                        commit(book, reservation, staged.manifest_sha256, staged.measurements_sha256)
                     committed = True
                     publish(staged, final_dir, overwrite)
                     if remote:

@@ -230,7 +230,8 @@ def test_publish_never_replaces_a_directory_that_appeared_meanwhile(case, tmp_pa
     staging.mkdir()
     (staging / "manifest.json").write_text("{}")
     with pytest.raises(SpecError, match="appeared while this run was writing"):
-        release_module.publish(release_module.StagedRelease(staging, "0" * 64), first.release_dir, overwrite=False)
+        release_module.publish(release_module.StagedRelease(staging, "0" * 64, "0" * 64), first.release_dir,
+                               overwrite=False)
     assert marker.read_bytes() == before
 
 

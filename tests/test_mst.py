@@ -363,12 +363,16 @@ def test_each_round_scores_a_pair_less_the_expected_error_of_measuring_it(tmp_pa
     assert result.release_dir.is_dir()
 
 
-def implied_of_version(root, version: int) -> dict:
-    """The implied loss as a manifest of `version` states it (before 6: without the selections)."""
+def fields_of_version(root, version: int) -> dict:
+    """The implied loss and post-processing steps as a manifest of `version` states them (before 6: without the
+    selections, and without the statement of which tables agree)."""
     from dprelease.pipelines.manifest import implied_loss
+    from dprelease.pipelines.postprocessing import steps_applied
     from dprelease.pipelines.verify import verify_release
 
-    return json.loads(json.dumps(implied_loss(verify_release(root).plan, version)))
+    plan = verify_release(root).plan
+    return json.loads(json.dumps({"implied_loss": implied_loss(plan, version),
+                                  "post_processing": steps_applied(plan, version)}))
 
 
 def test_a_version_3_manifest_verifies_with_the_score_of_its_time(tmp_path):
@@ -390,7 +394,7 @@ def test_a_version_3_manifest_verifies_with_the_score_of_its_time(tmp_path):
         edited = json.loads(json.dumps(published))
         edited["manifest_version"] = version
         edited["selections"][0]["score"] = score
-        edited["implied_loss"] = implied_of_version(root, version)
+        edited.update(fields_of_version(root, version))
         manifest_path.write_text(json.dumps(edited, indent=1))
         report = verify_release(root)
         assert report.ok == ok, report.problems

@@ -354,3 +354,28 @@ def test_a_total_that_reads_no_column_counts_every_record_on_every_engine(case, 
     count = _encode_bound_count_function(plan, unit, b"k" * 32, _range_steps(plan))
     emitted = list(count(iter([pa.table(rows).to_batches()[0]])))
     assert sum(sum(batch.column("count").to_pylist()) for batch in emitted) == expected
+
+
+def test_a_free_rerun_must_reproduce_the_published_measurements(case, tmp_path, monkeypatch):
+    """Defence in depth behind the last test: the ledger records a digest of the noisy measurements at the first
+    commit, and a free re-run (same key, spec and input) whose measurements differ (another engine or version
+    counting otherwise: forced here) is refused before anything is published (exit 3)."""
+    from dprelease.pipelines.engines import embedded
+
+    spec = case()
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "test-data", "epsilon", Fraction(1))
+    first = run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=tmp_path / "a")
+    before = (first.release_dir / "manifest.json").read_bytes()
+    assert run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=tmp_path / "b").key_reused
+    counted = embedded.EmbeddedEngine.true_counts
+
+    def one_more(self, plan, source, key, progress, sink=None):
+        counts = counted(self, plan, source, key, progress, sink)
+        counts["by_sex"][0] += 1
+        return counts
+
+    monkeypatch.setattr(embedded.EmbeddedEngine, "true_counts", one_more)
+    with pytest.raises(dprelease.BudgetError, match="noisy measurements are not the published release's"):
+        run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=tmp_path / "a", overwrite=True)
+    assert (first.release_dir / "manifest.json").read_bytes() == before and statuses(book) == [COMMITTED]

@@ -86,19 +86,25 @@ def _versions() -> dict[str, str]:
 def implied_loss(plan: Plan, version: int = MANIFEST_VERSION) -> dict:
     """The loss each attribute and each geography level carries: summed over the tables that read it and (from
     version 6) over the selections that read it (a selection scores candidate tables over every attribute of its
-    query, within its geography level). Privacy: a selection's chosen tables depend on the data, so the loss of
-    an attribute in the tables that happened to be chosen is not a bound; `worst_case_over_selections` is (from
-    version 6, for releases with selections): the loss if every chosen table of every selection held the
-    attribute or level, which some data could make happen."""
+    query, within its geography level), and, from version 6, over every table for a column with
+    `on_invalid: drop` (an invalid value there removes the record from every table). Privacy: a selection's
+    chosen tables depend on the data, so the loss of an attribute in the tables that happened to be chosen is not
+    a bound; `worst_case_over_selections` is (from version 6, for releases with selections): the loss if every
+    chosen table of every selection held the attribute or level, which some data could make happen."""
     unit = "epsilon" if plan.definition == "pure" else "rho"
-    by_attribute, by_level = _table_losses(plan.measured())
-    if version < SELECTION_LOSS_VERSION or not plan.selections:
+    if version < SELECTION_LOSS_VERSION:
+        by_attribute, by_level = _table_losses(plan.measured())
+        return {"by_attribute": _rendered(plan, by_attribute, unit), "by_geography_level": _rendered(plan, by_level, unit)}
+    drops = dropping_columns(plan)
+    by_attribute, by_level = _table_losses(plan.measured(), drops)
+    if not plan.selections:
         return {"by_attribute": _rendered(plan, by_attribute, unit), "by_geography_level": _rendered(plan, by_level, unit)}
     chosen = {name for s in plan.selections for name in _chosen_tables(plan, s)}
-    fixed_attribute, fixed_level = _table_losses([t for t in plan.measured() if t.name not in chosen])
+    fixed_attribute, fixed_level = _table_losses([t for t in plan.measured() if t.name not in chosen], drops)
     worst_attribute, worst_level = dict(fixed_attribute), dict(fixed_level)
     for selection in plan.selections:
         attributes, levels = _selection_reads(plan, selection)
+        attributes = list(dict.fromkeys([*attributes, *drops]))
         every_round = selection.rounds * selection.pair_event.loss
         for totals, worst, names in ((by_attribute, worst_attribute, attributes), (by_level, worst_level, levels)):
             for name in names:
@@ -109,12 +115,19 @@ def implied_loss(plan: Plan, version: int = MANIFEST_VERSION) -> dict:
                                            "by_geography_level": _rendered(plan, worst_level, unit)}}
 
 
-def _table_losses(tables: list[TablePlan]) -> tuple[dict[str, Fraction], dict[str, Fraction]]:
-    """Loss summed per attribute (dimension or measure column) and per geography level over `tables`."""
+def dropping_columns(plan: Plan) -> list[str]:
+    """The columns with `on_invalid: drop` a release reads: an invalid value there removes the record from every
+    table (`transforms.encode.encode_batch`), so every table's output depends on the column."""
+    return [c for c in plan.used_columns() if c in plan.spec.columns and plan.spec.columns[c].on_invalid == "drop"]
+
+
+def _table_losses(tables: list[TablePlan], drops: list[str] = ()) -> tuple[dict[str, Fraction], dict[str, Fraction]]:
+    """Loss summed per attribute and per geography level over `tables`: a table counts against its dimension
+    and measure columns and (`drops`) every column whose invalid values remove a record from it."""
     by_attribute: dict[str, Fraction] = {}
     by_level: dict[str, Fraction] = {}
     for t in tables:
-        involved = [dim.column for dim in t.dims] + ([t.measure.column] if t.measure else [])
+        involved = [dim.column for dim in t.dims] + ([t.measure.column] if t.measure else []) + list(drops)
         for column in dict.fromkeys(involved):
             by_attribute[column] = by_attribute.get(column, Fraction(0)) + t.event.loss
         for dim in t.dims:

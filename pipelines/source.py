@@ -144,14 +144,20 @@ class InputSource:
     def read_tasks(self, parallelism: int = 1) -> list[ReadTask]:
         """The files as read tasks for `parallelism` workers: a Parquet file with several row groups is split
         into up to `parallelism` ranges of them when there are fewer files than workers (each task verifies
-        the whole file's bytes and parses its own row groups). Public: file names and footers only."""
+        the whole file's bytes and parses its own row groups). The row groups are counted from the footer of the
+        bytes the key is bound to (`FileDigest.row_groups`), never the live file: tasks planned from a file
+        rewritten meanwhile would count only part of the bound bytes. Before a fingerprint (validation) and when
+        a footer was not read with it, each file is one task."""
         files = self.files()
-        if self.format != "parquet" or len(files) >= parallelism:
+        if self.format != "parquet" or len(files) >= parallelism or self.digests is None:
             return [ReadTask(f) for f in files]
         per_file = -(-parallelism // max(len(files), 1))
         tasks = []
-        for path, fragment in zip(files, self.dataset.get_fragments()):
-            groups = fragment.metadata.num_row_groups
+        for path in files:
+            groups = self.digests[path].row_groups
+            if not groups:
+                tasks.append(ReadTask(path))
+                continue
             pieces = max(1, min(per_file, groups))
             bounds = [groups * i // pieces for i in range(pieces + 1)]
             tasks += [ReadTask(path, (lo, hi)) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
@@ -164,7 +170,8 @@ class InputSource:
         names = sorted(self.files())
         located = [(self.store.path(n) if self.store else n, n) for n in names]
         fingerprint, self.digests = fingerprint_files(located, self.store.filesystem if self.store else None,
-                                                      key.derive("dprelease/input-fingerprint"))
+                                                      key.derive("dprelease/input-fingerprint"),
+                                                      parquet=self.format == "parquet")
         return fingerprint
 
     def estimated_rows(self) -> int:

@@ -379,3 +379,41 @@ def test_a_free_rerun_must_reproduce_the_published_measurements(case, tmp_path, 
     with pytest.raises(dprelease.BudgetError, match="noisy measurements are not the published release's"):
         run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=tmp_path / "a", overwrite=True)
     assert (first.release_dir / "manifest.json").read_bytes() == before and statuses(book) == [COMMITTED]
+
+
+def test_read_tasks_are_planned_from_the_bound_bytes_not_the_live_file(case, tmp_path):
+    """Found by review: Spark and Beam split a Parquet file into row-group ranges read from the live file's
+    footer; a file swapped while the tasks were planned (and put back) made the workers count part of the bound
+    bytes only. Tasks now come from the footer of the bytes fingerprinted."""
+    from dprelease.pipelines.plan import build_plan
+    from dprelease.pipelines.source import open_input
+    from dprelease.pipelines.spec import load_spec
+    from dprelease.transforms.csprng import ReleaseKey
+
+    rows = {"pid": list(range(800)), "geo": ["01001000100"] * 800, "age": [30] * 800,
+            "sex": ["F"] * 100 + ["M"] * 700}
+    spec = case(rows=rows)
+    data = spec.parent / "input.parquet"
+    pq.write_table(pa.table(rows), data, row_group_size=100)  # 8 row groups
+    plan = build_plan(*load_spec(spec))
+    source = open_input(plan, spec.parent)
+    source.fingerprint(ReleaseKey.generate())
+    original = data.read_bytes()
+    pq.write_table(pa.table(rows), data)  # the live file now has one row group
+    tasks = source.read_tasks(4)
+    assert sorted(t.row_groups for t in tasks) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    data.write_bytes(original)  # put back: the tasks cover every row group of the bound bytes
+    assert sum(b.num_rows for t in tasks for b in source.reader().batches(t)) == 800
+
+
+def test_a_column_whose_invalid_values_drop_records_carries_every_tables_loss(case, tmp_path):
+    """Found by review: with `on_invalid: drop`, one record's invalid value in a column removes it from every
+    table, so every table depends on the column; the manifest now charges the column the whole release."""
+    spec = small_spec()
+    spec["columns"]["sex"]["on_invalid"] = "drop"
+    path = write_case(tmp_path / "c", spec)
+    root = run_release(path, key_file=tmp_path / "k.key", ledger=None).release_dir
+    implied = json.loads((root / "manifest.json").read_text())["implied_loss"]["by_attribute"]
+    assert Fraction(implied["sex"]["epsilon"]["fraction"]) == 1  # the release's total: every table
+    assert Fraction(implied["age"]["epsilon"]["fraction"]) < 1
+    assert verify(root).ok

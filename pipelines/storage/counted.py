@@ -46,10 +46,33 @@ class InputChanged(DPReleaseError):
 
 @dataclass(frozen=True)
 class FileDigest:
-    """A file's length and SHA-256, taken when the key was bound. Internal: never published or logged."""
+    """A file's length and SHA-256, taken when the key was bound, and for a Parquet file the number of row groups
+    its footer (in those bytes) declares: read tasks are planned from it, never from the live file. Internal:
+    never published or logged."""
 
     size: int
     sha256: str
+    row_groups: int | None = None
+    """None: not a Parquet file, or a footer larger than the bytes kept to read it (then read whole)."""
+
+
+TAIL = 2 * BLOCK
+"""Bytes kept from the end of each file while it is fingerprinted, to read a Parquet footer from them."""
+
+
+def _row_groups(tail: bytes) -> int | None:
+    """The row groups a Parquet file's footer declares, from the file's last bytes (None when it does not fit)."""
+    import pyarrow.parquet as pq
+
+    if len(tail) < 12 or tail[-4:] != b"PAR1":
+        return None
+    length = int.from_bytes(tail[-8:-4], "little")
+    if length + 8 > len(tail):
+        return None
+    try:
+        return pq.read_metadata(pa.BufferReader(b"PAR1" + tail[-(length + 8):])).num_row_groups
+    except (pa.ArrowException, OSError, ValueError):
+        return None
 
 
 def _open_stream(path: str, filesystem: pafs.FileSystem | None):
@@ -66,13 +89,14 @@ def _size(path: str, filesystem: pafs.FileSystem | None, shown_path: str) -> int
     return info.size
 
 
-def fingerprint_files(files: list[tuple[str, str]], filesystem: pafs.FileSystem | None,
-                      mac_key: bytes) -> tuple[str, dict[str, FileDigest]]:
+def fingerprint_files(files: list[tuple[str, str]], filesystem: pafs.FileSystem | None, mac_key: bytes,
+                      parquet: bool = False) -> tuple[str, dict[str, FileDigest]]:
     """(the keyed fingerprint, each file's digest) of `files` ((path in the filesystem, path as named), in
     order), read once: the fingerprint is HMAC-SHA256 under `mac_key` over the count of files, then each file's
-    length and bytes; each digest is the file's length and SHA-256 (what `verified_copy` demands later). A
-    store's checksum cannot stand in for the bytes: S3's ETag is an MD5 (two inputs differing in a record can
-    share one), and a size and modification time can be put back."""
+    length and bytes; each digest is the file's length and SHA-256 (what `verified_copy` demands later) and, for
+    `parquet`, the row groups the footer in those bytes declares. A store's checksum cannot stand in for the
+    bytes: S3's ETag is an MD5 (two inputs differing in a record can share one), and a size and modification time
+    can be put back."""
     mac = hmac.new(mac_key, digestmod=hashlib.sha256)
     mac.update(len(files).to_bytes(8, "big"))
     digests: dict[str, FileDigest] = {}
@@ -81,14 +105,17 @@ def fingerprint_files(files: list[tuple[str, str]], filesystem: pafs.FileSystem 
         mac.update(size.to_bytes(8, "big"))
         digest = hashlib.sha256()
         read = 0
+        tail = b""
         with _open_stream(located, filesystem) as handle:
             for block in iter(lambda: handle.read(BLOCK), b""):
                 mac.update(block)
                 digest.update(block)
                 read += len(block)
+                if parquet:
+                    tail = (tail + block)[-TAIL:]
         if read != size:
             raise InputChanged(f"input file {shown(named)}: changed while it was read; nothing was charged")
-        digests[named] = FileDigest(size, digest.hexdigest())
+        digests[named] = FileDigest(size, digest.hexdigest(), _row_groups(tail) if parquet else None)
     return mac.hexdigest(), digests
 
 

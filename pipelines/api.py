@@ -263,6 +263,8 @@ class _input_of:
             _remove_markers(target)
             return str(target), data.sparkSession
         table = arrow_of(data)
+        if isinstance(table, ds.FileSystemDataset) and isinstance(table.format, ds.CsvFileFormat):
+            table = _csv_as_text(table)
         if isinstance(table, pa.Table) and (self.engine or self.spec_engine) == "embedded":
             return table, None  # copied into a private buffer by run (input_table), never written to disk
         if isinstance(table, pa.Table):
@@ -309,6 +311,16 @@ def _remove_markers(directory: Path) -> None:
                 entry.unlink()
 
 
+def _csv_as_text(dataset: ds.FileSystemDataset) -> ds.FileSystemDataset:
+    """A CSV dataset re-read with every column as text, as the input reader reads CSV: a type inferred from some
+    rows would make another row's value an error, so whether a run failed would depend on the data."""
+    from .source import CSV_PARSE_OPTIONS, csv_convert_options
+
+    text = ds.CsvFileFormat(parse_options=CSV_PARSE_OPTIONS,
+                            convert_options=csv_convert_options(dataset.schema.names, include=False))
+    return ds.dataset(dataset.files, format=text, filesystem=dataset.filesystem)
+
+
 def _is_spark_frame(data: Any) -> bool:
     return type(data).__module__.startswith("pyspark.") and hasattr(data, "sparkSession")
 
@@ -352,7 +364,7 @@ def _pandas_table(frame) -> pa.Table:
             raise SpecError(f"data: column {name!r} holds complex numbers ({dtype}); no domain holds them")
         if hasattr(series, "sparse") and str(dtype).startswith("Sparse"):
             series = series.sparse.to_dense()
-        if str(series.dtype) == "category" or series.dtype == object:
+        if str(series.dtype) in ("category", "string", "str") or series.dtype == object:
             series = _as_text(series)
         try:
             columns[name] = pa.Array.from_pandas(series)
@@ -363,11 +375,23 @@ def _pandas_table(frame) -> pa.Table:
 
 
 def _as_text(series):
-    """A column of mixed or Python values (object, categorical) as text: each value as str, missing values null,
-    so no value can make the conversion fail (or an error quote it); the encoder applies the column's policy."""
+    """A column of mixed or Python values (object, categorical, text) as text: each value as str, missing values
+    and text that is not valid Unicode (a lone surrogate, from `surrogateescape` decoding) null, so no value can
+    make the conversion fail (or an error quote it); the encoder applies the column's policy to both."""
     import pandas as pd
 
-    return pd.array([None if _missing(v) else str(v) for v in series.tolist()], dtype="string")
+    return pd.array([_text(v) for v in series.tolist()], dtype="string")
+
+
+def _text(value) -> str | None:
+    if _missing(value):
+        return None
+    text = str(value)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return None  # not text Arrow can hold: an invalid value, as null is
+    return text
 
 
 def _missing(value) -> bool:

@@ -42,11 +42,11 @@ class RecordsToBatches(beam.PTransform):
     """Elements that are dicts (one record each) -> Arrow tables of up to `batch_size` records; Arrow tables
     and record batches pass through as tables. Column batches are what every later step works on."""
 
-    def __init__(self, columns: list[str], batch_size: int = 65_536):
+    def __init__(self, columns: list[str], batch_size: int = 65_536, unit: str | None = None):
         """`columns`: the fields taken from each dict (a missing one is null: an invalid value, handled by the
-        column's policy, never an error)."""
+        column's policy, never an error); `unit`: the privacy unit's field, always read as text."""
         super().__init__()
-        self.columns, self.batch_size = list(columns), batch_size
+        self.columns, self.batch_size, self.unit = list(columns), batch_size, unit
 
     def expand(self, records):
         def split(element) -> Iterable[tuple[str, Any]]:
@@ -64,23 +64,39 @@ class RecordsToBatches(beam.PTransform):
         arrow = tagged | "Arrow" >> beam.Filter(lambda e: e[0] == "arrow") | "Tables" >> beam.Map(lambda e: e[1])
         batched = (tagged | "Dicts" >> beam.Filter(lambda e: e[0] == "dict") | "Records" >> beam.Map(lambda e: e[1])
                    | "Batch" >> beam.BatchElements(min_batch_size=1, max_batch_size=self.batch_size)
-                   | "ToArrow" >> beam.Map(_table_of_records, self.columns))
+                   | "ToArrow" >> beam.Map(_table_of_records, self.columns, self.unit))
         return (arrow, batched) | "AllBatches" >> beam.Flatten()
 
 
-def _table_of_records(records: list[dict], columns: list[str]) -> pa.Table:
+def _text(value) -> str | None:
+    """A value as text; None stays null, and so does text that is not valid Unicode (a lone surrogate): an
+    invalid value for the column's policy, never an error."""
+    if value is None:
+        return None
+    text = str(value)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return text
+
+
+def _table_of_records(records: list[dict], columns: list[str], unit: str | None = None) -> pa.Table:
     """Records -> a table of `columns`. A column whose values Arrow cannot hold in one type is taken as text
-    (each value as str, None stays null): the encoder then applies the column's policy to what is invalid, so
-    no value can make the pipeline fail (or an error quote it)."""
+    (`_text`), and the privacy unit always is (so every batch's unit column has one type, whatever its values):
+    the encoder then applies the column's policy to what is invalid, so no value can make the pipeline fail (or
+    an error quote it)."""
     arrays = {}
     for name in columns:
         values = [record.get(name) for record in records]
         try:
+            if name == unit:
+                raise TypeError("the unit is always text")
             array = pa.array(values)
             if pa.types.is_nested(array.type) or pa.types.is_binary(array.type):
                 raise TypeError("not a scalar column")
         except (pa.ArrowException, TypeError, ValueError, OverflowError):
-            array = pa.array([None if v is None else str(v) for v in values], type=pa.string())
+            array = pa.array([_text(v) for v in values], type=pa.string())
         arrays[name] = array
     return pa.table(arrays)
 
@@ -132,8 +148,8 @@ class PublishedTables(beam.PTransform):
         plan = self.plan
         key = records.pipeline | "ExecutionKey" >> ExecutionKey(plan)
         columns = plan.input_columns()
-        encoded = (records | "Batches" >> RecordsToBatches(columns)
-                   | "Columns" >> beam.Map(_columns, columns)
+        encoded = (records | "Batches" >> RecordsToBatches(columns, unit=plan.spec.privacy_unit)
+                   | "Columns" >> beam.Map(_columns, columns, plan.spec.privacy_unit)
                    | "Encode" >> EncodeRecords.from_plan(plan)
                    | "Bound" >> BoundContributions.from_plan(plan, key))
         noisy = (encoded | "Count" >> CountCells([t.layout for t in plan.tables])
@@ -149,11 +165,18 @@ def _bound(plan, key: ReleaseKey, input_binding: str) -> ReleaseKey:
     return key.bind(spec.dataset_id, spec.release_id, plan_fingerprint(plan), input_binding)
 
 
-def _columns(table: pa.Table, names: list[str]) -> pa.Table:
+def _columns(table: pa.Table, names: list[str], unit: str | None = None) -> pa.Table:
+    """The spec's columns of a batch; the privacy unit as text whatever its type in this batch (batches are
+    bounded together: their unit columns must have one type)."""
     missing = [n for n in names if n not in table.column_names]
     if missing:
         raise ValueError(f"PublishedTables: records lack column(s) {missing} of the spec")
-    return table.select(names)
+    table = table.select(names)
+    if unit is not None and not pa.types.is_string(table.schema.field(unit).type):
+        column = table.column(unit)
+        text = pa.array([_text(v) for v in column.to_pylist()], type=pa.string())
+        table = table.set_column(table.schema.get_field_index(unit), unit, text)
+    return table
 
 
 def _published_tables(ranges: list, plan) -> Iterable[tuple[str, pa.Table]]:

@@ -213,7 +213,13 @@ def open_ledger(location: str | Path, create: bool = True) -> Engine:
 def _open_ledger(location: str | Path) -> Engine:
     url = ledger_url(location)
     if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        path = Path(url.removeprefix("sqlite:///"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():  # a new ledger file is the owner's only (key ids, fingerprints, hosts)
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+            except FileExistsError:
+                pass
     engine = create_engine(url, future=True)
     if engine.dialect.name == "sqlite":
         @event.listens_for(engine, "connect")

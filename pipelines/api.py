@@ -54,8 +54,18 @@ def ledger_location(ledger: object) -> str | Path | None:
     if isinstance(ledger, str) and "://" in ledger:
         if "\0" in ledger:
             raise SpecError("ledger: not a URL")
-        return ledger
-    return arguments.path(ledger, "ledger", optional=False)
+        if not ledger.startswith("sqlite:///"):
+            return ledger
+        local = Path(ledger.removeprefix("sqlite:///"))
+    else:
+        local = arguments.path(ledger, "ledger", optional=False)
+    from .storage import release_holding
+
+    holder = release_holding(local.expanduser().absolute())
+    if holder is not None:
+        raise SpecError(f"ledger = {shown(local)!r}: inside the published release {shown(holder)}; a ledger (key ids, "
+                        "input fingerprints, hosts) never goes into a release")
+    return ledger if isinstance(ledger, str) and "://" in ledger else local
 
 
 @contextlib.contextmanager

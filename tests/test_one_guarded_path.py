@@ -467,3 +467,56 @@ def test_the_beam_composite_takes_any_value_as_data(case, tmp_path):
     with beam.Pipeline(options=pipeline_options(None, ["--direct_running_mode=in_memory"])) as pipeline:
         tables = pipeline | beam.Create(range(50)) | beam.Map(record) | PublishedTables.from_spec(release)
         assert_that(tables, published)
+
+
+def _keys_in(obj, seen: set, depth: int = 0) -> int:
+    """How many ReleaseKey objects an unpickled DoFn holds (its attributes, closures, defaults, arguments)."""
+    from dprelease.transforms.csprng import ReleaseKey
+
+    if id(obj) in seen or depth > 8:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, ReleaseKey):
+        return 1
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return sum(_keys_in(x, seen, depth + 1) for x in obj)
+    if isinstance(obj, dict):
+        return sum(_keys_in(x, seen, depth + 1) for x in obj.values())
+    found = _keys_in(getattr(obj, "__dict__", None) or {}, seen, depth + 1)
+    for cell in getattr(obj, "__closure__", None) or ():
+        try:
+            found += _keys_in(cell.cell_contents, seen, depth + 1)
+        except ValueError:
+            pass
+    found += _keys_in(getattr(obj, "__defaults__", None) or (), seen, depth + 1)
+    for name in ("args", "kwargs", "_args", "_kwargs", "fn", "_fn"):
+        if hasattr(obj, name):
+            found += _keys_in(getattr(obj, name), seen, depth + 1)
+    return found
+
+
+def test_the_launchers_beam_graph_holds_no_key(case, tmp_path, monkeypatch):
+    """Found by review: `dprelease run --engine beam` pickled the bound key into three steps of its graph (the
+    job server, a staging bucket and a job description would hold all the noise). The workers now read it, when
+    the pipeline runs, from a private file of the run (removed after it); templates are refused."""
+    beam = pytest.importorskip("apache_beam")
+    from apache_beam.internal import pickler
+    from apache_beam.portability.api import beam_runner_api_pb2
+
+    graphs = []
+    run = beam.Pipeline.run
+
+    def inspected(self, *args, **kwargs):
+        found = 0
+        for transform in self.to_runner_api().components.transforms.values():
+            if transform.spec.urn == "beam:transform:pardo:v1":
+                payload = beam_runner_api_pb2.ParDoPayload.FromString(transform.spec.payload)
+                found += _keys_in(pickler.loads(payload.do_fn.payload), set())
+        graphs.append(found)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(beam.Pipeline, "run", inspected)
+    run_release(case(), key_file=tmp_path / "k.key", ledger=None, engine="beam", workers=1)
+    assert graphs and graphs == [0] * len(graphs)
+    refused = cli("run", case(), "--no-ledger", "--engine", "beam", "--", "--template_location=/tmp/t")
+    assert refused.returncode == 2 and "template" in refused.stderr

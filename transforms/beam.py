@@ -364,6 +364,26 @@ class ScoreCandidates(beam.PTransform):
                 | "SumScores" >> beam.CombinePerKey(_sum_scores))
 
 
+def _read_key(path: str) -> ReleaseKey:
+    from apache_beam.io.filesystems import FileSystems
+
+    with FileSystems.open(path) as handle:
+        return ReleaseKey.from_hex(handle.read())
+
+
+class KeyFromFile(beam.PTransform):
+    """pipeline -> a PCollection of one key, read by a worker when the pipeline runs from a private file of this
+    run (the launcher writes it, and removes it after the run): the graph holds the file's path, never the key
+    (`key_argument` hands the PCollection to the bounding and noise steps as a singleton side input)."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def expand(self, pipeline):
+        return pipeline | "Where" >> beam.Create([self.path]) | "Read" >> beam.Map(_read_key)
+
+
 class WriteNoisyRanges(beam.PTransform):
     """(table, start, values) -> one .npy file per range under `directory` (any Beam filesystem).
     A retried range rewrites the same bytes."""

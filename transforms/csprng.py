@@ -49,6 +49,11 @@ class ReleaseKey:
     def load(cls, path: Path) -> "ReleaseKey":
         return cls.from_hex(Path(path).read_bytes())
 
+    def exported(self) -> bytes:
+        """The key as a key file holds it (hex): only to hand one run's bound key to its own workers through
+        private storage (`transforms.beam.KeyFromFile`), removed after the run."""
+        return (self._secret.hex() + "\n").encode("ascii")
+
     def save(self, path: Path) -> None:
         """Write the key as hex to a new file readable by its owner only (never overwrites)."""
         path = Path(path)

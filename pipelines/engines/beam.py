@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from pathlib import Path
 
 import numpy as np
 
@@ -65,6 +66,10 @@ def pipeline_options(runner: str | None, options: list[str], workers: int | None
 
     flags = list(options)
     given = PipelineOptions(flags).get_all_options(drop_default=True)
+    templated = [f"--{name}" for name in ("template_location", "dataflow_job_file") if given.get(name)]
+    if templated:
+        raise SpecError(f"pipeline options {', '.join(templated)}: a release is run, never saved as a template or job "
+                        "file (a template would be re-run over other data); schedule `dprelease run` instead")
     if given.get("runner") and runner and given["runner"] != runner:
         raise SpecError(f"--runner = {runner!r} but the pipeline options say --runner={given['runner']}; give one")
     name = runner or given.get("runner") or "DirectRunner"
@@ -107,14 +112,34 @@ def _named(flags: list[str], option: str) -> bool:
 
 
 def _result_directory(options) -> tuple[str, bool]:
-    """Where workers write the noisy ranges: --temp_location/<id> when given (shared storage on a
-    cluster), else a local temporary directory (DirectRunner). Returns (path, is_local_temp)."""
+    """Where this run's key file, noisy ranges, scores and validation outcome go (all confidential): a new
+    directory under --temp_location when given (shared storage on a cluster; a local path is made a private
+    directory by the storage layer, never inside a release; a store's prefix must be as private as the key),
+    else a private local temporary directory (DirectRunner). Returns (path, is_local)."""
     from apache_beam.options.pipeline_options import GoogleCloudOptions
 
+    from ..storage import is_uri, private_directory
+
     temp = options.view_as(GoogleCloudOptions).temp_location
-    if temp:
+    if temp and is_uri(temp):
         return f"{temp.rstrip('/')}/dprelease-{uuid.uuid4().hex}", False
+    if temp:
+        return str(private_directory(Path(temp) / f"dprelease-{uuid.uuid4().hex}", "--temp_location")), True
     return tempfile.mkdtemp(prefix="dprelease-beam-"), True
+
+
+def _write_private(path: str, data: bytes) -> None:
+    """A file only this run reads: owner-only (0600) in the local result directory (itself 0700); in a remote
+    --temp_location, an object as private as that location (deploy/beam/README.md)."""
+    if "://" not in path:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        return
+    from apache_beam.io.filesystems import FileSystems
+
+    with FileSystems.create(path) as handle:
+        handle.write(data)
 
 
 def _delete_remote(directory: str) -> None:
@@ -122,9 +147,7 @@ def _delete_remote(directory: str) -> None:
     from apache_beam.io.filesystems import FileSystems
 
     try:
-        paths = [m.path for m in FileSystems.match([f"{directory}/*"])[0].metadata_list]
-        if paths:
-            FileSystems.delete(paths)
+        FileSystems.delete([directory])  # recursively: the key file, ranges, scores and outcomes
     except Exception as error:  # noqa: BLE001 - cleanup must not hide the run's outcome
         logging.getLogger("dprelease").warning("could not delete %s (%s)", directory, type(error).__name__)
 
@@ -239,6 +262,21 @@ class BeamEngine(Engine):
     def __init__(self, runner: str | None = None, options: list[str] | None = None, workers: int | None = None):
         self.options = pipeline_options(runner, list(options or []), workers)
         self.workers = workers or os.cpu_count() or 1
+        self._directory: str | None = None
+        self._key_inputs: dict[int, object] = {}
+
+    def _key_input(self, pipeline, key: ReleaseKey):
+        """The key as this run's workers get it: a singleton read when the pipeline runs from a private file in the
+        run's result directory (written here once per pipeline, removed with the directory), so the pipeline's
+        graph holds a path, never the key."""
+        found = self._key_inputs.get(id(pipeline))
+        if found is None:
+            from dprelease.transforms.beam import KeyFromFile
+
+            path = f"{self._directory}/key-{len(self._key_inputs)}"
+            _write_private(path, key.exported())
+            found = self._key_inputs[id(pipeline)] = pipeline | "ReleaseKey" >> KeyFromFile(path)
+        return found
 
     def workers_share_driver_disk(self) -> bool:
         from apache_beam.options.pipeline_options import StandardOptions
@@ -265,7 +303,7 @@ class BeamEngine(Engine):
         from dprelease.transforms.beam import AddNoise, CountCells
 
         counts = self._bounded(pipeline, plan, source, key) | "Count" >> CountCells([t.layout for t in plan.tables])
-        return counts | "AddNoise" >> AddNoise.from_plan(plan, key, steps=steps)
+        return counts | "AddNoise" >> AddNoise.from_plan(plan, self._key_input(pipeline, key), steps=steps)
 
     def _bounded(self, pipeline, plan: Plan, source: InputSource, key: ReleaseKey):
         """Input files -> encoded batches, at most the plan's k records per unit (the records kept depend on
@@ -279,7 +317,7 @@ class BeamEngine(Engine):
                    | "Encode" >> EncodeRecords.from_plan(plan))
         if source.unit_column:
             shards = max(self.workers * SHARDS_PER_WORKER, -(-source.estimated_rows() // 1_000_000))
-            encoded = encoded | "Bound" >> BoundContributions.from_plan(plan, key, shards)
+            encoded = encoded | "Bound" >> BoundContributions.from_plan(plan, self._key_input(pipeline, key), shards)
         return encoded
 
     scores_candidates = True
@@ -297,7 +335,7 @@ class BeamEngine(Engine):
         def release_one_way(pipeline, directory: str) -> None:
             (self._bounded(pipeline, counting_plan, source, key)
              | "Count" >> CountCells([t.layout for t in one_way])
-             | "AddNoise" >> AddNoise.from_plan(one_way_plan, key)
+             | "AddNoise" >> AddNoise.from_plan(one_way_plan, self._key_input(pipeline, key))
              | "Write" >> WriteNoisyRanges(directory, {t.name: i for i, t in enumerate(one_way)}))
 
         progress("select", 0, 2)
@@ -343,6 +381,7 @@ class BeamEngine(Engine):
         runner error becomes a public-only message; the result directory is removed afterwards."""
         beam = import_beam()
         directory, local = _result_directory(self.options)
+        self._directory, self._key_inputs = directory, {}
         try:
             try:
                 with beam.Pipeline(runner=self._runner(), options=self.options) as pipeline:
@@ -352,6 +391,7 @@ class BeamEngine(Engine):
                     from error
             return read(directory)
         finally:
+            self._directory, self._key_inputs = None, {}
             if local:
                 shutil.rmtree(directory, ignore_errors=True)
             else:

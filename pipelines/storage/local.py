@@ -192,7 +192,7 @@ def private_directory(path: Path | str, field: str) -> Path:
     from .targets import release_holding
 
     path = Path(path)
-    holder = release_holding(path.parent.resolve() / path.name)
+    holder = release_holding(path.parent.resolve() / path.name / "report")  # the directory itself, or above it
     if holder is not None:
         raise SpecError(f"{field} = {shown(path)!r}: inside the release {shown(holder)}; confidential files never "
                         "go into a release")

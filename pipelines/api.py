@@ -294,10 +294,18 @@ class _input_of:
                 raise SpecError(f"spark_staging: needed on a cluster (master {session.sparkContext.master!r}): a "
                                 "directory every executor and the driver share, outside the output directory")
             return
+        from .housekeeping import remove_stale
+        from .storage import release_holding
+
         staging = Path(self.spark_staging).resolve()
         if isinstance(self.out_dir, Path) and staging.is_relative_to(self.out_dir.resolve()):
             raise SpecError(f"spark_staging = {shown(self.spark_staging)!r}: must not be inside the output directory "
                             f"{shown(self.out_dir)} (the input copy is confidential)")
+        holder = release_holding(staging / "copy")
+        if holder is not None:
+            raise SpecError(f"spark_staging = {shown(self.spark_staging)!r}: inside the published release "
+                            f"{shown(holder)} (the input copy is confidential)")
+        remove_stale(staging, input_copy_prefix(self.release_id))  # a copy a killed run left here
 
     def _directory(self, parent: str | Path | None) -> Path:
         """A private (0700) directory for the copy, named so a later run removes it if this process dies."""

@@ -9,7 +9,8 @@ from dprelease.accounting.redact import printable, shown
 
 
 def _brief(value: object) -> str:
-    text = printable(repr(value))
+    """A value as a message shows it: a location without user info, query or control characters (`shown`)."""
+    text = repr(shown(value)) if isinstance(value, str) else printable(repr(value))
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -58,6 +59,10 @@ def location(value: object, name: str, optional: bool = True) -> str | Path | No
         if "\0" in value:
             raise SpecError(f"{name} = {shown(value)!r}: not a URI")
         return value
+    if isinstance(value, str) and value.startswith("file://"):
+        from .storage import local_path
+
+        return path(local_path(value), name, optional=False)
     return path(value, name, optional=False)
 
 

@@ -16,7 +16,8 @@ WITHHELD = "(withheld)"
 IDENTIFIER = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 """Runner names, regions, zones, projects, machine types, host:port."""
 PATH_CHARACTERS = re.compile(r"^[A-Za-z0-9_.,/~+=:-]{1,1024}$")
-IMAGE = re.compile(r"^[A-Za-z0-9_./:@+-]{1,300}$")
+IMAGE = re.compile(r"^[A-Za-z0-9_./:+-]{1,300}(@sha256:[0-9a-f]{64})?$")
+"""A container image reference: registry/name:tag, optionally pinned by digest (an '@' only as '@sha256:')."""
 SPARK_MASTER = re.compile(r"^(local(\[([0-9]{1,4}|\*)(,[0-9]{1,3})?\])?|yarn|"
                           r"(spark|mesos)://[A-Za-z0-9_.:,-]{1,512}|k8s://https?://[A-Za-z0-9_.:-]{1,512})$")
 
@@ -51,9 +52,16 @@ def integer(value: object) -> int | str:
     return int(text) if re.fullmatch(r"-?[0-9]{1,12}", text) else WITHHELD
 
 
+KNOWN_EXPERIMENTS = frozenset({
+    "use_runner_v2", "disable_runner_v2", "use_portable_job_submission", "beam_fn_api", "use_unified_worker",
+    "shuffle_mode", "use_sibling_sdk_workers", "pre_optimize", "enable_stackdriver_agent_metrics",
+    "disable_prime_runner_v2", "upload_graph", "use_multiple_sdk_containers", "no_use_multiple_sdk_containers"})
+"""Beam / Dataflow experiment names published as they are; any other item (it could be a token) is withheld."""
+
+
 def identifiers(value: object) -> list[str]:
-    """A comma-separated list of identifiers (Beam's --experiments), each item checked on its own."""
-    return [item if re.fullmatch(r"[A-Za-z0-9_]{1,128}", item) else WITHHELD for item in str(value).split(",")]
+    """Beam's --experiments, item by item: a known experiment name is published, anything else withheld."""
+    return [item if item in KNOWN_EXPERIMENTS else WITHHELD for item in str(value).split(",")]
 
 
 def spark_master(value: object) -> str:

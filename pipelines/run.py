@@ -128,7 +128,7 @@ def make_engine(name: str, workers: int | None, master: str | None = None, runne
         raise SpecError(f"--runner / pipeline options: only the beam engine takes them (engine is {name})")
     if name == "embedded":
         if master:
-            raise SpecError(f"--master = {master!r}: only the spark engine takes a master URL")
+            raise SpecError(f"--master = {shown(master)!r}: only the spark engine takes a master URL")
         return EmbeddedEngine(workers=workers)
     if name == "spark":
         from .engines.spark import SparkEngine
@@ -136,7 +136,7 @@ def make_engine(name: str, workers: int | None, master: str | None = None, runne
         return SparkEngine(master=master, session=spark_session)
     if name == "beam":
         if master:
-            raise SpecError(f"--master = {master!r}: only the spark engine takes a master URL; "
+            raise SpecError(f"--master = {shown(master)!r}: only the spark engine takes a master URL; "
                             "pass Beam runner options after --")
         from .engines.beam import BeamEngine
 

@@ -210,23 +210,24 @@ def test_the_loss_per_attribute_includes_the_selection_and_states_its_worst_case
 
 # ---- 11. every object under a release's prefix is a listed file or a mismatch ---------------------------------------
 
-ODD_NAMES = ["../../../outside", "a//b", "./dot", "tables/x/../../y", "tables/pop.nation.csv/x"]
+ODD_NAMES = ["../../../outside", "a//b", "./dot", "tables/x/../../y", "tables/pop.nation.csv/x", "notes/"]
+"""Also a key ending in '/' that holds content (a store lists it as a directory, found by review)."""
 
 
 def test_verify_by_uri_reports_every_odd_object_as_a_mismatch(s3, credentials, tmp_path):
     spec = write_case(tmp_path / "c", small_spec())
-    uri = f"s3://odd/releases/?endpoint_override={s3}&scheme=http"
-    upload(s3, "odd", {})
+    uri = f"s3://oddnames/releases/?endpoint_override={s3}&scheme=http"
+    upload(s3, "oddnames", {})
     run_release(spec, key_file=tmp_path / "k.key", out_dir=uri, ledger=None)
     assert verify(uri.replace("/?", "/test-release?")).ok
     for name in ODD_NAMES:
-        raw_put(s3, "odd", f"releases/test-release/{name}", b"odd")
+        raw_put(s3, "oddnames", f"releases/test-release/{name}", b"odd")
     report = verify(uri.replace("/?", "/test-release?"))
     assert not report.ok
     said = " ".join(report.problems)
-    for name in ("outside", "a//b", "./dot", "x/../../y", "pop.nation.csv'", "pop.nation.csv/x"):
+    for name in ("outside", "a//b", "./dot", "x/../../y", "pop.nation.csv'", "pop.nation.csv/x", "notes/"):
         assert name in said, (name, report.problems)  # a listed file that is also a prefix: both named
-    raw_put(s3, "odd", "releases/test-release/manifest.json/x", b"odd")
+    raw_put(s3, "oddnames", "releases/test-release/manifest.json/x", b"odd")
     with pytest.raises(dprelease.DPReleaseError, match="which object is the manifest cannot be told"):
         verify(uri.replace("/?", "/test-release?"))
 

@@ -60,7 +60,7 @@ def test_the_cli_publishes_to_s3_and_verifies_and_reports_from_it(s3, credential
     monkeypatch.chdir(tmp_path)
     reported = subprocess.run([*CLI, "report", release], capture_output=True, text=True)
     assert reported.returncode == 0, reported.stderr
-    assert "Verified" in (tmp_path / "test-release.report.html").read_text(encoding="utf-8")
+    assert "verify: passed" in (tmp_path / "test-release.report.html").read_text(encoding="utf-8")
     again = subprocess.run([*CLI, "run", str(spec), "--out", out, "--no-ledger"], capture_output=True, text=True)
     assert again.returncode == 2 and "already holds a release" in again.stderr
     with store(s3).open_output_stream("published/releases/test-release/tables/pop.nation.csv") as handle:

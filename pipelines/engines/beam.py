@@ -65,7 +65,7 @@ def pipeline_options(runner: str | None, options: list[str], workers: int | None
     from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
     flags = list(options)
-    given = PipelineOptions(flags).get_all_options(drop_default=True)
+    given = _parsed(flags)
     templated = [f"--{name}" for name in ("template_location", "dataflow_job_file") if given.get(name)]
     if templated:
         raise SpecError(f"pipeline options {', '.join(templated)}: a release is run, never saved as a template or job "
@@ -91,6 +91,27 @@ def pipeline_options(runner: str | None, options: list[str], workers: int | None
     built = PipelineOptions(flags)
     assert built.view_as(StandardOptions).runner == name
     return built
+
+
+def _parsed(flags: list[str]) -> dict:
+    """The options Beam reads from `flags`. Beam logs the flags it cannot parse, values included, which could be
+    secrets: its logger is quieted while it parses, and unknown options are refused naming only the option."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    quiet = logging.getLogger("apache_beam.options.pipeline_options")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        options = PipelineOptions(flags)
+        given = options.get_all_options(drop_default=True, retain_unknown_options=True)
+        known = set(options.get_all_options())
+    finally:
+        quiet.setLevel(level)
+    unknown = sorted({flag.split("=", 1)[0] for flag in flags if flag.startswith("--")
+                      and flag[2:].split("=", 1)[0] not in known})
+    if unknown:
+        raise SpecError(f"pipeline options {', '.join(unknown)}: not options of the installed Beam (values not shown)")
+    return given
 
 
 def portable_direct_runner(options):

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from dprelease.accounting.errors import DPReleaseError, InputSchemaError, SpecError
+from dprelease.accounting.redact import shown
 from dprelease.transforms.aggregate import bounded_counts
 from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.encode import ColumnEncoder, encode_batch
@@ -276,7 +277,7 @@ class SparkEngine(Engine):
         and stops it after each job."""
         _import_pyspark()  # a missing extra is a public spec error, before any key is drawn or budget reserved
         if session is not None and master:
-            raise SpecError(f"--master = {master!r}: the release runs on the given Spark session; its master is "
+            raise SpecError(f"--master = {shown(master)!r}: the release runs on the given Spark session; its master is "
                             "the session's")
         self.master = master
         self.app_name = app_name
@@ -293,7 +294,7 @@ class SparkEngine(Engine):
         active = SparkSession.getActiveSession()
         if active is not None:
             if self.master and active.sparkContext.master != self.master:
-                raise SpecError(f"--master = {self.master!r}: this process already runs a Spark session on "
+                raise SpecError(f"--master = {shown(self.master)!r}: this process already runs a Spark session on "
                                 f"{active.sparkContext.master!r} (one per process); pass no master to run on it")
             return active
         builder = SparkSession.builder.appName(self.app_name)

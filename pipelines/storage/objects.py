@@ -83,21 +83,31 @@ class Listing:
 
 def list_prefix(store: Store, path: str) -> Listing:
     """Every object below `path` (a prefix; the objects `path/...`), each shown to lie under it with a plain,
-    distinct name, or set aside as odd (see `Listing`)."""
+    distinct name, or set aside as odd (see `Listing`): also an object that is the prefix of any other (`a` and
+    `a/b`), and a "directory" entry that holds no listed object (a key ending in '/', which may carry content)."""
     selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
     infos = store.filesystem.get_file_info(selector)
     named = sorted((info.path, info.size) for info in infos if info.type == pafs.FileType.File)
-    files, odd = {}, []
     names = [name for name, _ in named]
+    ancestors = {parent for name in names for parent in _parents(name, path)}
+    files, odd = {}, []
     for i, (name, size) in enumerate(named):
         relative = name[len(path) + 1:] if name.startswith(path + "/") else None
-        prefix_of_next = i + 1 < len(names) and names[i + 1].startswith(name + "/")
         repeated = (i > 0 and names[i - 1] == name) or (i + 1 < len(names) and names[i + 1] == name)
-        if relative is None or safe_relative(relative) is None or prefix_of_next or repeated:
-            odd.append(name[len(path) + 1:] if name.startswith(path + "/") else name)
+        if relative is None or safe_relative(relative) is None or name in ancestors or repeated:
+            odd.append(relative if relative is not None else name)
         else:
             files[relative] = size
-    return Listing(files, odd)
+    for info in infos:
+        if info.type == pafs.FileType.Directory and info.path.rstrip("/") not in ancestors:
+            odd.append(info.path[len(path) + 1:] + "/" if info.path.startswith(path + "/") else info.path + "/")
+    return Listing(files, sorted(set(odd)))
+
+
+def _parents(name: str, root: str) -> list[str]:
+    """The prefixes of an object's name below `root` (`root/a/b/c` -> `root/a`, `root/a/b`)."""
+    parts = name[len(root) + 1:].split("/") if name.startswith(root + "/") else []
+    return [f"{root}/{'/'.join(parts[:i])}" for i in range(1, len(parts))]
 
 
 def open_release(uri: str, field: str) -> RemoteRelease:

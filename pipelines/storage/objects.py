@@ -231,8 +231,8 @@ def downloaded(uri: str, field: str = "RELEASE") -> Iterator[LocalCopy]:
     """A local, private copy of the release at `uri`, removed afterwards. Each object is read at most to the
     smaller of its size and its listed size plus one byte (so a longer object is a mismatch, not a long read);
     unlisted objects to UNLISTED_READ bytes, the first MAX_UNLISTED_OBJECTS of them (the rest named by empty
-    files); objects with odd names are never read and are named in `odd`; an object that cannot be read is left
-    out (verify reports a listed one missing)."""
+    files); objects with odd names are never read and are named in `odd`, and so is an object that cannot be read
+    under the name it is listed by (a key ending in '/', say): each a mismatch for verify."""
     release = open_release(uri, field)
     where = shown(uri)
     try:
@@ -257,6 +257,7 @@ def downloaded(uri: str, field: str = "RELEASE") -> Iterator[LocalCopy]:
         (copy / MANIFEST).write_bytes(manifest_bytes)
         listed = _listed_sizes(manifest_bytes)
         unlisted = 0
+        unreadable: list[str] = []
         for relative, size in sorted(objects.items()):
             if relative == MANIFEST:
                 continue
@@ -269,10 +270,11 @@ def downloaded(uri: str, field: str = "RELEASE") -> Iterator[LocalCopy]:
             try:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 _copy_bounded(release, relative, limit, target)
-            except (pa.ArrowException, OSError):  # unreadable
+            except (pa.ArrowException, OSError):  # listed, but not readable under that name: a mismatch
+                unreadable.append(relative)
                 with contextlib.suppress(OSError):
                     target.unlink(missing_ok=True)
-        yield LocalCopy(copy, tuple(listing.odd))
+        yield LocalCopy(copy, tuple(listing.odd) + tuple(unreadable))
     finally:
         shutil.rmtree(holder, ignore_errors=True)
 

@@ -27,6 +27,14 @@ holding '[/]', a version holding '[bold green]OK[/]', '[lo, hi]' in an error) pr
 given as Text spans."""
 
 
+class PrintableFormatter(logging.Formatter):
+    """Log lines with control characters escaped: a file name or a value holding terminal escape sequences can
+    never rewrite the console or print a line of its own."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return printable(super().format(record))
+
+
 def styled(label: str, style: str, rest: str = "") -> Text:
     """A styled label followed by plain text (never parsed as markup)."""
     return Text.assemble((label, style), rest)
@@ -79,8 +87,9 @@ def main(verbose: bool) -> None:
 
     Exit codes: 0 ok, 2 bad spec or arguments, 3 budget refused, 1 anything else.
     """
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(PrintableFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     if verbose:  # our stages only: libraries' INFO logs (runner ports, temp paths) stay off
         logging.getLogger("dprelease").setLevel(logging.INFO)
 
@@ -327,7 +336,7 @@ def run(spec: Path, pipeline_options: tuple[str, ...], base_dir, key_file, out_d
     state = "reused" if result.key_reused else "new"
     console.print(Text.assemble(f"Key ({state}): {printable(result.key_file)}  ", ("keep it secret; never publish it",
                                                                                   "dim")), soft_wrap=True)
-    console.print(f"Check it: dprelease verify {shlex.quote(str(result.release_dir))}", soft_wrap=True)
+    console.print(f"Check it: dprelease verify {printable(shlex.quote(str(result.release_dir)))}", soft_wrap=True)
     for warning in result.coding_warnings:  # from the published tables only (pipelines/coding_check.py)
         errors.print(Text.assemble(("Warning: ", "bold yellow"), warning), soft_wrap=True)
 

@@ -57,7 +57,7 @@ def process_alive(host: str, token: str) -> bool | None:
     host (cannot be told here). A malformed token names no process: False."""
     if host != socket.gethostname():
         return None
-    if not TOKEN.match(token):
+    if not TOKEN.fullmatch(token):
         return False
     pid_text, _, start = token.partition(".")
     return _start_ticks(int(pid_text)) == start
@@ -81,7 +81,7 @@ def remove_stale(parent: Path, prefix: str) -> list[Path]:
         if not entry.name.startswith(prefix) or entry.is_symlink() or not entry.is_dir():
             continue
         token, _, rest = entry.name[len(prefix):].partition("@")
-        if TOKEN.match(token) and process_alive(rest.partition("@")[0], token) is False:
+        if TOKEN.fullmatch(token) and process_alive(rest.partition("@")[0], token) is False:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed

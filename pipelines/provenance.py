@@ -29,22 +29,22 @@ def location(value: object) -> str:
     if "://" in text:
         scheme, _, rest = text.partition("://")
         parts = urlsplit(text)
-        if not IDENTIFIER.match(scheme) or "@" in rest or parts.query or parts.fragment or "?" in rest or "#" in rest:
+        if not IDENTIFIER.fullmatch(scheme) or "@" in rest or parts.query or parts.fragment or "?" in rest or "#" in rest:
             return WITHHELD
         text_to_check = rest
     else:
         text_to_check = text
-    return text if not text_to_check or PATH_CHARACTERS.match(text_to_check) else WITHHELD
+    return text if not text_to_check or PATH_CHARACTERS.fullmatch(text_to_check) else WITHHELD
 
 
 def identifier(value: object) -> str:
     text = str(value)
-    return text if IDENTIFIER.match(text) else WITHHELD
+    return text if IDENTIFIER.fullmatch(text) else WITHHELD
 
 
 def image(value: object) -> str:
     text = str(value)
-    return text if IMAGE.match(text) and "://" not in text else WITHHELD
+    return text if IMAGE.fullmatch(text) and "://" not in text else WITHHELD
 
 
 def integer(value: object) -> int | str:
@@ -66,7 +66,7 @@ def identifiers(value: object) -> list[str]:
 
 def spark_master(value: object) -> str:
     text = str(value)
-    return text if SPARK_MASTER.match(text) else WITHHELD
+    return text if SPARK_MASTER.fullmatch(text) else WITHHELD
 
 
 BEAM_OPTIONS = {

@@ -379,7 +379,7 @@ def _can_match(value, integer_column: bool) -> bool:
     canonical text: 1, never 01 or 1.0)."""
     if isinstance(value, int):
         return True
-    return bool(CANONICAL_INTEGER.match(str(value))) if integer_column else _is_number(str(value))
+    return bool(CANONICAL_INTEGER.fullmatch(str(value))) if integer_column else _is_number(str(value))
 
 
 def _unmatchable_values(path: str, name: str, kind: pa.DataType, values: list) -> list[str]:

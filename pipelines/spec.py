@@ -256,7 +256,7 @@ class GeographyColumn(Frozen):
     @field_validator("levels")
     @classmethod
     def _order_by_width(cls, levels: dict[str, int]) -> dict[str, int]:
-        bad = [name for name in levels if not re.match(LEVEL_NAME, name)]
+        bad = [name for name in levels if not re.fullmatch(LEVEL_NAME, name)]
         if bad:
             raise ValueError(f"level names {[brief(n, 40) for n in bad[:5]]} must match {LEVEL_NAME}: they name tables "
                              "and files")
@@ -502,7 +502,7 @@ class ReleaseSpec(Frozen):
     @field_validator("columns")
     @classmethod
     def _column_names(cls, columns: dict) -> dict:
-        bad = [name for name in columns if not re.match(COLUMN_NAME, name)]
+        bad = [name for name in columns if not re.fullmatch(COLUMN_NAME, name)]
         if bad:
             raise ValueError(f"column names {[brief(n, 40) for n in bad[:5]]} must match {COLUMN_NAME} (letters, digits "
                              "and _ - < > = +, at most 64): they become parts of file names")

@@ -206,7 +206,7 @@ def _check_files(root: Path, manifest: dict, report: VerifyReport, bounds: dict[
             continue
         if digest is None:
             continue
-        if not HEX64.match(str(entry.get("sha256"))) or digest != entry.get("sha256"):
+        if not HEX64.fullmatch(str(entry.get("sha256"))) or digest != entry.get("sha256"):
             report.problems.append(f"file {path}: SHA-256 differs from the manifest")
         report.checked_files += 1
     allowed_dirs = {parent.as_posix() for p in listed for parent in PurePosixPath(p).parents} - {"."}
@@ -539,7 +539,7 @@ def _check_signature(root: Path, manifest: dict, manifest_bytes: bytes, public_k
         signature = None
     if declared is not None:
         if not isinstance(declared, dict) or declared.get("file") != SIGNATURE_FILE \
-                or declared.get("algorithm") != "Ed25519" or not HEX64.match(str(declared.get("public_key_sha256"))):
+                or declared.get("algorithm") != "Ed25519" or not HEX64.fullmatch(str(declared.get("public_key_sha256"))):
             report.problems.append(f"signature: the block must name algorithm Ed25519, file {SIGNATURE_FILE} and a "
                                    "SHA-256 key fingerprint")
         if signature is None or not well_formed(signature):
@@ -597,7 +597,7 @@ def _check_derived(root: Path, manifest: dict, version: int, plan: Plan, embedde
         report.problems.append(f"files: {missing} is part of this release but not listed")
     for extra in sorted(p for p in listed - expected_paths if isinstance(p, str)):
         report.problems.append(f"files: {brief(extra, 120)} is listed but not part of a release of this spec")
-    if not HEX16.match(str(manifest.get("key_id"))):
+    if not HEX16.fullmatch(str(manifest.get("key_id"))):
         report.problems.append(f"key_id: {brief(manifest.get('key_id'), 200)} is not a 16-digit lowercase hex key id")
     software = manifest.get("software")
     if not isinstance(software, dict) or software.get("name") != "dprelease":

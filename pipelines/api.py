@@ -468,9 +468,11 @@ class ReleaseResult:
     def table(self, name: str):
         """Table `name` as a pandas DataFrame with its error columns: count tables `gls_variance` and `std` (of the
         least-squares estimate); sums `std` and `margin_95` (of the noise); quantiles `rank_margin_95`; means
-        `std_approx` (see `error_columns`)."""
+        `std_approx` (see `error_columns`). Read through the storage layer, bounded by the table's cells; any
+        failure is a DPReleaseError."""
         if name not in self._tables:
-            self._tables[name] = self._read_table(name)
+            with public_errors(stage="reading the table"):
+                self._tables[name] = self._read_table(name)
         return self._tables[name]
 
     @property
@@ -517,7 +519,8 @@ class ReleaseResult:
         otherwise than the data codes it): read from the published tables only, so safe to print."""
         from .coding_check import other_shares
 
-        return [share.message() for share in other_shares(self.directory, self.manifest)]
+        with public_errors(stage="the coding check"):
+            return [share.message() for share in other_shares(self.directory, self.manifest)]
 
     def verify(self, public_key: str | Path | None = None, ledger: str | Path | None = None,
                recompute: bool = False):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import pyarrow as pa
@@ -41,20 +41,47 @@ def _part_number(path: str) -> tuple[int, str]:
     return (int(found.group(1)) if found else -1, path)
 
 
+MAX_ROW_BYTES = 4096
+"""Largest decoded row a published table file may declare (labels, value, variance): what verify allows too."""
+MAX_ROWS = 100_000_000
+
+
 def open_table_file(directory: Path, manifest: dict, relative: str) -> pq.ParquetFile:
     """A Parquet file of the release, read through the storage layer: a regular file inside the release (no link
-    followed), at most the size its manifest lists. DPReleaseError naming the file otherwise."""
+    followed), at most the size its manifest lists, and declaring no more rows than the table has cells (at most
+    MAX_ROWS) nor more decoded bytes than MAX_ROW_BYTES a row: a small file that would decompress to gigabytes is
+    refused from its footer. DPReleaseError naming the file otherwise."""
     listed = next((e.get("bytes") for e in manifest.get("files") or [] if isinstance(e, dict)
                    and e.get("path") == relative), None)
     if type(listed) is not int or listed < 0:  # noqa: E721 (a bool is no size)
         raise DPReleaseError(f"{directory}: {relative} has no size in the manifest")
     try:
-        return pq.ParquetFile(buffer_inside(Path(directory), relative, listed))
+        file = pq.ParquetFile(buffer_inside(Path(directory), relative, listed))
     except UnsafeFile as error:
         raise DPReleaseError(f"{directory}: {error}") from None
     except (pa.ArrowException, OSError) as error:
         raise DPReleaseError(f"{directory}: {relative} is not a readable Parquet file ({type(error).__name__})") \
             from None
+    rows, limit = file.metadata.num_rows, min(_cells_of(manifest, relative), MAX_ROWS)
+    decoded = sum(file.metadata.row_group(i).total_byte_size for i in range(file.metadata.num_row_groups))
+    if rows > limit or decoded > max(rows, 1) * MAX_ROW_BYTES:
+        raise DPReleaseError(f"{directory}: {relative} declares more rows or bytes than its table can hold")
+    return file
+
+
+def _cells_of(manifest: dict, relative: str) -> int:
+    """The rows a table file of the release can hold: its table's cells (times its quantiles), from the manifest
+    (the whole table's, for a part)."""
+    stem = PurePosixPath(relative).parts[1] if len(PurePosixPath(relative).parts) > 1 else ""
+    name = stem.removesuffix(".parquet")
+    for table in manifest.get("tables") or []:
+        if isinstance(table, dict) and table.get("name") == name and type(table.get("cells")) is int:  # noqa: E721
+            quantiles = table.get("quantile", {}).get("q") if isinstance(table.get("quantile"), dict) else None
+            return table["cells"] * max(1, len(quantiles) if isinstance(quantiles, list) else 1)
+    for mean in manifest.get("means") or []:
+        if isinstance(mean, dict) and mean.get("table") == name:
+            return _cells_of(manifest, f"tables/{mean.get('sum_table')}.parquet")
+    return 0
 
 
 def read_table(directory: Path, manifest: dict, name: str, folder: str = "tables") -> pa.Table:

@@ -521,3 +521,24 @@ def test_the_launchers_beam_graph_holds_no_key(case, tmp_path, monkeypatch):
     assert graphs and graphs == [0] * len(graphs)
     refused = cli("run", case(), "--no-ledger", "--engine", "beam", "--", "--template_location=/tmp/t")
     assert refused.returncode == 2 and "template" in refused.stderr
+
+
+def test_a_table_file_that_would_decompress_to_gigabytes_is_refused_from_its_footer(case, tmp_path):
+    """Found by review: `ReleaseResult.table()` read an untrusted table with no row bound (a 3.5 MB file asked for
+    4 GiB, and a raw ArrowMemoryError left the API). Files are now bounded by their table's cells."""
+    import hashlib
+
+    root = run_release(case(), key_file=tmp_path / "k.key", ledger=None).release_dir
+    bomb = root / "tables" / "by_sex.parquet"
+    pq.write_table(pa.table({"sex": pa.array(["F"] * 5_000_000), "count": pa.array(np.zeros(5_000_000, np.int64))}),
+                   bomb, compression="zstd")
+    manifest = json.loads((root / "manifest.json").read_text())
+    for entry in manifest["files"]:
+        if entry["path"] == "tables/by_sex.parquet":
+            entry.update(sha256=hashlib.sha256(bomb.read_bytes()).hexdigest(), bytes=bomb.stat().st_size)
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    opened = dprelease.ReleaseResult.open(root)
+    with pytest.raises(dprelease.DPReleaseError, match="more rows or bytes than its table can hold"):
+        opened.table("by_sex")
+    with pytest.raises(dprelease.DPReleaseError, match="more rows or bytes"):
+        opened.coding_warnings

@@ -68,6 +68,7 @@ ENTRY_POINTS = [
     Entry("validate", CLI, ("validate", "{spec}", "--input", "{data}", "--internal-dir", "{internal}")),
     Entry("verify", CLI, ("verify", "{release}", "--public-key", "{public_key}", "--ledger", "{book}"), verifies=True),
     Entry("verify a store", CLI, ("verify", "{release_uri}"), verifies=True),
+    Entry("verify --recompute", CLI, ("verify", "{release}", "--recompute"), verifies=True),
     Entry("report", CLI, ("report", "{release}", "--out", "{out_file}", "--public-key", "{public_key}", "--ledger",
                           "{book}"), verifies=True),
     Entry("report a store", CLI, ("report", "{release_uri}", "--out", "{out_file}"), verifies=True),
@@ -84,12 +85,15 @@ ENTRY_POINTS = [
     Entry("Release.plan", API, "Release.from_yaml({spec}).plan()"),
     Entry("Release.run", API, "Release.from_yaml({spec}).run({data}, ledger={ledger}, out_dir={out_dir}, "
                               "key_file={key}, internal_dir={internal}, sign_key={sign_key}).release_id"),
+    Entry("Release.publish", API, "Release.from_yaml({spec}).publish({data}, ledger={ledger}, out_dir={out_dir}, "
+                                  "key_file={key}).release_dir"),
     Entry("Release.run to a store", API, "Release.from_yaml({spec}).run(ledger=None, out_dir={out_uri}, "
                                          "key_file={key}).release_id"),
     Entry("Release.validate", API, "Release.from_yaml({spec}).validate({internal}, {data})"),
     Entry("ReleaseResult.open", API, "ReleaseResult.open({release}).manifest['release_id']"),
     Entry("ReleaseResult.tables", API, "ReleaseResult.open({release}).tables", reads_tables=True),
     Entry("ReleaseResult.open a store", API, "ReleaseResult.open({release_uri}).tables", reads_tables=True),
+    Entry("ReleaseResult.coding_warnings", API, "ReleaseResult.open({release}).coding_warnings", reads_tables=True),
     Entry("ReleaseResult.verify", API, "ReleaseResult.open({release}).verify({public_key}, {book})", verifies=True),
     Entry("verify", API, "commands.verify({release}, {public_key}, {book})", verifies=True),
     Entry("write_report", API, "commands.write_report({release}, {out_file}, public_key={public_key})[1]",
@@ -268,6 +272,20 @@ def _existing_release_dir(cell: Path) -> Path:
     return cell / "out"
 
 
+def _inputs(cell: Path) -> Path:
+    """Where a case puts a hostile input that holds a secret itself (not searched for the secret afterwards)."""
+    folder = cell / INPUTS
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def _private_release(world: World, cell: Path) -> Path:
+    """A copy of the release made private (an embargoed release): a directory for confidential files it is not."""
+    copy = _copy_release(world, cell)
+    os.chmod(copy, 0o700)
+    return copy
+
+
 def _kept_file(path: Path) -> Path:
     path.write_text("KEEP")
     return path
@@ -287,6 +305,7 @@ def _existing_dir(path: Path) -> Path:
 
 
 SECRET = "Zq9SECRET"
+INPUTS = "hostile-inputs"
 DEEP = b"[" * 200_000 + b"]" * 200_000
 HUGE = b'{"manifest_version": ' + b"9" * 200_000 + b"}"
 
@@ -345,7 +364,14 @@ CASES = [
         "out_file": lambda w, c: _copy_release(w, c) / "out.parquet",
         "out_dir": lambda w, c: _copy_release(w, c),
         "internal": lambda w, c: _copy_release(w, c) / "internal",
+        "key": lambda w, c: _copy_release(w, c) / "k.key",
+        "ledger": lambda w, c: _copy_release(w, c) / "ledger.sqlite",
         "out_uri": lambda w, c: w.uri("world/rel/test-release/")}, "refused"),
+    Case("a-release-itself", {"internal": lambda w, c: _private_release(w, c)}, "refused"),
+    Case("secrets-in-the-spec", {
+        "spec": lambda w, c: _private_file(_inputs(c) / "spec.yaml", w.spec.read_bytes().replace(
+            b"path: input.parquet", f"path: 's3://agency:{SECRET}@bucket/in/?secret_key={SECRET}'".encode()))},
+         "refused"),
     Case("oversized", {
         "spec": lambda w, c: _private_file(c / "spec.yaml", b"# " + b"z" * (2 << 20)),
         "key": lambda w, c: _private_file(c / "big.key", b"0" * (1 << 20)),
@@ -420,6 +446,8 @@ def _tree_text(directory: Path) -> bytes:
     """Every regular file below `directory` (not following links), concatenated: where a secret must not be."""
     found = []
     for path in directory.rglob("*"):
+        if INPUTS in path.parts:
+            continue
         if path.is_file() and not path.is_symlink() and path.stat().st_size < (8 << 20):
             found.append(path.read_bytes())
     return b"".join(found)
@@ -463,7 +491,8 @@ def _check_after(world: World, cell: Path, case: Case, role: str, shown: str) ->
         assert [p.name for p in (cell / "out" / "test-release").iterdir()] == ["notes.txt"], shown
     if case.name == "existing-target" and role == "internal":
         assert os.stat(cell / "internal").st_mode & 0o777 == 0o755, shown  # never chmod-ed
-    if case.name == "inside-a-release" and role in ("out_file", "out_dir", "internal"):
+    if case.name in ("inside-a-release", "a-release-itself") and role in ("out_file", "out_dir", "internal", "key",
+                                                                           "ledger"):
         assert verify_release(cell / "copy" / "test-release").ok, shown
     if case.name == "mistyped-ledger":
         assert not (cell / "no").exists(), shown  # a ledger is never created where a reader was pointed

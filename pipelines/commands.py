@@ -199,7 +199,6 @@ class Ledger:
         lifetime amount in that unit, the per-period budget set or KEEP)."""
         from dprelease.accounting.conversions import approx_to_zcdp
         from dprelease.accounting.ledger import KEEP, set_budget
-        from dprelease.accounting.rationals import parse_rational
 
         dataset = _dataset_id(dataset)
         if (epsilon is None) == (rho is None):

@@ -255,7 +255,6 @@ def spec_file_reader(base_dir: Path) -> DomainReader:
 def read_geography_leaves(text: str, width: int, where: str) -> tuple[str, ...]:
     """The public list of finest-level codes: one code per line; '#' comments and blanks skipped."""
     lines = text.splitlines()
-    path = where
     codes: list[str] = []
     problems: list[str] = []
     for number, line in enumerate(lines, start=1):

@@ -6,9 +6,8 @@ import subprocess
 import sys
 
 import pyarrow.parquet as pq
-import pytest
 
-from .conftest import DEMO_SPEC, REPO
+from .conftest import DEMO_SPEC
 
 
 

@@ -204,7 +204,6 @@ def test_the_cell_limit_counts_every_candidate_pair(tmp_path):
 def test_a_run_that_fails_after_its_selection_stays_charged_and_republishes_free(tmp_path, monkeypatch):
     """What follows a selection depends on its draws (tables, their sizes, the time they take): a failure
     or a kill there must not refund the budget, or a run could be repeated until a selection pleased."""
-    from dprelease.accounting.ledger import open_ledger, set_budget
     from dprelease.accounting.errors import PublishError
     from dprelease.pipelines import run as run_module
 

@@ -3,7 +3,6 @@ manifest is uploaded last, so an interrupted upload leaves no release, is charge
 report and the Python API read a release by URI; tampering in the store is a mismatch."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from collections import namedtuple

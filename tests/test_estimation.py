@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dprelease.pipelines.manifest import MANIFEST_VERSION, sha256_file
-from dprelease.pipelines.postprocessing import LEGACY_STEPS, STEPS, estimate_variances
+from dprelease.pipelines.postprocessing import CONSISTENCY_STATED, LEGACY_STEPS, STEPS, estimate_variances
 from dprelease.pipelines.run import run_release
 from dprelease.pipelines.verify import verify_release
 from dprelease.transforms.domains import Dimension, GeographyDomain
@@ -186,7 +186,8 @@ def test_release_publishes_gls_variances_and_verifies(published_release):
         assert record["bound"] == ("exact" if predicted.exact else "upper bound")
         assert record["variance_max"] == pytest.approx(expected.max(), rel=1e-5)
         assert record["variance_max"] <= records[name]["expected_error"]["variance"] + 1e-9
-    assert [s["step"] for s in manifest["post_processing"]][:2] == [STEPS["hierarchy"], STEPS["marginals_joint"]]
+    stated = [STEPS["hierarchy"] + CONSISTENCY_STATED, STEPS["marginals_joint"] + CONSISTENCY_STATED]
+    assert [s["step"] for s in manifest["post_processing"]][:2] == stated
     assert verify_release(root).ok
 
 
@@ -320,6 +321,9 @@ def test_plan_and_report_show_the_gls_standard_deviation(published_release, tmp_
     plan = subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", "plan", str(spec)],
                           capture_output=True, text=True, env={**__import__("os").environ, "COLUMNS": "200"})
     assert plan.returncode == 0 and "GLS std" in plan.stdout
+    said = " ".join(plan.stdout.split())  # issue 30: what the estimate means for the user's tables, then how
+    assert "every count table is published from one least-squares estimate" in said
+    assert "computed globally" in said and "since the tables do not form a tree of geographic units" in said
     tract = estimate_variances(published_release.plan).per_cell["pop.tract"]
     assert f"{tract.max() ** 0.5:.3f}" in plan.stdout
     out = tmp_path / "report.html"
@@ -327,4 +331,4 @@ def test_plan_and_report_show_the_gls_standard_deviation(published_release, tmp_
                              str(published_release.release_dir), "--out", str(out)], capture_output=True, text=True)
     assert report.returncode == 0, report.stderr
     html = out.read_text()
-    assert "GLS std dev" in html and f"{tract.min() ** 0.5:.3f}" in html
+    assert "GLS std dev" in html and f"{tract.min() ** 0.5:.3g}" in html  # three significant figures

@@ -227,3 +227,22 @@ def test_the_json_schema_accepts_the_specs_the_tests_run():
                      small_spec(neighbouring="replace", invariants=["pop.state"])):
         parse_spec(document)
         assert list(Draft202012Validator(json_schema()).iter_errors(document)) == []
+
+
+@pytest.mark.parametrize("block, field, allowed", [
+    ("budget", "definition", "pure (epsilon), zcdp (rho, delta) or approx (epsilon, delta)"),
+    ("kind", "kind", "histogram, marginals"),
+])
+def test_a_block_without_its_kind_names_the_field_and_the_kinds_allowed(block, field, allowed):
+    """Issue 30: not pydantic's "Unable to extract tag using discriminator" but the field and its values."""
+    document = small_spec()
+    if block == "budget":
+        document["budget"] = {"epsilon": 1}
+    else:
+        del document["queries"][0]["kind"]
+    (message,) = errors_of(document)
+    assert f"{field} is missing; allowed: {allowed}" in message and "discriminator" not in message, message
+    if block == "budget":
+        document["budget"] = {"definition": "renyi", "epsilon": 1}
+        (message,) = errors_of(document)
+        assert "definition = 'renyi'; allowed: pure" in message, message

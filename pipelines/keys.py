@@ -11,9 +11,8 @@ import stat
 from pathlib import Path
 
 from dprelease.accounting.errors import SpecError
-from dprelease.transforms.csprng import ReleaseKey
-
 from dprelease.accounting.redact import shown
+from dprelease.transforms.csprng import ReleaseKey
 
 from .manifest import file_stamp
 from .storage import read_named

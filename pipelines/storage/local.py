@@ -18,7 +18,6 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-
 from dprelease.accounting.errors import SpecError
 from dprelease.accounting.redact import shown
 
@@ -62,16 +61,24 @@ def open_inside(root: Path, relative: str) -> int:
         os.close(directory)
 
 
-def _open_regular(name: str, directory: int | None, shown: str) -> int:
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=directory)
-    except OSError as error:
-        raise UnsafeFile(f"{shown}: cannot be opened as a regular file ({error.strerror})") from None
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
+def _regular_descriptor(path: str | Path, flags: int = 0, directory: int | None = None) -> int | None:
+    """A blocking read-only descriptor of `path` if it is a regular file, else None (closed again). Opened with
+    O_NONBLOCK, so a FIFO returns at once instead of waiting for a writer; OSError when it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | flags, dir_fd=directory)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise UnsafeFile(f"{shown}: not a regular file")
+        return None
     os.set_blocking(fd, True)
+    return fd
+
+
+def _open_regular(name: str, directory: int | None, label: str) -> int:
+    try:
+        fd = _regular_descriptor(name, os.O_NOFOLLOW, directory)
+    except OSError as error:
+        raise UnsafeFile(f"{label}: cannot be opened as a regular file ({error.strerror})") from None
+    if fd is None:
+        raise UnsafeFile(f"{label}: not a regular file")
     return fd
 
 
@@ -169,14 +176,11 @@ def read_named(path: Path | str, limit: int, field: str) -> bytes:
     if not isinstance(path, (str, Path)) or not str(path) or "\0" in str(path):
         raise SpecError(f"{field} = {shown(path)!r}: a path to a file")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = _regular_descriptor(path)
     except OSError as error:
         raise SpecError(f"{field} = {shown(path)!r}: cannot be read ({error.strerror})") from None
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
+    if fd is None:
         raise SpecError(f"{field} = {shown(path)!r}: not a regular file (a FIFO, a device or a directory)")
-    os.set_blocking(fd, True)
     with os.fdopen(fd, "rb") as handle:
         data = handle.read(limit + 1)
     if len(data) > limit:

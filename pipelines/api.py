@@ -59,12 +59,10 @@ def ledger_location(ledger: object) -> str | Path | None:
         local = Path(ledger.removeprefix("sqlite:///"))
     else:
         local = arguments.path(ledger, "ledger", optional=False)
-    from .storage import release_holding
+    from .storage import check_outside_releases
 
-    holder = release_holding(local.expanduser().absolute())
-    if holder is not None:
-        raise SpecError(f"ledger = {shown(local)!r}: inside the published release {shown(holder)}; a ledger (key ids, "
-                        "input fingerprints, hosts) never goes into a release")
+    check_outside_releases(local.expanduser().absolute(), "ledger", local,
+                           "a ledger (key ids, input fingerprints, hosts) never goes into a release")
     return ledger if isinstance(ledger, str) and "://" in ledger else local
 
 
@@ -295,16 +293,14 @@ class _input_of:
                                 "directory every executor and the driver share, outside the output directory")
             return
         from .housekeeping import remove_stale
-        from .storage import release_holding
+        from .storage import check_outside_releases
 
         staging = Path(self.spark_staging).resolve()
         if isinstance(self.out_dir, Path) and staging.is_relative_to(self.out_dir.resolve()):
             raise SpecError(f"spark_staging = {shown(self.spark_staging)!r}: must not be inside the output directory "
                             f"{shown(self.out_dir)} (the input copy is confidential)")
-        holder = release_holding(staging / "copy")
-        if holder is not None:
-            raise SpecError(f"spark_staging = {shown(self.spark_staging)!r}: inside the published release "
-                            f"{shown(holder)} (the input copy is confidential)")
+        check_outside_releases(staging / "copy", "spark_staging", self.spark_staging,
+                               "the input copy is confidential")
         remove_stale(staging, input_copy_prefix(self.release_id))  # a copy a killed run left here
 
     def _directory(self, parent: str | Path | None) -> Path:

@@ -26,13 +26,10 @@ def default_key_path(spec_dir: Path, release_id: str, created_at: str) -> Path:
 def check_key_location(key_path: Path, output_root: Path) -> None:
     """Refuse a key file inside the output tree (publishing, copying or --overwrite of a release there
     must never carry or delete a key), or inside any published release (which is copied to the public)."""
-    from .storage import release_holding
+    from .storage import check_outside_releases
 
     resolved = key_path.expanduser().resolve()
-    holder = release_holding(resolved)
-    if holder is not None:
-        raise SpecError(f"--key-file = {shown(key_path)!r}: lies inside the published release {shown(holder)}; keep "
-                        "keys outside every release")
+    check_outside_releases(resolved, "--key-file", key_path, "keep keys outside every release")
     if resolved.is_relative_to(output_root.expanduser().resolve()):
         raise SpecError(f"--key-file = {shown(key_path)!r}: lies inside the output directory {output_root}; keep keys "
                         "outside every release tree (pass --key-file elsewhere, or set output.dir to a directory "

@@ -23,13 +23,14 @@ from .local import (UnsafeFile, buffer_inside, inside, open_file, open_inside, p
                     read_named, read_regular, regular_directory, safe_relative, tree_entries, write_private)
 from .objects import (Listing, LocalCopy, RemoteRelease, check_remote_target, downloaded, list_prefix, open_release,
                       read_manifest_bytes, release_under, upload_release)
-from .targets import MANIFEST, check_output_file, check_release_target, release_holding, write_atomically
+from .targets import (MANIFEST, check_outside_releases, check_output_file, check_release_target, release_holding,
+                      write_atomically)
 from .uris import PUBLIC_OPTIONS, Store, as_location, file_info, is_uri, list_files, local_path, open_store
 
 __all__ = ["FileDigest", "InputChanged", "fingerprint_files", "verified_copy", "UnsafeFile", "buffer_inside",
            "inside", "open_file", "open_inside", "private_directory", "read_inside", "read_named", "read_regular",
            "regular_directory", "safe_relative", "tree_entries", "write_private", "Listing", "LocalCopy",
            "RemoteRelease", "check_remote_target", "downloaded", "list_prefix", "open_release", "read_manifest_bytes",
-           "release_under", "upload_release", "MANIFEST", "check_output_file", "check_release_target",
+           "release_under", "upload_release", "MANIFEST", "check_outside_releases", "check_output_file", "check_release_target",
            "release_holding", "write_atomically", "PUBLIC_OPTIONS", "Store", "as_location", "file_info", "is_uri",
            "list_files", "local_path", "open_store"]

@@ -117,10 +117,10 @@ def read_regular(path: Path, limit: int) -> bytes:
         return _bounded(handle, limit, str(path))
 
 
-def _bounded(handle: BinaryIO, limit: int, shown: str) -> bytes:
+def _bounded(handle: BinaryIO, limit: int, label: str) -> bytes:
     data = handle.read(limit + 1)
     if len(data) > limit:
-        raise UnsafeFile(f"{shown}: larger than {limit:,} bytes")
+        raise UnsafeFile(f"{label}: larger than {limit:,} bytes")
     return data
 
 
@@ -193,13 +193,11 @@ def private_directory(path: Path | str, field: str) -> Path:
     one is created owner-only (0700); an existing one must be a real directory (not a link), owned by this user
     and already private. It is never made private by changing the mode of something that exists (which could
     be someone else's directory reached through a link). Never inside a release. SpecError (exit 2) otherwise."""
-    from .targets import release_holding
+    from .targets import check_outside_releases
 
     path = Path(path)
-    holder = release_holding(path.parent.resolve() / path.name / "report")  # the directory itself, or above it
-    if holder is not None:
-        raise SpecError(f"{field} = {shown(path)!r}: inside the release {shown(holder)}; confidential files never "
-                        "go into a release")
+    check_outside_releases(path.parent.resolve() / path.name / "report", field, path,  # the directory, or above it
+                           "confidential files never go into a release")
     try:
         info = os.lstat(path)
     except FileNotFoundError:

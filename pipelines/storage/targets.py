@@ -22,6 +22,15 @@ def release_holding(path: Path) -> Path | None:
     return None
 
 
+def check_outside_releases(probe: Path, field: str, given: object, why: str) -> None:
+    """SpecError (exit 2) when `probe` lies in a published release (`release_holding`), naming `field`, the
+    location as the user `given` it, the release and `why` nothing of its kind goes there. To cover a directory
+    itself as well as those above it, probe a name inside it."""
+    holder = release_holding(probe)
+    if holder is not None:
+        raise SpecError(f"{field} = {shown(given)!r}: inside the release {shown(holder)}; {why}")
+
+
 def check_release_target(final_dir: Path, overwrite: bool) -> None:
     """Where a release directory will be published: never a symbolic link (replacing one would delete or write
     outside it), never inside another published release (writing there changes what was published), an existing
@@ -30,10 +39,8 @@ def check_release_target(final_dir: Path, overwrite: bool) -> None:
     if final_dir.is_symlink():
         raise SpecError(f"output: release directory {shown(final_dir)} is a symbolic link; publish to a real "
                         "directory")
-    holder = release_holding(final_dir.parent.resolve() / final_dir.name)
-    if holder is not None:
-        raise SpecError(f"output: release directory {shown(final_dir)} lies inside the published release "
-                        f"{shown(holder)}; publish beside it, never into it")
+    check_outside_releases(final_dir.parent.resolve() / final_dir.name, "output", final_dir,
+                           "publish beside it, never into it")
     if final_dir.exists() and not overwrite:
         raise SpecError(f"output: release directory {shown(final_dir)} already exists; pass --overwrite to replace it")
     if final_dir.exists() and not final_dir.is_dir():
@@ -48,10 +55,7 @@ def check_output_file(path: Path, overwrite: bool, option: str) -> Path:
     if path.is_symlink():
         raise SpecError(f"{option} = {shown(path)!r}: a symbolic link; name a regular file")
     target = path.parent.resolve() / path.name
-    holder = release_holding(target)
-    if holder is not None:
-        raise SpecError(f"{option} = {shown(path)!r}: inside the release {shown(holder)}; write beside it, never "
-                        "into it")
+    check_outside_releases(target, option, path, "write beside it, never into it")
     if target.is_dir():
         raise SpecError(f"{option} = {shown(path)!r}: a directory; name a file")
     if target.exists() and not overwrite:

@@ -11,6 +11,7 @@ through it, in whichever worker reads the file (`pipelines.source.FileReader`).
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import os
@@ -60,6 +61,23 @@ TAIL = 2 * BLOCK
 """Bytes kept from the end of each file while it is fingerprinted, to read a Parquet footer from them."""
 
 
+class _Tail:
+    """The last TAIL bytes of a stream of blocks, kept as the blocks themselves (joined once, at the end)."""
+
+    def __init__(self) -> None:
+        self.blocks: collections.deque[bytes] = collections.deque()
+        self.length = 0
+
+    def add(self, block: bytes) -> None:
+        self.blocks.append(block)
+        self.length += len(block)
+        while self.length - len(self.blocks[0]) >= TAIL:
+            self.length -= len(self.blocks.popleft())
+
+    def bytes(self) -> bytes:
+        return b"".join(self.blocks)[-TAIL:]
+
+
 def _row_groups(tail: bytes) -> int | None:
     """The row groups a Parquet file's footer declares, from the file's last bytes (None when it does not fit)."""
     import pyarrow.parquet as pq
@@ -105,17 +123,17 @@ def fingerprint_files(files: list[tuple[str, str]], filesystem: pafs.FileSystem 
         mac.update(size.to_bytes(8, "big"))
         digest = hashlib.sha256()
         read = 0
-        tail = b""
+        tail = _Tail()
         with _open_stream(located, filesystem) as handle:
             for block in iter(lambda: handle.read(BLOCK), b""):
                 mac.update(block)
                 digest.update(block)
                 read += len(block)
                 if parquet:
-                    tail = (tail + block)[-TAIL:]
+                    tail.add(block)
         if read != size:
             raise InputChanged(f"input file {shown(named)}: changed while it was read; nothing was charged")
-        digests[named] = FileDigest(size, digest.hexdigest(), _row_groups(tail) if parquet else None)
+        digests[named] = FileDigest(size, digest.hexdigest(), _row_groups(tail.bytes()) if parquet else None)
     return mac.hexdigest(), digests
 
 

@@ -25,7 +25,6 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from dprelease.accounting.errors import DPReleaseError, SpecError
-
 from dprelease.accounting.redact import shown
 
 from .local import safe_relative
@@ -60,10 +59,6 @@ class RemoteRelease:
         """Published: its manifest is there."""
         info = self.store.filesystem.get_file_info(self.object_path(MANIFEST))
         return info.type == pafs.FileType.File
-
-    def objects(self) -> dict[str, int]:
-        """Every object under the release's prefix with a plain name: relative path -> size (`listing`)."""
-        return self.listing().files
 
     def listing(self) -> "Listing":
         """Every object under the release's prefix (`list_prefix`)."""
@@ -122,12 +117,13 @@ def release_under(root_uri: str, release_id: str, field: str) -> RemoteRelease:
     return RemoteRelease(root.store, f"{root.path}/{release_id}", root.query)
 
 
-def check_remote_target(release: RemoteRelease, overwrite: bool) -> None:
+def check_remote_target(release: RemoteRelease, overwrite: bool) -> dict[str, int]:
     """Refuse to publish where the store holds anything under the release's prefix (a release, the leftovers of
     a failed upload, or other objects) without `overwrite`, as a local run refuses an existing directory; and
     always where it holds an object with an odd name (`Listing`): removing it would remove another object (a
     store normalises `a/../b` to `b`), so it is named for its owner to remove. Also refused: a release prefix
-    inside another published release (a manifest at any prefix above it)."""
+    inside another published release (a manifest at any prefix above it). Returns what the prefix holds (the
+    plain-named objects, `Listing.files`)."""
     try:
         listing = release.listing()
         holder = _release_above(release)
@@ -144,6 +140,7 @@ def check_remote_target(release: RemoteRelease, overwrite: bool) -> None:
     if held and not overwrite:
         what = "a release" if MANIFEST in held else f"{len(held)} object(s) but no manifest (a failed upload?)"
         raise SpecError(f"output: {shown(release.uri)} already holds {what}; pass --overwrite to replace it")
+    return held
 
 
 def _release_above(release: RemoteRelease) -> str | None:
@@ -162,9 +159,8 @@ def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool) -> 
     """Publish the staged release at `local_dir` to the store: with `overwrite`, what the prefix holds is removed
     first (a manifest first, so it stops being a release); then every file is copied, the manifest last: a
     reader never sees a manifest whose files are not all there."""
-    check_remote_target(release, overwrite)  # no odd names: every object removed is the one listed
+    old = check_remote_target(release, overwrite)  # no odd names: every object removed is the one listed
     filesystem = release.store.filesystem
-    old = release.objects()
     if MANIFEST in old:
         filesystem.delete_file(release.object_path(MANIFEST))
     for relative in sorted(set(old) - {MANIFEST}):

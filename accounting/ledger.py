@@ -51,7 +51,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from .errors import BudgetError, DPReleaseError, KeyReuseError, SpecError
 from .periods import UNITS as PERIOD_UNITS
 from .periods import budget_periods, overlaps, parse_period
-from .redact import redact_url
+from .redact import shown
 
 SCHEMA_VERSION = 6
 MIGRATIONS = {
@@ -167,7 +167,7 @@ class LedgerError(DPReleaseError):
 
 
 def unreachable(location: str | Path, error: Exception) -> LedgerError:
-    return LedgerError(f"ledger {redact_url(str(location))}: cannot be used ({type(error).__name__}); check that the "
+    return LedgerError(f"ledger {shown(location)}: cannot be used ({type(error).__name__}); check that the "
                        "database exists and is reachable")
 
 
@@ -196,18 +196,18 @@ def open_ledger(location: str | Path, create: bool = True) -> Engine:
     ledger."""
     url = ledger_url(location)
     if not create and url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).is_file():
-        raise SpecError(f"--ledger = {redact_url(str(location))!r}: no such ledger file (a mistyped ledger would "
+        raise SpecError(f"--ledger = {shown(location)!r}: no such ledger file (a mistyped ledger would "
                         "look empty; `dprelease ledger set-budget` creates one)")
     try:
         return _open_ledger(location)
     except (ArgumentError, ImportError) as error:  # a URL SQLAlchemy cannot parse, or a driver not installed
-        raise SpecError(f"--ledger = {redact_url(str(location))!r}: not a usable database URL ({type(error).__name__}"
+        raise SpecError(f"--ledger = {shown(location)!r}: not a usable database URL ({type(error).__name__}"
                         "; a SQLite file path, or a SQLAlchemy URL whose driver is installed, e.g. "
                         "postgresql+psycopg://host/db with `pip install psycopg[binary]`)") from None
     except SQLAlchemyError as error:
         raise unreachable(location, error) from None
     except OSError as error:
-        raise LedgerError(f"ledger {redact_url(str(location))}: cannot be used ({error.strerror})") from None
+        raise LedgerError(f"ledger {shown(location)}: cannot be used ({error.strerror})") from None
 
 
 def _open_ledger(location: str | Path) -> Engine:
@@ -238,7 +238,7 @@ def _open_ledger(location: str | Path) -> Engine:
         if version is None:
             connection.execute(schema_version.insert().values(version=SCHEMA_VERSION))
         elif version > SCHEMA_VERSION:
-            raise SpecError(f"--ledger {redact_url(str(location))}: schema version {version} is newer than this dprelease ({SCHEMA_VERSION})")
+            raise SpecError(f"--ledger {shown(location)}: schema version {version} is newer than this dprelease ({SCHEMA_VERSION})")
         else:
             _migrate(connection, version)
     return engine

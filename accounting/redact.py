@@ -35,8 +35,3 @@ def shown(location: object) -> str:
         rest = f"{HIDDEN}@{rest[rest.rindex('@') + 1:]}"
     rest = re.split(r"[?#]", rest, maxsplit=1)[0]
     return printable(match["scheme"] + rest)
-
-
-def redact_url(text: str) -> str:
-    """`shown` (kept under the name the ledger's messages use)."""
-    return shown(text)

@@ -77,7 +77,9 @@ class TableSummary:
 
     @property
     def typical_value(self) -> float:
-        return float(np.median(self.values)) if self.values.size else 0.0
+        """The median value of the cells above zero (0 when there are none)."""
+        mine = self.nonzero
+        return float(np.median(self.values[mine])) if mine.any() else 0.0
 
     @property
     def typical_margin(self) -> float:
@@ -91,7 +93,14 @@ class TableSummary:
 
     @property
     def precise_share(self) -> float:
+        """The share of cells whose 95% margin is within PRECISE of their value."""
         return float(np.mean(self.margins <= PRECISE * self.values)) if self.values.size else 0.0
+
+    @classmethod
+    def combined(cls, query: str, tables: list["TableSummary"]) -> "TableSummary":
+        """The cells of several tables (a query's) as one summary."""
+        return cls(query, query, sum(s.cells for s in tables), np.concatenate([s.values for s in tables]),
+                   np.concatenate([s.margins for s in tables]), [])
 
 
 @dataclass
@@ -168,17 +177,12 @@ def _groups(summaries: list[TableSummary], manifest: dict) -> list[dict]:
     groups = []
     for query in dict.fromkeys(s.query for s in summaries):
         mine = [s for s in summaries if s.query == query]
-        values = np.concatenate([s.values for s in mine])
-        margins = np.concatenate([s.margins for s in mine])
-        nonzero = values > 0
-        relative = float(np.median(margins[nonzero] / values[nonzero])) if nonzero.any() else math.inf
-        precise = float(np.mean(margins <= PRECISE * values)) if values.size else 0.0
+        whole = TableSummary.combined(query, mine)
+        relative, precise = whole.relative, whole.precise_share
         word = "too noisy to use" if relative > TOO_NOISY else "good" if precise >= 0.5 else "usable with care"
-        groups.append({"query": query, "kind": kinds.get(query, ""), "tables": len(mine),
-                       "cells": int(sum(s.cells for s in mine)),
-                       "typical_value": float(np.median(values[nonzero])) if nonzero.any() else 0.0,
-                       "typical_margin": float(np.median(margins)), "relative": relative, "precise": precise,
-                       "word": word})
+        groups.append({"query": query, "kind": kinds.get(query, ""), "tables": len(mine), "cells": int(whole.cells),
+                       "typical_value": whole.typical_value, "typical_margin": whole.typical_margin,
+                       "relative": relative, "precise": precise, "word": word})
     return groups
 
 
@@ -215,8 +219,8 @@ def _figures(summaries: list[TableSummary], manifest: dict) -> dict[str, Markup]
     if counts:
         groups = {}
         for query in dict.fromkeys(s.query for s in counts):
-            mine = [s for s in counts if s.query == query]
-            groups[query] = (np.concatenate([s.values for s in mine]), np.concatenate([s.margins for s in mine]))
+            whole = TableSummary.combined(query, [s for s in counts if s.query == query])
+            groups[query] = (whole.values, whole.margins)
         figures["error_against_size"] = Markup(report_figures.error_against_size(groups))
     kinds = {q["name"]: q["kind"] for q in manifest["spec"]["queries"]}
     small = sorted((s for s in counts if s.labels), key=lambda s: kinds.get(s.query) != "hierarchy")[:SMALL_TABLES_DRAWN]
@@ -236,9 +240,7 @@ def _level_errors(summaries: list[TableSummary], manifest: dict) -> list[tuple[s
     for s in summaries:
         if kinds.get(s.query) != "hierarchy":
             continue
-        nonzero = s.values > 0
-        relative = float(np.median(s.margins[nonzero] / s.values[nonzero])) if nonzero.any() else 0.0
-        found.append((s.name, s.typical_margin, relative))
+        found.append((s.name, s.typical_margin, s.relative if s.nonzero.any() else 0.0))
     return found if len(found) > 1 else []
 
 

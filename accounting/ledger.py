@@ -274,8 +274,6 @@ class Reservation:
     """Committed before its release was staged (`charge_before_publication`): a failure no longer refunds it."""
     selection_sha256: str | None = None
     """A free re-run: what the committed release's selections chose (None: nothing recorded)."""
-    measurements_sha256: str | None = None
-    """A free re-run: the digest of the committed release's noisy measurements (None: not recorded yet)."""
 
     @property
     def charged_by_this_run(self) -> Fraction:
@@ -455,8 +453,7 @@ def reserve(engine: Engine, dataset_id: str, release_id: str, key_id: str, spec_
                       periods=tuple(charged_periods))
         if committed is not None:
             return Reservation(committed.id, dataset_id, unit, Fraction(committed.spend), spent, lifetime,
-                               rerun=True, selection_sha256=committed.selection_sha256,
-                               measurements_sha256=committed.measurements_sha256, **fields)
+                               rerun=True, selection_sha256=committed.selection_sha256, **fields)
         if spent + spend > lifetime:
             raise BudgetError(
                 f"dataset {dataset_id!r}: this release needs {spend} {unit} ({float(spend):.6g}) but only "

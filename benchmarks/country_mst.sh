@@ -5,7 +5,8 @@
 # /usr/bin/time -v, on the rows country.sh generates.
 # The same spec with `select: aim` (AIM-style rounds within county: 4 rounds, each a pass over the rows) too.
 # Usage: benchmarks/country_mst.sh [ROWS]   (default: 10000000). WORKERS: --workers (default: every core).
-# SPARK=1: the MST release also on Spark local[2] (candidates scored in the executors), beside the embedded one.
+# SPARK=1: the MST and AIM releases also on Spark local[2] (candidates scored in the executors, every AIM pass
+# counted from the bounded records kept on the executors), beside the embedded ones.
 set -euo pipefail
 cd "$(dirname "$0")"
 rows="${1:-10000000}"
@@ -35,4 +36,7 @@ if [ -n "${SPARK:-}" ]; then
   measure "MST within county, spark local[2]" "$rows" dprelease run country_mst_spec.yaml --input "$data/persons.parquet" \
     --key-file "out/keys/mst-$rows.key" --no-ledger --engine spark --master "local[2]" \
     --out out/releases-spark
+  measure "AIM within county, spark local[2]" "$rows" dprelease run out/country_aim_spec.yaml \
+    --input "$data/persons.parquet" --key-file "out/keys/aim-$rows.key" --no-ledger --engine spark \
+    --master "local[2]" --out out/releases-spark
 fi

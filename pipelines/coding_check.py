@@ -79,6 +79,12 @@ def _other_share(directory: Path, manifest: dict, table: str, column: str) -> fl
     return other / total
 
 
+def files_read(manifest: dict) -> list[str]:
+    """The release files the check reads (the Parquet parts of the smallest count table of each dimension)."""
+    names = sorted({table["name"] for table in _count_tables_by_dimension(manifest).values()})
+    return [path for name in names for path in table_files(manifest, name)]
+
+
 def other_shares(directory: Path, manifest: dict) -> list[OtherShare]:
     """Every dimension whose (other) cells hold more than OTHER_SHARE_LIMIT of the total of the smallest
     published count table that has it (post-processing of the published tables only)."""

@@ -37,7 +37,8 @@ from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, Part, mean_parts, tabl
 from .plan import Plan
 from .manifest import VarianceSummary, plan_fingerprint
 from .postprocessing import published_cells, unit_tree
-from .release import check_staging, mean_column, row_labels, table_values, write_part
+from .release import check_staging, mean_column, part_files, row_labels, table_values, write_part
+from .storage import is_uri, open_remote_staging, put_part
 
 SCHEMA = pa.schema([("key", pa.int64()), ("kind", pa.string()), ("level", pa.int32()), ("start", pa.int64()),
                     ("count", pa.int64()), ("payload", pa.binary())])
@@ -133,9 +134,12 @@ class Flow:
     """What a worker knows: the plan, its tree, the groups of each level, the layout and where to write."""
 
     def __init__(self, plan: Plan, layout: Layout | None, staging: str, tree=None, staging_token: str | None = None):
-        self.plan, self.layout, self.staging = plan, layout or Layout(), Path(staging)
+        self.plan, self.layout = plan, layout or Layout()
+        self.staging = staging if is_uri(staging) else Path(staging)
+        """The run's staging directory (a path), or its staging prefix in the release's store (a URI)."""
         self.staging_token = staging_token
         self._staging_checked = False
+        self._remote_staging = None
         self.tree = tree if tree is not None else unit_tree(plan)
         self.transitions = transitions(self.tree, self.layout.group_work) if self.tree else []
         self.table_index = {t.name: i for i, t in enumerate(plan.tables)}
@@ -157,8 +161,13 @@ class Flow:
         return self.tree.level_of(table).index if self.tree and table in self.tree.tables else None
 
     def write(self, part: Part, frame: pa.Table) -> list[dict]:
-        """Write one part into the run's staging directory, once the worker has seen that the directory is the
-        one the driver made for this run (`release.check_staging`: otherwise nothing is written anywhere)."""
+        """Write one part into the run's staging directory or prefix, once the worker has seen that it is the one
+        the driver made for this run (`release.check_staging`, `storage.open_remote_staging`: otherwise nothing
+        is written anywhere)."""
+        if isinstance(self.staging, str):
+            if self._remote_staging is None:
+                self._remote_staging = open_remote_staging(self.staging, self.staging_token)
+            return [put_part(self._remote_staging, name, data) for name, data in part_files(part, frame)]
         if not self._staging_checked:
             check_staging(self.staging, self.staging_token)
             self._staging_checked = True
@@ -168,7 +177,7 @@ class Flow:
 def run_token(plan: Plan, layout: Layout, staging, staging_token: str) -> tuple:
     """What identifies a run's Flow in a worker: the plan fingerprint, the layout's sizes, the staging path (an
     absolute path, resolved on the driver) and its marker's token."""
-    if not Path(staging).is_absolute():
+    if not is_uri(str(staging)) and not Path(staging).is_absolute():
         raise ValueError(f"staging {staging}: a worker would resolve a relative path in its own directory")
     return plan_fingerprint(plan), layout.group_work, layout.part_rows, str(staging), staging_token
 

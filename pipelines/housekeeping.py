@@ -38,6 +38,11 @@ def leftover_tag() -> str:
     return f"{process_token()}@{socket.gethostname()}@"
 
 
+def store_leftover_tag() -> str:
+    """`pid.start+host+`: `leftover_tag` for a staging prefix in an object store ('@' in a URI is user info)."""
+    return f"{process_token()}+{socket.gethostname()}+"
+
+
 def input_copy_prefix(release_id: str) -> str:
     """Name prefix of a Python API run's private copy of in-memory data in TMPDIR (`leftover_tag` follows it, so
     the next run of the release removes a copy that a killed run left)."""

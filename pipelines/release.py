@@ -26,6 +26,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from dprelease.accounting.errors import DPReleaseError, SpecError
+from dprelease.accounting.redact import shown
 from dprelease.accounting.signing import SIGNATURE_FILE, fingerprint, sign
 from dprelease.transforms.domains import dimension_labels
 
@@ -36,7 +37,8 @@ from .plan import MeanOutput, Plan, TablePlan
 from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, Part, mean_parts, table_parts
 from .postprocessing import EstimateVariances, estimate_variances, mean_values
 from .provenance import Invocation
-from .storage import check_release_target, inside
+from . import storage
+from .storage import RemoteStaging, check_release_target, inside, remove_remote_staging
 
 LOG = logging.getLogger("dprelease")
 
@@ -89,17 +91,25 @@ def mean_column(mean: MeanOutput, noisy: dict[str, np.ndarray]) -> dict[str, pa.
     return {"mean": pa.array(mean_values(mean, noisy), type=pa.float64(), from_pandas=True)}
 
 
+def part_files(part: Part, frame: pa.Table) -> list[tuple[str, bytes]]:
+    """The two files of one part, (relative name, bytes): <stem>.parquet and <stem>.csv. The bytes depend on the
+    frame alone, so every engine and every retried attempt writes the same ones, wherever they go."""
+    parquet, csv = pa.BufferOutputStream(), pa.BufferOutputStream()
+    pq.write_table(frame, parquet, compression="zstd")
+    pacsv.write_csv(frame, csv)
+    return [(f"{part.stem}.parquet", parquet.getvalue().to_pybytes()), (f"{part.stem}.csv", csv.getvalue().to_pybytes())]
+
+
 def write_part(root: Path, part: Part, frame: pa.Table) -> list[dict]:
-    """Write one part as <stem>.parquet and <stem>.csv below `root` (a name that would leave it is
-    refused); return their manifest entries (path, SHA-256, bytes). Any worker can call it: the bytes
-    depend on the frame alone."""
-    stem = inside(root, part.stem)
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    parquet_path = stem.parent / f"{stem.name}.parquet"
-    csv_path = stem.parent / f"{stem.name}.csv"
-    _write_atomically(parquet_path, lambda path: pq.write_table(frame, path, compression="zstd"))
-    _write_atomically(csv_path, lambda path: pacsv.write_csv(frame, path))
-    return [_file_entry(root, parquet_path), _file_entry(root, csv_path)]
+    """Write one part's files (`part_files`) below `root` (a name that would leave it is refused); return their
+    manifest entries (path, SHA-256, bytes). Any worker can call it."""
+    entries = []
+    for relative, data in part_files(part, frame):
+        path = inside(root, relative)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomically(path, lambda temporary: temporary.write_bytes(data))
+        entries.append({"path": relative, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)})
+    return entries
 
 
 def _write_atomically(path: Path, write) -> None:
@@ -147,15 +157,37 @@ class StagedRelease:
     measurements_sha256: str
     """SHA-256 over the noisy measurement files (their paths and hashes, in order): what a free re-run must
     reproduce exactly (`accounting.ledger.commit`)."""
+    remote_parts: RemoteStaging | None = None
+    """Where the workers staged the table parts in the release's store (then `staging` holds the driver's files
+    only: domain files, manifest, signature); None when every file is in `staging`."""
+    part_names: tuple[str, ...] = ()
+    """The names of the parts in `remote_parts`."""
 
     def discard(self) -> None:
+        """Remove what was staged; StagedPartsLeft when parts in a store could not all be removed."""
         shutil.rmtree(self.staging, ignore_errors=True)
+        if self.remote_parts is not None:
+            check_removed(self.remote_parts)
+
+
+def check_removed(staging: RemoteStaging) -> None:
+    """Remove a staging prefix in a store; StagedPartsLeft naming it and counting what stayed, if anything did."""
+    left = remove_remote_staging(staging)
+    if left:
+        raise storage.StagedPartsLeft(f"{len(left)} staged object(s) with noisy values could not be removed from "
+                                      f"{shown(staging.uri)}: remove them; the run is charged")
 
 
 def staging_prefix(release_id: str) -> str:
     """Name prefix of a release's staging directories ('@' cannot occur in a release id, so the prefix
     names exactly one release's); the owner's `leftover_tag` follows it."""
     return f".{release_id}.staging@"
+
+
+def store_staging_prefix(release_id: str) -> str:
+    """Name prefix of a release's staging prefixes in an object store (`storage.staging`); the owner's
+    `store_leftover_tag` follows it."""
+    return f".{release_id}.staging+"
 
 
 def replaced_prefix(release_id: str) -> str:
@@ -166,12 +198,12 @@ def replaced_prefix(release_id: str) -> str:
 check_target = check_release_target
 """Where a release is published: `storage.check_release_target`."""
 
-STAGING_MARKER = ".dprelease-staging"
+STAGING_MARKER = storage.STAGING_MARKER
 """A file in every staging directory holding a random token of its run: a worker writes a part only into a
 staging directory that holds its run's token (`check_staging`), so a worker that cannot see the driver's
 directory (a relative path resolved in its own work directory, or a disk the driver does not share) writes
 nothing at all, instead of noisy parts the driver can neither check nor remove. Removed before the manifest
-is written."""
+is written. A release published to a store is staged in the store instead (`storage.staging`)."""
 
 
 def new_staging(final_dir: Path) -> tuple[Path, str]:

@@ -7,6 +7,8 @@ import logging
 import os
 import shutil
 import tempfile
+import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +21,8 @@ from dprelease.transforms.csprng import ReleaseKey
 
 from .engines.base import Engine, ProgressHook, no_progress
 from .engines.embedded import EmbeddedEngine, spill_prefix
-from .housekeeping import input_copy_prefix, owner, remove_stale, terminate_as_exit
+from .housekeeping import (input_copy_prefix, owner, process_alive, remove_stale, store_leftover_tag,
+                           terminate_as_exit)
 from .keys import check_key_location, default_key_path, load_or_generate
 from .manifest import plan_fingerprint, selection_fingerprint
 from .limits import check_plan_limits
@@ -27,13 +30,15 @@ from .plan import Plan, build_plan
 from .layout import Layout
 from .postprocessing import estimation_path, post_process, unit_tree
 from .provenance import Invocation, run_invocation
-from .release import (StagedRelease, check_staged_files, check_target, finish_release, new_staging, publish,
-                      replaced_prefix, stage_release, staging_prefix)
-from .coding_check import coding_warnings
+from .release import (StagedRelease, check_removed, check_staged_files, check_target, finish_release, new_staging,
+                      publish, replaced_prefix, stage_release, staging_prefix, store_staging_prefix)
+from .coding_check import coding_warnings, files_read
 from .selection import check_engine_selects, select_tables
 from .source import InputSource, open_input, open_memory_input
-from .storage import (RemoteRelease, check_remote_target, is_uri, private_directory, read_named, release_under,
+from .storage import (MANIFEST, RemoteRelease, StagedPartsLeft, check_remote_staged, check_remote_target, inside,
+                      is_uri, new_remote_staging, private_directory, read_named, release_under, remove_stale_remote,
                       upload_release)
+from .storage.objects import copy_bounded
 from .spec import ReleaseSpec, load_spec
 from .validation import (StrictValidationError, SuiteRunner, check_schema, expectations_from_spec, manifest_record,
                          write_internal_report)
@@ -110,9 +115,73 @@ def _abort_quietly(book, reservation) -> None:
                     "`dprelease ledger reconcile`", type(error).__name__)
 
 
-def clean_leftovers(root: Path, release_id: str) -> None:
-    """Remove staging, replaced and spill directories that dead runs of this release left behind."""
-    removed = remove_stale(root, staging_prefix(release_id))
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and the exceptions it was raised from or during."""
+    found: list[BaseException] = []
+    while error is not None and error not in found:
+        found.append(error)
+        error = error.__cause__ or error.__context__
+    return found
+
+
+def _charge_quietly(book, reservation) -> None:
+    """Charge a reservation whose run failed but left noisy values where they could be read (`StagedPartsLeft`);
+    if the ledger cannot be reached the row stays reserved until `dprelease ledger reconcile`."""
+    try:
+        charge_before_publication(book, reservation)
+    except Exception as error:  # noqa: BLE001 - the original failure is what the user must see
+        LOG.warning("ledger: could not charge the reservation (%s); it stays reserved until "
+                    "`dprelease ledger reconcile`", type(error).__name__)
+
+
+def _discard(staged: StagedRelease) -> StagedPartsLeft | None:
+    """Remove a staged release that will not be published; the StagedPartsLeft when parts in a store stayed."""
+    try:
+        staged.discard()
+    except StagedPartsLeft as left:
+        return left
+    return None
+
+
+def _staged_parts(staged: StagedRelease) -> list[tuple[str, str]]:
+    """(path in the store, name in the release) of every part the workers staged in the release's store."""
+    if staged.remote_parts is None:
+        return []
+    return [(staged.remote_parts.object_path(name), name) for name in staged.part_names]
+
+
+def _remove_staged_parts(staged: StagedRelease) -> None:
+    """After publication: the staging prefix removed (what stays is logged by count: the release is charged)."""
+    if staged.remote_parts is None:
+        return
+    try:
+        check_removed(staged.remote_parts)
+    except StagedPartsLeft as left:
+        LOG.warning("published; %s", left)
+
+
+def _fetch_coding_check_files(final_dir: Path, remote: RemoteRelease) -> None:
+    """Copy from the store into the local copy of a release whose parts were written there by the workers the few
+    files the coding check reads (`coding_check.files_read`), each no longer than its manifest says; a failure
+    leaves the check to say it could not run."""
+    try:
+        manifest = json.loads((final_dir / MANIFEST).read_bytes())
+        sizes = {entry["path"]: entry["bytes"] for entry in manifest["files"]}
+        for relative in files_read(manifest):
+            target = inside(final_dir, relative)
+            if not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                copy_bounded(remote, relative, sizes[relative], target)
+    except Exception as error:  # noqa: BLE001 - published and charged: the check says it could not run
+        LOG.info("the coding check's files could not be fetched (%s)", type(error).__name__)
+
+
+def clean_leftovers(root: Path, release_id: str, remote: RemoteRelease | None = None) -> None:
+    """Remove staging, replaced and spill directories (and staging prefixes beside `remote`, the release's place in
+    a store) that dead runs of this release left behind."""
+    removed: list = remove_stale(root, staging_prefix(release_id))
+    if remote is not None:
+        removed += remove_stale_remote(remote, store_staging_prefix(release_id), process_alive)
     removed += remove_stale(root, replaced_prefix(release_id))
     removed += remove_stale(Path(tempfile.gettempdir()), spill_prefix(release_id))
     removed += remove_stale(Path(tempfile.gettempdir()), input_copy_prefix(release_id))
@@ -290,10 +359,6 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
             shutil.rmtree(root, ignore_errors=True)
         raise
     try:
-        if remote and engine_.writes_parts and unit_tree(plan) is not None and not engine_.workers_share_driver_disk():
-            raise SpecError(f"output: {remote.uri}: a release for an object store is staged on the driver's disk "
-                            f"first, which the {engine_.name} engine's workers on a cluster cannot reach; publish "
-                            "to a shared file system, or run it with a local master/runner")
         check_engine_selects(plan, engine_)
         signer = load_private_key(read_named(sign_key, MAX_KEY_BYTES, "--sign-key"), sign_key) if sign_key else None
         if internal_dir is not None:
@@ -311,7 +376,7 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
         check_key_location(key_path, root)
         key, reused = load_or_generate(key_path)
         release_key, input_fingerprint = bind_release_key(key, plan, source)  # every later read: these bytes
-        clean_leftovers(root, spec.release_id)
+        clean_leftovers(root, spec.release_id, remote)
         book, reservation = _reserve(ledger, plan, key, input_fingerprint,
                                      remote.uri if remote else str(final_dir.resolve()))
         LOG.info("key %s (%s)", key.key_id(), "reused" if reused else "new")
@@ -332,16 +397,16 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                     check_selection(book, reservation, selection_fingerprint(plan))
                 staged = _release_and_stage(plan, engine_, source, validation_record, created_at, key, key_path,
                                             key_saved, release_key, final_dir, progress, invocation, reservation,
-                                            signer, layout)
+                                            signer, layout, remote)
                 try:
                     if reservation:
                         commit(book, reservation, staged.manifest_sha256, staged.measurements_sha256)
                     committed = True
                     publish(staged, final_dir, overwrite)
                     if remote:
-                        upload_release(final_dir, remote, overwrite)
+                        upload_release(final_dir, remote, overwrite, _staged_parts(staged))
                 except BaseException as error:
-                    staged.discard()
+                    left = _discard(staged)
                     if committed and reservation and isinstance(error, Exception):
                         raise PublishError(
                             f"release {spec.release_id}: charged in the ledger but not published "
@@ -349,9 +414,14 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                             "spec and input" + (" and --overwrite (the failed upload left objects under the "
                                                 "release's prefix)" if remote else "") +
                             " to publish it at no further cost") from error
+                    if left is not None:
+                        raise left from error
                     raise
+                _remove_staged_parts(staged)
         except BaseException as error:
-            if reservation and not committed:
+            if reservation and not committed and any(isinstance(e, StagedPartsLeft) for e in _chain(error)):
+                _charge_quietly(book, reservation)  # noisy values stay in the store: never refunded
+            elif reservation and not committed:
                 _abort_quietly(book, reservation)
             if reservation and reservation.charged_early and not committed and isinstance(error, Exception) \
                     and not isinstance(error, PublishError):
@@ -361,6 +431,8 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                     "same spec and input to publish it at no further cost") from error
             raise
         LOG.info("published %s", remote.uri if remote else final_dir)
+        if remote and staged.remote_parts is not None:
+            _fetch_coding_check_files(final_dir, remote)
         return RunResult(remote.uri if remote else final_dir, key_path, reused, plan, coding_warnings(final_dir))
     finally:
         engine_.close()  # a session the engine started never outlives the run
@@ -381,7 +453,8 @@ def _remote_target(spec: ReleaseSpec, out_dir, overwrite: bool) -> RemoteRelease
 
 def _release_and_stage(plan: Plan, engine_: Engine, source: InputSource, validation_record: dict | None,
                        created_at: str, key, key_path: Path, key_saved: bool, release_key: ReleaseKey, final_dir: Path,
-                       progress, invocation: Invocation, reservation, signer, layout: Layout):
+                       progress, invocation: Invocation, reservation, signer, layout: Layout,
+                       remote: RemoteRelease | None = None):
     """Save a fresh key, draw the noisy measurements, post-process and stage the release."""
     if not key_saved:
         key.save(key_path)
@@ -389,6 +462,8 @@ def _release_and_stage(plan: Plan, engine_: Engine, source: InputSource, validat
                   invocation=invocation, ledger=reservation.record() if reservation else None,
                   sign_key=signer, input_validation=validation_record, layout=layout)
     if engine_.writes_parts and unit_tree(plan) is not None:
+        if remote is not None:
+            return _stage_in_store(plan, engine_, source, release_key, final_dir, progress, record, remote)
         return _stage_in_workers(plan, engine_, source, release_key, final_dir, progress, record)
     noisy = engine_.noisy_measurements(plan, source, release_key, progress)
     LOG.info("noisy measurements drawn for %d tables", len(plan.tables))
@@ -415,3 +490,33 @@ def _stage_in_workers(plan: Plan, engine_: Engine, source: InputSource, release_
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _stage_in_store(plan: Plan, engine_: Engine, source: InputSource, release_key: ReleaseKey, final_dir: Path,
+                    progress, record: dict, remote: RemoteRelease) -> StagedRelease:
+    """The distributed path for a release published to a store: the workers write every part straight into a
+    staging prefix of this run beside the release's (`storage.staging`: no disk shared with the driver is
+    needed); the driver checks that the prefix holds exactly the parts reported, with their sizes, and writes
+    its own files (domain files, manifest) into a local staging directory; publication copies the parts inside
+    the store and uploads the manifest last (`storage.upload_release`). A failure removes the prefix
+    (StagedPartsLeft, and the run charged, when it cannot)."""
+    parts = new_remote_staging(remote, store_staging_prefix(final_dir.name), store_leftover_tag())
+    try:
+        staging, _ = new_staging(final_dir)
+        try:
+            entries, summaries = engine_.release_parts(plan, source, release_key, parts.uri, parts.token,
+                                                       record["layout"], progress)
+            check_remote_staged(parts, entries)
+            LOG.info("noise, post-processing (%s) and %d files written into the store by the %s workers",
+                     estimation_path(plan), len(entries), engine_.name)
+            staged = finish_release(plan, staging, entries, summaries=summaries, **record)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    except BaseException as error:
+        try:
+            check_removed(parts)
+        except StagedPartsLeft as left:
+            raise left from error
+        raise
+    return dataclasses.replace(staged, remote_parts=parts, part_names=tuple(sorted(e["path"] for e in entries)))

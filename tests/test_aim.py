@@ -299,3 +299,38 @@ def test_passes_over_kept_bounded_records_count_what_reading_the_input_counts(tm
     manifests = [json.loads((r.release_dir / "manifest.json").read_text()) for r in (kept, read)]
     assert manifests[0]["selections"] == manifests[1]["selections"]
     assert [f["sha256"] for f in manifests[0]["files"]] == [f["sha256"] for f in manifests[1]["files"]]
+
+
+def test_spark_selection_reads_the_input_once_and_counts_every_pass_from_the_kept_records(tmp_path, monkeypatch):
+    """Units of 3 records bounded to 2, every round split into many passes, on Spark local[2]: the input is read
+    (encoded, bounded) once for the whole selection, the records kept on the executors, and every pass counts
+    from them; the release (tables chosen, every file) is the embedded engine's, which reads the input on every
+    pass when its kept records are dropped."""
+    pytest.importorskip("pyspark")
+    import dprelease.pipelines.engines.spark as spark
+    import dprelease.pipelines.selection as selection
+    from dprelease.pipelines.run import run_release
+
+    from .test_spark import assert_same_release
+
+    rows, columns = dependent_people(np.random.default_rng(8), 900)
+    rows["pid"] = [i // 3 for i in range(900)]
+    spec = small_spec(budget={"definition": "zcdp", "rho": 20, "delta": 1e-9}, contribution={"max_records_per_unit": 2})
+    spec["columns"].update(columns)
+    spec["queries"] = [{"name": "m", "kind": "marginals", "attributes": ATTRIBUTES[:3], "within": "geo.state",
+                        "select": "aim"}]
+    path = write_case(tmp_path / "c", spec, rows)
+    monkeypatch.setattr(selection, "AIM_ROUND_CELLS", 10)  # one candidate a pass
+    embedded = run_release(path, key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / "embedded")
+    reads, passes = [], []
+    read, score = spark.SparkEngine._read, spark.SparkEngine.score_candidates
+    monkeypatch.setattr(spark.SparkEngine, "_read", lambda self, *a: reads.append(1) or read(self, *a))
+    monkeypatch.setattr(spark.SparkEngine, "score_candidates",
+                        lambda self, *a, **k: passes.append(1) or score(self, *a, **k))
+    other = run_release(path, key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / "spark", engine="spark",
+                        master="local[2]")
+    assert len(passes) > 3 and len(reads) == 2  # the selection's one read, then the release's
+    chosen = [json.loads((r.release_dir / "manifest.json").read_text())["selections"][0]["chosen"]
+              for r in (embedded, other)]
+    assert chosen[0] == chosen[1]
+    assert_same_release(embedded.release_dir, other.release_dir, "spark")

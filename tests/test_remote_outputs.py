@@ -128,16 +128,6 @@ def test_reconcile_finds_a_release_published_in_the_store(s3, credentials, tmp_p
         "test-release", "never-published"))) is None
 
 
-def test_a_cluster_engine_cannot_publish_to_a_store_through_the_drivers_disk(s3, credentials, tmp_path):
-    """A plan whose tables form a tree of units is post-processed and written by the workers: on a runner that
-    is not on this machine they cannot reach the driver's staging directory; refused before anything runs."""
-    spec = write_case(tmp_path / "case", small_spec(queries=small_spec()["queries"][:2]))
-    with pytest.raises(SpecError, match="staged on the driver's disk"):
-        run_release(spec, out_dir=bucket_uri(s3, "cluster"), engine="beam", runner="PortableRunner",
-                    beam_options=["--job_endpoint=127.0.0.1:1"])
-    assert objects(s3, "cluster/releases") == []
-
-
 def test_a_downloaded_object_is_read_no_further_than_its_manifest_says(s3, credentials, tmp_path):
     spec = write_case(tmp_path / "case", small_spec())
     published = run_release(spec, out_dir=bucket_uri(s3, "bounded"), key_file=tmp_path / "k.key")

@@ -9,15 +9,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
 
 from dprelease.accounting.errors import DPReleaseError, SpecError
 from dprelease.pipelines.commands import demo_data
 from dprelease.pipelines.layout import Layout
 from dprelease.pipelines.run import run_release
+from dprelease.pipelines.storage import downloaded
 from dprelease.pipelines.verify import verify_release
 
 from .conftest import DEMO_SPEC, REPO
+from .test_storage import credentials, s3  # noqa: F401 - fixtures
 
 pytest.importorskip("pyspark")
 pytestmark = pytest.mark.skipif(subprocess.run(["which", "java"], capture_output=True).returncode != 0,
@@ -98,9 +101,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_standalone_cluster_release(demo):
+def test_standalone_cluster_release(demo, s3, credentials):
+    """Two workers with their own work directories: the release written to a directory the driver names (local
+    disk, shared on this machine), then to an S3-compatible store on 127.0.0.1, where the executors write every
+    part straight into the run's staging prefix (`storage.staging`: nothing shared with the driver is needed),
+    credentials from the environment the cluster was started with. Both equal the embedded engine's release."""
     run_dir = demo["root"] / "cluster-run"
-    env = {**os.environ, "PYTHON": sys.executable}
+    env = {**os.environ, "PYTHON": sys.executable}  # with the store's credentials (`credentials`)
     started = subprocess.run(["bash", str(REPO / "deploy/spark/start-cluster.sh"), str(run_dir), "2", str(_free_port())],
                              capture_output=True, text=True, env=env, timeout=180)
     pids = [int(p.read_text()) for p in run_dir.glob("*.pid")]
@@ -114,6 +121,20 @@ def test_standalone_cluster_release(demo):
             capture_output=True, text=True, env=env, timeout=600)
         assert submitted.returncode == 0, submitted.stderr[-3000:]
         assert_same_release(demo["embedded"], demo["root"] / "cluster" / "demo-2026", "spark")
+        bucket = pafs.S3FileSystem(endpoint_override=s3, scheme="http", allow_bucket_creation=True)
+        bucket.create_dir("cluster")
+        out = f"s3://cluster/releases?endpoint_override={s3}&scheme=http"
+        submitted = subprocess.run(
+            ["bash", str(REPO / "deploy/spark/submit.sh"), url, str(DEMO_SPEC), "--input", str(demo["data"]),
+             "--out", out, "--key-file", str(demo["key"]), "--no-ledger"],
+            capture_output=True, text=True, env=env, timeout=600)
+        assert submitted.returncode == 0, submitted.stderr[-3000:]
+        names = [i.path for i in bucket.get_file_info(pafs.FileSelector("cluster", recursive=True))
+                 if i.type == pafs.FileType.File]
+        assert names and all(n.startswith("cluster/releases/demo-2026/") for n in names)  # no staging left
+        with downloaded(f"s3://cluster/releases/demo-2026?endpoint_override={s3}&scheme=http") as copy:
+            assert_same_release(demo["embedded"], copy.path, "spark")
+            assert verify_release(copy.path).ok
         worker_logs = "".join(p.read_text() for p in run_dir.glob("worker-*.log"))
         assert worker_logs.count("Asked to launch executor") >= 2  # both workers ran executors
     finally:

@@ -75,15 +75,12 @@ class Engine(ABC):
     """Whether the engine runs the post-processing and writing stages of a tree of units in its workers
     (`release_parts`); else the driver post-processes the noisy vectors (`pipelines.postprocessing`)."""
 
-    def workers_share_driver_disk(self) -> bool:
-        """Whether the workers write where the driver's local disk is (one machine): a release published to an
-        object store is staged there first (`pipelines.storage.objects`)."""
-        return True
-
-    def release_parts(self, plan: Plan, source: InputSource, key: ReleaseKey, staging: Path, staging_token: str,
-                      layout: "Layout", progress: ProgressHook = no_progress) -> tuple[list[dict], dict]:
+    def release_parts(self, plan: Plan, source: InputSource, key: ReleaseKey, staging: Path | str,
+                      staging_token: str, layout: "Layout",
+                      progress: ProgressHook = no_progress) -> tuple[list[dict], dict]:
         """Noise, post-processing and every table part written into `staging` by the workers
-        (`pipelines.dataflow`), each worker first checking that the directory holds `staging_token` (it is the
+        (`pipelines.dataflow`): a directory every worker reaches, or the URI of the run's staging prefix in the
+        release's store (`storage.staging`). Each worker first checks that it holds `staging_token` (it is the
         driver's, so nothing is written where the driver could not check and remove it); returns (file
         entries, variance summaries), all the driver receives.
 

@@ -299,11 +299,6 @@ class BeamEngine(Engine):
             found = self._key_inputs[id(pipeline)] = pipeline | "ReleaseKey" >> KeyFromFile(path)
         return found
 
-    def workers_share_driver_disk(self) -> bool:
-        from apache_beam.options.pipeline_options import StandardOptions
-
-        return self.options.view_as(StandardOptions).runner == "DirectRunner"
-
     def _runner(self):
         from apache_beam.options.pipeline_options import StandardOptions
 

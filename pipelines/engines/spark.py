@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from dprelease.accounting.errors import DPReleaseError, InputSchemaError, SpecError
 from dprelease.accounting.redact import shown
-from dprelease.transforms.aggregate import bounded_counts
+from dprelease.transforms.aggregate import bounded_counts, bounded_records
 from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.encode import ColumnEncoder, encode_batch
 from dprelease.transforms.release_values import noisy_range
@@ -97,6 +97,67 @@ def _encode_bound_count_function(plan: Plan, unit: str | None, subkey: bytes, st
             })
 
     return encode_bound_count
+
+
+def _bound_function(plan: Plan, unit: str | None, subkey: bytes):
+    """Per partition (all records of a unit together): encode every batch and bound contributions (the kernels
+    `_encode_bound_count_function` runs, on the same columns: the same records kept); emit the codes of the
+    records kept, one int32 column per encoded column (`_kept_schema`). Private: they stay on the executors."""
+    columns = plan.encoded_columns()
+    encoders = {c: ColumnEncoder(plan.domains[c]) for c in columns}
+    sizes = [plan.domains[c].size for c in columns]
+
+    def bound(batches):
+        parts: dict[str, list] = {c: [] for c in columns}
+        units = []
+        rows = 0
+        for batch in batches:
+            codes, keep = encode_batch(batch, encoders)
+            for c in columns:
+                parts[c].append(codes[c][keep].astype(np.int32))
+            if unit:
+                units.append(batch.column(unit).filter(pa.array(keep)))
+            rows += int(keep.sum())
+        if not rows:
+            return
+        codes = {c: np.concatenate(v) for c, v in parts.items()}
+        unit_values = pa.chunked_array(units).combine_chunks() if unit else None
+        kept, n_rows, _ = bounded_records(codes, rows, sizes, unit_values, plan.bounds.max_records_per_unit, subkey)
+        for start in range(0, n_rows, ARROW_BATCH_ROWS):
+            yield pa.RecordBatch.from_pydict({f"c{i}": pa.array(kept[c][start:start + ARROW_BATCH_ROWS])
+                                              for i, c in enumerate(columns)})
+
+    return bound
+
+
+def _kept_schema(plan: Plan) -> str:
+    """The Spark schema of kept records: one int column per encoded column, by position (c0, c1, ...)."""
+    return ", ".join(f"c{i} int" for i in range(len(plan.encoded_columns())))
+
+
+def _count_kept_function(plan: Plan, table_ids: list[int], steps: list[int]):
+    """Per partition of kept records (`_bound_function`): the count tables `table_ids` measured over them, emitted
+    as sparse partial counts with the release range each falls in (as `_encode_bound_count_function` emits)."""
+    columns = plan.encoded_columns()
+    layouts = [plan.tables[i].layout for i in table_ids]
+
+    def count(batches):
+        totals = [np.zeros(layout.n_measured, dtype=np.int64) for layout in layouts]
+        for batch in batches:
+            codes = {c: batch.column(i).to_numpy() for i, c in enumerate(columns)}
+            for total, layout in zip(totals, layouts):
+                total += layout.measure_vector(codes, batch.num_rows)
+        for table_id, counts in zip(table_ids, totals):
+            cells = np.flatnonzero(counts)
+            if cells.size:
+                yield pa.RecordBatch.from_pydict({
+                    "table_id": pa.array(np.full(cells.size, table_id, dtype=np.int32)),
+                    "range_id": pa.array((cells // steps[table_id]).astype(np.int64)),
+                    "cell": pa.array(cells.astype(np.int64)),
+                    "count": pa.array(counts[cells]),
+                })
+
+    return count
 
 
 def _read_function(reader, tasks: list, schema: pa.Schema):
@@ -283,7 +344,9 @@ class SparkEngine(Engine):
         self.app_name = app_name
         self.given_session = session
         self.started_session = None
-        """The session this engine started (stopped after each job), if any."""
+        """The session this engine started (stopped by `close`), if any."""
+        self._kept = None
+        """(signature, DataFrame) of the bounded records a selection keeps on the executors for its later passes."""
 
     def session(self):
         if self.given_session is not None:
@@ -304,9 +367,6 @@ class SparkEngine(Engine):
             builder = builder.master("local[*]")
         self.started_session = builder.getOrCreate()
         return self.started_session
-
-    def workers_share_driver_disk(self) -> bool:
-        return self.session().sparkContext.master.startswith("local")
 
     def check_input_schema(self, source: InputSource) -> None:
         """Spark reads every Parquet file with one schema (the dataset's), converted to Spark types: a
@@ -373,7 +433,17 @@ class SparkEngine(Engine):
         return outcome
 
     def close(self) -> None:
+        """Drop the kept bounded records (from the executors' disks) and stop a session this engine started."""
+        self._drop_kept()
         self._stop_started(self.started_session)
+
+    def _drop_kept(self) -> None:
+        if self._kept is not None:
+            try:
+                self._kept[1].unpersist()
+            except Exception:  # noqa: BLE001 - a stopped session holds nothing any more
+                pass
+            self._kept = None
 
     def _stop_started(self, spark) -> None:
         """Stop `spark` if this engine started it (a caller's or an already active session is never stopped)."""
@@ -394,8 +464,9 @@ class SparkEngine(Engine):
 
     @contextlib.contextmanager
     def _job(self):
-        """A Spark session for one job, stopped afterwards; any Spark error becomes a public-only message
-        (Spark wraps executor errors, whose text could quote data)."""
+        """A Spark session for one job (one the engine starts lives until `close`: a selection's kept records
+        stay on its executors between passes); any Spark error becomes a public-only message (Spark wraps
+        executor errors, whose text could quote data)."""
         spark = self.session()
         try:
             with _arrow_settings(spark):
@@ -405,18 +476,18 @@ class SparkEngine(Engine):
                 raise
             raise InputChanged.in_worker(error) or DPReleaseError(f"the Spark job failed: {type(error).__name__}") \
                 from error
-        finally:
-            self._stop_started(spark)
 
     scores_candidates = True
 
     def score_candidates(self, plan: Plan, counting: list, one_way: list, estimates, source: InputSource,
                          key: ReleaseKey, progress: ProgressHook = no_progress) -> dict[str, int]:
-        """Two jobs over the records bounded as for `counting` (read, bounded and counted once, the counts
-        kept on the executors' local disks for both): the 1-way tables released to the driver (the values the
-        release publishes), then each candidate scored in executors, range by range, from the estimates the
-        driver broadcasts, and the ranges' scores summed per table in the executors: the driver receives one
-        integer per candidate (no true count, nor any part of a score, reaches it)."""
+        """Two jobs over the records bounded as for `counting`: the 1-way tables released to the driver (the
+        values the release publishes), then each candidate scored in executors, range by range, from the
+        estimates the driver broadcasts, and the ranges' scores summed per table in the executors: the driver
+        receives one integer per candidate (no true count, nor any part of a score, reaches it). The input is
+        read, encoded and bounded once a run: the records kept are persisted on the executors' disks and every
+        later pass over the same columns (a `select: aim` query's) counts from them, as the embedded engine's
+        passes do (the same records: bounding is keyed by the key and the codes of every encoded column)."""
         from pyspark.sql import functions as F
 
         counting_plan = dataclasses.replace(plan, tables=tuple(counting))
@@ -430,7 +501,11 @@ class SparkEngine(Engine):
             # on the executors' local disks (as every stage output is), not recomputed by the second job
             released_names = {t.name for t in plan.tables}
             candidates = [i for i, t in enumerate(counting) if t.name not in released_names]
-            counts = _stage_output(self._cell_counts(spark, counting_plan, source, key, steps, one_way_ids + candidates))
+            records = self._kept_records(spark, counting_plan, source, key)
+            counts = _stage_output(records.mapInArrow(
+                _count_kept_function(counting_plan, one_way_ids + candidates, steps),
+                "table_id int, range_id long, cell long, count long")
+                .groupBy("table_id", "range_id", "cell").agg(F.sum("count").alias("count")))
             released = (self._grouped_ranges(spark, counting_plan, source, counts, steps, one_way_ids)
                         .applyInArrow(_noise_function(counting_plan, key, steps), "table_id int, cell long, noisy long")
                         .toArrow())
@@ -453,6 +528,27 @@ class SparkEngine(Engine):
                                                          scored.column("ranges").to_pylist()))}
         expected = {name: counting[ids[name]].release.range_count(steps[ids[name]]) for name in wanted}
         return checked_scores(found, expected, "the Spark selection job")
+
+    def _kept_records(self, spark, plan: Plan, source: InputSource, key: ReleaseKey):
+        """The codes of the records bounded over `plan`'s encoded columns, read and bounded on the first call of a
+        run and persisted on the executors' local disks; later calls over the same columns reuse them."""
+        from pyspark import StorageLevel
+        from pyspark.sql import functions as F
+
+        signature = (id(source), key.derive("dprelease/bound"), tuple(plan.encoded_columns()))
+        if self._kept is not None and self._kept[0] == signature:
+            return self._kept[1]
+        self._drop_kept()
+        unit = source.unit_column
+        frame = self._read(spark, source)
+        if unit:  # records of a unit must meet in one partition; null units are dropped by policy
+            partitions = max(spark.sparkContext.defaultParallelism, -(-source.estimated_rows() // ROWS_PER_PARTITION))
+            frame = frame.where(F.col(unit).isNotNull()).repartition(partitions, unit)
+        records = frame.mapInArrow(_bound_function(plan, unit, key.derive("dprelease/bound")), _kept_schema(plan))
+        records = records.persist(StorageLevel.DISK_ONLY)
+        records.count()  # read, encode and bound now, once
+        self._kept = (signature, records)
+        return records
 
     def _ranged_counts(self, spark, plan: Plan, source: InputSource, key: ReleaseKey, steps: list[int]):
         """The input read, bounded and counted in executors, grouped by (table, noise range) with a marker

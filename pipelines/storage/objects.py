@@ -1,7 +1,9 @@
 """Releases in an object store (s3://, gs://, hdfs:// through pyarrow's filesystems, as inputs are: `storage`).
 
 An object store has no atomic rename, so a release is published there as it is written nowhere else: staged
-and committed on the driver's local disk as usual, then uploaded file by file with `manifest.json` last. A
+on the driver's local disk (or, for the parts the workers of a distributed engine write, in a staging prefix of
+the run in the same store: `staging`), then uploaded (or copied inside the store) file by file with
+`manifest.json` last. A
 release exists in the store once its manifest does: readers (verify, report, `ReleaseResult.open`, `ledger
 reconcile`) start from the manifest. Objects under a release's prefix without one (an upload that failed, or
 anything else) are never removed without `--overwrite`: a rerun with the same key and `--overwrite` replaces
@@ -19,7 +21,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -155,16 +157,22 @@ def _release_above(release: RemoteRelease) -> str | None:
     return None
 
 
-def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool) -> None:
+def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool,
+                   staged_parts: Sequence[tuple[str, str]] = ()) -> None:
     """Publish the staged release at `local_dir` to the store: with `overwrite`, what the prefix holds is removed
-    first (a manifest first, so it stops being a release); then every file is copied, the manifest last: a
-    reader never sees a manifest whose files are not all there."""
+    first (a manifest first, so it stops being a release); then every part the workers staged in the same store
+    (`staged_parts`: (its path in the store, its name in the release)) is copied inside the store, every local
+    file uploaded, the manifest last: a reader never sees a manifest whose files are not all there."""
     old = check_remote_target(release, overwrite)  # no odd names: every object removed is the one listed
     filesystem = release.store.filesystem
     if MANIFEST in old:
         filesystem.delete_file(release.object_path(MANIFEST))
     for relative in sorted(set(old) - {MANIFEST}):
         filesystem.delete_file(release.object_path(relative))
+    for source, relative in staged_parts:
+        if safe_relative(relative) is None or relative == MANIFEST:
+            raise ValueError(f"{relative!r}: not a part's name")
+        filesystem.copy_file(source, release.object_path(relative))
     files = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file())
     for relative in [f for f in files if f != MANIFEST] + [MANIFEST]:
         _upload_file(local_dir / relative, filesystem, release.object_path(relative))
@@ -180,7 +188,7 @@ def _read_bounded(release: RemoteRelease, relative: str, limit: int) -> bytes:
         return handle.read(limit)
 
 
-def _copy_bounded(release: RemoteRelease, relative: str, limit: int, target: Path) -> None:
+def copy_bounded(release: RemoteRelease, relative: str, limit: int, target: Path) -> None:
     """At most `limit` bytes of an object into `target`, a block at a time."""
     with release.store.filesystem.open_input_stream(release.object_path(relative)) as handle, \
             open(target, "wb") as out:
@@ -265,7 +273,7 @@ def downloaded(uri: str, field: str = "RELEASE") -> Iterator[LocalCopy]:
                 limit = UNLISTED_READ if unlisted <= MAX_UNLISTED_OBJECTS else 0
             try:
                 target.parent.mkdir(parents=True, exist_ok=True)
-                _copy_bounded(release, relative, limit, target)
+                copy_bounded(release, relative, limit, target)
             except (pa.ArrowException, OSError):  # listed, but not readable under that name: a mismatch
                 unreadable.append(relative)
                 with contextlib.suppress(OSError):

@@ -1,0 +1,162 @@
+"""A run's staging prefix in an object store: where the workers of a distributed engine write a release's parts
+when the release is published to a store (`s3://`, `gs://`, `hdfs://`), so that no directory shared between the
+driver and the workers is needed.
+
+    driver   new_remote_staging   a fresh prefix beside the release's, `.<release-id>.staging+<owner>+...`, holding a
+                                  marker object with a random token of this run
+    workers  open_remote_staging  refuse to write unless the marker holds the run's token (a worker that reaches
+                                  another store, or a stale prefix, writes nothing)
+             put_part             one object per part file, whole (a PUT is atomic: a retried task attempt writes
+                                  the same bytes again); its entry (name, SHA-256, size) goes back to the driver
+    driver   check_remote_staged  the prefix holds exactly the reported parts with their sizes (and the marker):
+                                  a missing, short, extra or odd-named object refuses the release
+             upload_release       (`objects`) each part copied inside the store into the release's prefix, the
+                                  driver's own files uploaded, `manifest.json` last
+             remove_remote_staging  the prefix removed after a commit or a failure; what cannot be removed is named
+                                  (`StagedPartsLeft`: the run is then charged, never refunded: noisy values stay)
+
+A driver killed before it could remove its prefix leaves it behind: the next run of the same release on the same
+host removes the prefixes of runs whose process is gone (`remove_stale_remote`), as it does local staging
+directories (`pipelines.housekeeping`).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from dprelease.accounting.errors import DPReleaseError
+from dprelease.accounting.redact import shown
+
+from .local import safe_relative
+from .objects import RemoteRelease, list_prefix
+from .uris import Store, open_store
+
+STAGING_MARKER = ".dprelease-staging"
+"""An object (or a file, in a local staging directory) holding a random token of its run: a worker writes a part
+only where the marker holds its run's token. Removed before the manifest is written."""
+MAX_MARKER_BYTES = 64
+
+
+class StagedPartsLeft(DPReleaseError):
+    """A failed run's staged parts (noisy values) could not all be removed from the store: the run is charged."""
+
+
+@dataclass(frozen=True)
+class RemoteStaging:
+    """A run's staging prefix in a store (`path`, the store's path) and its run's token."""
+
+    store: Store
+    path: str
+    query: str
+    token: str
+
+    @property
+    def uri(self) -> str:
+        """The prefix's URI with its connection settings (what the workers open)."""
+        return self.store.uri(self.path) + (f"?{self.query}" if self.query else "")
+
+    def object_path(self, relative: str) -> str:
+        return f"{self.path}/{relative}"
+
+
+def new_remote_staging(release: RemoteRelease, name_prefix: str, owner_tag: str) -> RemoteStaging:
+    """A fresh staging prefix beside `release`'s (`<parent>/<name_prefix><owner_tag><random>`, never inside a
+    release; no '@' in it, which a URI would read as user info), its marker written first."""
+    parent = release.path.rsplit("/", 1)[0]
+    staging = RemoteStaging(release.store, f"{parent}/{name_prefix}{owner_tag}{os.urandom(4).hex()}",
+                            release.query, os.urandom(16).hex())
+    with release.store.filesystem.open_output_stream(staging.object_path(STAGING_MARKER)) as out:
+        out.write(staging.token.encode())
+    return staging
+
+
+def open_remote_staging(uri: str, token: str) -> RemoteStaging:
+    """In a worker: the staging prefix at `uri`, once its marker is seen to hold `token`; DPReleaseError (nothing
+    written) otherwise."""
+    store, path = open_store(uri.rstrip("/"), "staging")
+    path = path.rstrip("/")
+    query = uri.split("?", 1)[1] if "?" in uri else ""
+    try:
+        with store.filesystem.open_input_stream(f"{path}/{STAGING_MARKER}") as handle:
+            found = handle.read(MAX_MARKER_BYTES).decode("ascii", "replace")
+    except (pa.ArrowException, OSError):
+        found = None
+    if found != token:
+        raise DPReleaseError(f"the staging prefix {shown(store.uri(path))} is not this run's as the driver made it "
+                             "(another store, or a prefix of an earlier run); nothing was written")
+    return RemoteStaging(store, path, query, token)
+
+
+def put_part(staging: RemoteStaging, relative: str, data: bytes) -> dict:
+    """Write one part file as one object (whole: a reader never sees part of it); its manifest entry."""
+    if safe_relative(relative) is None or relative == STAGING_MARKER:
+        raise ValueError(f"{relative!r}: not a plain relative name")
+    with staging.store.filesystem.open_output_stream(staging.object_path(relative)) as out:
+        out.write(data)
+    return {"path": relative, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def check_remote_staged(staging: RemoteStaging, entries: list[dict]) -> None:
+    """The staging prefix holds exactly the parts the workers reported, each with its size, and the marker:
+    DPReleaseError (public: names and counts only) otherwise."""
+    paths = [e["path"] for e in entries]
+    if len(set(paths)) != len(paths):
+        raise DPReleaseError("the workers reported a release file twice")
+    listing = list_prefix(staging.store, staging.path)
+    if listing.odd:
+        raise DPReleaseError(f"the staging prefix {shown(staging.uri)} holds {len(listing.odd)} object(s) whose names "
+                             "are not plain; nothing is published from it")
+    held = dict(listing.files)
+    held.pop(STAGING_MARKER, None)
+    for entry in entries:
+        if held.pop(entry["path"], None) != entry["bytes"]:
+            raise DPReleaseError(f"release file {entry['path']}: reported by a worker but not found in "
+                                 f"{shown(staging.uri)} with its size")
+    if held:
+        raise DPReleaseError(f"the staging prefix {shown(staging.uri)} holds {len(held)} object(s) no worker "
+                             "reported (e.g. " + repr(sorted(held)[0]) + "); nothing is published from it")
+
+
+def remove_remote_staging(staging: RemoteStaging) -> list[str]:
+    """Remove every object under the staging prefix, each by the plain name it was listed under (`list_prefix`: an
+    odd name is never removed, since a store could read it as another object's); the names still there afterwards
+    (empty when all went)."""
+    filesystem = staging.store.filesystem
+    try:
+        listing = list_prefix(staging.store, staging.path)
+        if listing.odd:
+            for relative in listing.files:
+                filesystem.delete_file(staging.object_path(relative))
+        else:  # plain names only: the prefix goes whole (with any directory markers a store's client made)
+            filesystem.delete_dir(staging.path)
+        left = list_prefix(staging.store, staging.path)
+    except (pa.ArrowException, OSError):
+        return [staging.path]  # cannot be told: counted as left
+    return sorted(left.files) + left.odd
+
+
+def remove_stale_remote(release: RemoteRelease, name_prefix: str, process_alive) -> list[str]:
+    """Remove the staging prefixes `<parent>/<name_prefix><pid.start>+<host>+...` beside `release` whose process
+    (`process_alive(host, token)`) is known to be gone; a prefix of another host, or one whose name does not
+    parse, is left alone. Returns the URIs removed."""
+    parent = release.path.rsplit("/", 1)[0]
+    try:
+        infos = release.store.filesystem.get_file_info(pafs.FileSelector(parent, recursive=False,
+                                                                         allow_not_found=True))
+    except (pa.ArrowException, OSError):
+        return []
+    removed = []
+    for info in infos:
+        name = info.path.rstrip("/").rsplit("/", 1)[-1]
+        if info.type != pafs.FileType.Directory or not name.startswith(name_prefix) or safe_relative(name) is None:
+            continue
+        token, _, rest = name[len(name_prefix):].partition("+")
+        if process_alive(rest.partition("+")[0], token) is False:
+            staging = RemoteStaging(release.store, f"{parent}/{name}", release.query, "")
+            if not remove_remote_staging(staging):
+                removed.append(release.store.uri(staging.path))
+    return removed

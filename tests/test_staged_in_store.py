@@ -1,0 +1,153 @@
+"""A release published to a store by a distributed engine: the workers write every part straight into a staging
+prefix of the run in the store (no disk shared with the driver), the driver checks exactly what they reported,
+copies the parts into the release inside the store and uploads the manifest last; a failure leaves nothing
+(or is charged when it cannot remove what it staged), and a dead run's prefix is removed by the next run.
+Against a real S3-compatible server on 127.0.0.1 (moto's, as in test_storage); the cluster case is in test_spark."""
+from __future__ import annotations
+
+import socket
+from fractions import Fraction
+
+import boto3
+import pyarrow as pa
+import pytest
+
+from dprelease.accounting.errors import DPReleaseError
+from dprelease.accounting.ledger import ABORTED, COMMITTED, open_ledger, set_budget
+from dprelease.pipelines import release as release_module
+from dprelease.pipelines import run as run_module
+from dprelease.pipelines.dataflow import Flow
+from dprelease.pipelines.layout import Part
+from dprelease.pipelines.plan import build_plan
+from dprelease.pipelines.run import run_release
+from dprelease.pipelines.spec import load_spec
+from dprelease.pipelines.storage import (STAGING_MARKER, StagedPartsLeft, check_remote_staged, downloaded,
+                                         new_remote_staging, open_remote_staging, put_part, release_under)
+from dprelease.pipelines.verify import verify_release
+
+from .conftest import small_spec, write_case
+from .test_key_reuse import statuses
+from .test_remote_outputs import bucket_uri, objects, store
+from .test_spark import assert_same_release
+from .test_storage import credentials, s3  # noqa: F401 - fixtures
+
+TREE_SPEC = small_spec(queries=small_spec()["queries"][:2])
+"""A hierarchy and marginals within state: count tables that form a tree of units, written by the workers."""
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    """The embedded engine's release of TREE_SPEC on local disk, and its key."""
+    root = tmp_path_factory.mktemp("embedded")
+    spec = write_case(root / "case", TREE_SPEC)
+    key = root / "tree.key"
+    return spec, key, run_release(spec, key_file=key, out_dir=root / "out", engine="embedded").release_dir
+
+
+@pytest.mark.parametrize("engine", ["spark", "beam"])
+def test_the_workers_write_into_the_store_and_the_release_equals_the_embedded_one(engine, embedded, s3, credentials,
+                                                                                 tmp_path):
+    if engine == "spark":
+        pytest.importorskip("pyspark")
+        master = "local[2]"
+    else:
+        pytest.importorskip("apache_beam")
+        master = None
+    spec, key, local = embedded
+    bucket = f"staged-{engine}"
+    done = run_release(spec, key_file=key, out_dir=bucket_uri(s3, bucket), engine=engine, master=master)
+    with downloaded(done.release_dir) as copy:
+        assert_same_release(local, copy.path, engine)
+        assert verify_release(copy.path).ok
+    # nothing but the release under the output prefix: the staging prefix is gone
+    assert all(name.startswith("test-release/") for name in objects(s3, f"{bucket}/releases"))
+
+
+def test_a_failure_after_the_workers_wrote_removes_the_staging_prefix_and_refunds(s3, credentials, tmp_path,
+                                                                                  monkeypatch):
+    pytest.importorskip("apache_beam")
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "test-data", "epsilon", Fraction(10))
+    spec = write_case(tmp_path / "case", TREE_SPEC)
+    seen = []
+
+    def fail(plan, staging, entries, **record):
+        seen.extend(objects(s3, "failed/releases"))
+        raise RuntimeError("driver failed after the workers wrote")
+
+    monkeypatch.setattr(run_module, "finish_release", fail)
+    with pytest.raises(RuntimeError):
+        run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=bucket_uri(s3, "failed"), engine="beam")
+    assert any(name.endswith(".parquet") for name in seen)  # the parts were in the store
+    assert objects(s3, "failed/releases") == []
+    assert statuses(book) == [ABORTED]
+
+
+def test_staged_parts_that_cannot_be_removed_are_named_and_the_run_is_charged(s3, credentials, tmp_path,
+                                                                              monkeypatch):
+    pytest.importorskip("apache_beam")
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "test-data", "epsilon", Fraction(10))
+    spec = write_case(tmp_path / "case", TREE_SPEC)
+    monkeypatch.setattr(run_module, "finish_release", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("late")))
+    monkeypatch.setattr(release_module, "remove_remote_staging", lambda staging: ["left/part.parquet"])
+    with pytest.raises(StagedPartsLeft, match="1 staged object.*could not be removed.*the run is charged"):
+        run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=bucket_uri(s3, "stuck"), engine="beam")
+    assert statuses(book) == [COMMITTED]  # noisy values stay readable: never refunded
+
+
+def test_the_next_run_removes_a_dead_runs_staging_prefix_and_no_other(s3, credentials, tmp_path):
+    pytest.importorskip("apache_beam")
+    out = bucket_uri(s3, "stale")
+    here = socket.gethostname()
+    dead = f"stale/releases/.test-release.staging+999999999.1+{here}+0a0b0c0d"
+    elsewhere = "stale/releases/.test-release.staging+12.34+another-host+0a0b0c0d"
+    for prefix in (dead, elsewhere):
+        for name in (STAGING_MARKER, "tables/pop.nation.parquet"):
+            with store(s3).open_output_stream(f"{prefix}/{name}") as handle:
+                handle.write(b"left by a killed run")
+    spec = write_case(tmp_path / "case", TREE_SPEC)
+    run_release(spec, key_file=tmp_path / "k.key", out_dir=out, engine="beam")
+    names = objects(s3, "stale/releases")
+    assert not any(name.startswith(dead.rsplit("/", 1)[1]) for name in names)
+    assert f"{elsewhere.rsplit('/', 1)[1]}/{STAGING_MARKER}" in names  # another host's: cannot be told dead
+    assert "test-release/manifest.json" in names
+
+
+def _staging(s3, bucket: str):
+    release = release_under(bucket_uri(s3, bucket), "r", "--out")
+    return new_remote_staging(release, ".r.staging+", "1.2+host+")
+
+
+def test_a_worker_writes_nothing_where_the_marker_is_not_its_runs(s3, credentials, tmp_path):
+    staging = _staging(s3, "tokens")
+    with pytest.raises(DPReleaseError, match="not this run's"):
+        open_remote_staging(staging.uri, "0" * 32)
+    spec = write_case(tmp_path, TREE_SPEC)
+    flow = Flow(build_plan(*load_spec(spec)), None, staging.uri, staging_token="f" * 32)
+    with pytest.raises(DPReleaseError, match="nothing was written"):
+        flow.write(Part("tables/t", 0, 1), pa.table({"count": [1]}))
+    assert objects(s3, staging.path) == [STAGING_MARKER]
+    assert open_remote_staging(staging.uri, staging.token).path == staging.path
+
+
+def test_the_driver_publishes_only_exactly_what_the_workers_reported(s3, credentials):
+    staging = _staging(s3, "reports")
+    entries = [put_part(staging, "tables/a.csv", b"a,b\n"), put_part(staging, "tables/b.csv", b"c\n")]
+    check_remote_staged(staging, entries)
+    with pytest.raises(DPReleaseError, match="reported a release file twice"):
+        check_remote_staged(staging, entries + entries[:1])
+    with pytest.raises(DPReleaseError, match="not found .* with its size"):
+        check_remote_staged(staging, [entries[0], {**entries[1], "bytes": 3}])
+    with pytest.raises(DPReleaseError, match="no worker reported"):
+        check_remote_staged(staging, entries[:1])
+    with pytest.raises(DPReleaseError, match="not found"):
+        check_remote_staged(staging, entries + [{"path": "tables/c.csv", "sha256": "0" * 64, "bytes": 1}])
+    with pytest.raises(ValueError, match="not a plain"):
+        put_part(staging, "../escape.csv", b"x")
+    with pytest.raises(ValueError, match="not a plain"):
+        put_part(staging, STAGING_MARKER, b"x")
+    boto3.client("s3", endpoint_url=f"http://{s3}").put_object(
+        Bucket="reports", Key=f"{staging.path.split('/', 1)[1]}/tables/../tables/a.csv", Body=b"a,b\n")
+    with pytest.raises(DPReleaseError, match="1 object.* not plain"):
+        check_remote_staged(staging, entries)

@@ -37,7 +37,7 @@ from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, Part, mean_parts, tabl
 from .plan import Plan
 from .manifest import VarianceSummary, plan_fingerprint
 from .postprocessing import published_cells, unit_tree
-from .release import check_staging, mean_column, part_files, row_labels, table_values, write_part
+from .release import check_staging, mean_column, part_writers, row_labels, table_values, write_part
 from .storage import is_uri, open_remote_staging, put_part
 
 SCHEMA = pa.schema([("key", pa.int64()), ("kind", pa.string()), ("level", pa.int32()), ("start", pa.int64()),
@@ -167,7 +167,7 @@ class Flow:
         if isinstance(self.staging, str):
             if self._remote_staging is None:
                 self._remote_staging = open_remote_staging(self.staging, self.staging_token)
-            return [put_part(self._remote_staging, name, data) for name, data in part_files(part, frame)]
+            return [put_part(self._remote_staging, name, write) for name, write in part_writers(part, frame)]
         if not self._staging_checked:
             check_staging(self.staging, self.staging_token)
             self._staging_checked = True

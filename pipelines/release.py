@@ -18,6 +18,7 @@ import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -91,24 +92,23 @@ def mean_column(mean: MeanOutput, noisy: dict[str, np.ndarray]) -> dict[str, pa.
     return {"mean": pa.array(mean_values(mean, noisy), type=pa.float64(), from_pandas=True)}
 
 
-def part_files(part: Part, frame: pa.Table) -> list[tuple[str, bytes]]:
-    """The two files of one part, (relative name, bytes): <stem>.parquet and <stem>.csv. The bytes depend on the
-    frame alone, so every engine and every retried attempt writes the same ones, wherever they go."""
-    parquet, csv = pa.BufferOutputStream(), pa.BufferOutputStream()
-    pq.write_table(frame, parquet, compression="zstd")
-    pacsv.write_csv(frame, csv)
-    return [(f"{part.stem}.parquet", parquet.getvalue().to_pybytes()), (f"{part.stem}.csv", csv.getvalue().to_pybytes())]
+def part_writers(part: Part, frame: pa.Table) -> list[tuple[str, Callable]]:
+    """The two files of one part, (relative name, write(sink)): <stem>.parquet and <stem>.csv, each streamed
+    into a path or a writable file. The bytes depend on the frame alone, so every engine and every retried
+    attempt writes the same ones, wherever they go."""
+    return [(f"{part.stem}.parquet", lambda sink: pq.write_table(frame, sink, compression="zstd")),
+            (f"{part.stem}.csv", lambda sink: pacsv.write_csv(frame, sink))]
 
 
 def write_part(root: Path, part: Part, frame: pa.Table) -> list[dict]:
-    """Write one part's files (`part_files`) below `root` (a name that would leave it is refused); return their
-    manifest entries (path, SHA-256, bytes). Any worker can call it."""
+    """Write one part's files (`part_writers`) below `root` (a name that would leave it is refused); return
+    their manifest entries (path, SHA-256, bytes). Any worker can call it."""
     entries = []
-    for relative, data in part_files(part, frame):
+    for relative, write in part_writers(part, frame):
         path = inside(root, relative)
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(path, lambda temporary: temporary.write_bytes(data))
-        entries.append({"path": relative, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)})
+        _write_atomically(path, write)
+        entries.append(_file_entry(root, path))
     return entries
 
 
@@ -160,8 +160,8 @@ class StagedRelease:
     remote_parts: RemoteStaging | None = None
     """Where the workers staged the table parts in the release's store (then `staging` holds the driver's files
     only: domain files, manifest, signature); None when every file is in `staging`."""
-    part_names: tuple[str, ...] = ()
-    """The names of the parts in `remote_parts`."""
+    part_names: tuple[tuple[str, str], ...] = ()
+    """(name, SHA-256 its worker reported) of each part in `remote_parts`."""
 
     def discard(self) -> None:
         """Remove what was staged; StagedPartsLeft when parts in a store could not all be removed."""

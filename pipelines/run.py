@@ -27,7 +27,8 @@ from .keys import check_key_location, default_key_path, load_or_generate
 from .manifest import plan_fingerprint, selection_fingerprint
 from .limits import check_plan_limits
 from .plan import Plan, build_plan
-from .layout import Layout
+from .debiased import DEBIASED_DIR
+from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout
 from .postprocessing import estimation_path, post_process, unit_tree
 from .provenance import Invocation, run_invocation
 from .release import (StagedRelease, check_removed, check_staged_files, check_target, finish_release, new_staging,
@@ -115,25 +116,6 @@ def _abort_quietly(book, reservation) -> None:
                     "`dprelease ledger reconcile`", type(error).__name__)
 
 
-def _chain(error: BaseException) -> list[BaseException]:
-    """`error` and the exceptions it was raised from or during."""
-    found: list[BaseException] = []
-    while error is not None and error not in found:
-        found.append(error)
-        error = error.__cause__ or error.__context__
-    return found
-
-
-def _charge_quietly(book, reservation) -> None:
-    """Charge a reservation whose run failed but left noisy values where they could be read (`StagedPartsLeft`);
-    if the ledger cannot be reached the row stays reserved until `dprelease ledger reconcile`."""
-    try:
-        charge_before_publication(book, reservation)
-    except Exception as error:  # noqa: BLE001 - the original failure is what the user must see
-        LOG.warning("ledger: could not charge the reservation (%s); it stays reserved until "
-                    "`dprelease ledger reconcile`", type(error).__name__)
-
-
 def _discard(staged: StagedRelease) -> StagedPartsLeft | None:
     """Remove a staged release that will not be published; the StagedPartsLeft when parts in a store stayed."""
     try:
@@ -144,10 +126,10 @@ def _discard(staged: StagedRelease) -> StagedPartsLeft | None:
 
 
 def _staged_parts(staged: StagedRelease) -> list[tuple[str, str]]:
-    """(path in the store, name in the release) of every part the workers staged in the release's store."""
+    """(path in the store, name in the release, SHA-256 reported) of every part the workers staged in the store."""
     if staged.remote_parts is None:
         return []
-    return [(staged.remote_parts.object_path(name), name) for name in staged.part_names]
+    return [(staged.remote_parts.object_path(name), name, sha256) for name, sha256 in staged.part_names]
 
 
 def _remove_staged_parts(staged: StagedRelease) -> None:
@@ -186,7 +168,7 @@ def clean_leftovers(root: Path, release_id: str, remote: RemoteRelease | None = 
     removed += remove_stale(Path(tempfile.gettempdir()), spill_prefix(release_id))
     removed += remove_stale(Path(tempfile.gettempdir()), input_copy_prefix(release_id))
     for path in removed:
-        LOG.info("removed %s, left by a run of release %s that died", path, release_id)
+        LOG.info("removed %s, left by a run of release %s that died", shown(path), release_id)
 
 
 def make_engine(name: str, workers: int | None, master: str | None = None, runner: str | None = None,
@@ -383,8 +365,11 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
         committed = False
         try:
             key_saved = reused
-            if plan.selections:  # what follows the selection depends on its draws: never refunded, so the key
-                if not reused:   # that re-publishes it free is kept first
+            # never refunded, so the key that re-publishes it free is kept first: a selection (what follows depends
+            # on its draws), and workers staging parts in the release's store (noisy values written where a
+            # killed driver, a late task or a versioned bucket could leave them readable)
+            if plan.selections or _stages_in_store(plan, engine_, remote):
+                if not reused:
                     key.save(key_path)
                     key_saved = True
                 if reservation:
@@ -413,20 +398,18 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                             f"({public_text(error)}); re-run it with --key-file {key_path} and the same "
                             "spec and input" + (" and --overwrite (the failed upload left objects under the "
                                                 "release's prefix)" if remote else "") +
-                            " to publish it at no further cost") from error
+                            " to publish it at no further cost" + (f"; {left}" if left else "")) from error
                     if left is not None:
                         raise left from error
                     raise
                 _remove_staged_parts(staged)
         except BaseException as error:
-            if reservation and not committed and any(isinstance(e, StagedPartsLeft) for e in _chain(error)):
-                _charge_quietly(book, reservation)  # noisy values stay in the store: never refunded
-            elif reservation and not committed:
+            if reservation and not committed:
                 _abort_quietly(book, reservation)
             if reservation and reservation.charged_early and not committed and isinstance(error, Exception) \
                     and not isinstance(error, PublishError):
                 raise PublishError(
-                    f"release {spec.release_id}: charged in the ledger when its selection started, but not "
+                    f"release {spec.release_id}: charged in the ledger when its selection or staging started, but not "
                     f"published ({public_text(error)}); re-run it with --key-file {key_path} and the "
                     "same spec and input to publish it at no further cost") from error
             raise
@@ -461,9 +444,9 @@ def _release_and_stage(plan: Plan, engine_: Engine, source: InputSource, validat
     record = dict(engine=engine_.name, key_id=key.key_id(), created_at=created_at,
                   invocation=invocation, ledger=reservation.record() if reservation else None,
                   sign_key=signer, input_validation=validation_record, layout=layout)
+    if _stages_in_store(plan, engine_, remote):
+        return _stage_in_store(plan, engine_, source, release_key, final_dir, progress, record, remote)
     if engine_.writes_parts and unit_tree(plan) is not None:
-        if remote is not None:
-            return _stage_in_store(plan, engine_, source, release_key, final_dir, progress, record, remote)
         return _stage_in_workers(plan, engine_, source, release_key, final_dir, progress, record)
     noisy = engine_.noisy_measurements(plan, source, release_key, progress)
     LOG.info("noisy measurements drawn for %d tables", len(plan.tables))
@@ -471,6 +454,11 @@ def _release_and_stage(plan: Plan, engine_: Engine, source: InputSource, validat
     published = post_process(plan, noisy, workers=workers, group_work=layout.group_work)
     LOG.info("post-processed %d tables (%s)", len(plan.tables), estimation_path(plan))
     return stage_release(plan, noisy, published, final_dir, progress=progress, workers=workers, **record)
+
+
+def _stages_in_store(plan: Plan, engine_: Engine, remote: RemoteRelease | None) -> bool:
+    """Whether the engine's workers write the release's parts into a staging prefix in its store."""
+    return remote is not None and engine_.writes_parts and unit_tree(plan) is not None
 
 
 def _stage_in_workers(plan: Plan, engine_: Engine, source: InputSource, release_key: ReleaseKey, final_dir: Path,
@@ -499,14 +487,17 @@ def _stage_in_store(plan: Plan, engine_: Engine, source: InputSource, release_ke
     needed); the driver checks that the prefix holds exactly the parts reported, with their sizes, and writes
     its own files (domain files, manifest) into a local staging directory; publication copies the parts inside
     the store and uploads the manifest last (`storage.upload_release`). A failure removes the prefix
-    (StagedPartsLeft, and the run charged, when it cannot)."""
+    (StagedPartsLeft naming it when it cannot). The run was charged before the workers started
+    (`charge_before_publication`): noisy values are written where a killed driver, a late task attempt or a
+    versioned bucket could leave them readable, so the charge is never refunded; the key is saved first, so a
+    re-run with it publishes at no further cost."""
     parts = new_remote_staging(remote, store_staging_prefix(final_dir.name), store_leftover_tag())
     try:
         staging, _ = new_staging(final_dir)
         try:
             entries, summaries = engine_.release_parts(plan, source, release_key, parts.uri, parts.token,
                                                        record["layout"], progress)
-            check_remote_staged(parts, entries)
+            check_remote_staged(parts, entries, (TABLES_DIR, MEASUREMENTS_DIR, DEBIASED_DIR))
             LOG.info("noise, post-processing (%s) and %d files written into the store by the %s workers",
                      estimation_path(plan), len(entries), engine_.name)
             staged = finish_release(plan, staging, entries, summaries=summaries, **record)
@@ -519,4 +510,5 @@ def _stage_in_store(plan: Plan, engine_: Engine, source: InputSource, release_ke
         except StagedPartsLeft as left:
             raise left from error
         raise
-    return dataclasses.replace(staged, remote_parts=parts, part_names=tuple(sorted(e["path"] for e in entries)))
+    return dataclasses.replace(staged, remote_parts=parts,
+                               part_names=tuple(sorted((e["path"], e["sha256"]) for e in entries)))

@@ -6,14 +6,16 @@ Against a real S3-compatible server on 127.0.0.1 (moto's, as in test_storage); t
 from __future__ import annotations
 
 import socket
+import hashlib
+import json
 from fractions import Fraction
 
 import boto3
 import pyarrow as pa
 import pytest
 
-from dprelease.accounting.errors import DPReleaseError
-from dprelease.accounting.ledger import ABORTED, COMMITTED, open_ledger, set_budget
+from dprelease.accounting.errors import DPReleaseError, PublishError
+from dprelease.accounting.ledger import COMMITTED, open_ledger, set_budget
 from dprelease.pipelines import release as release_module
 from dprelease.pipelines import run as run_module
 from dprelease.pipelines.dataflow import Flow
@@ -63,8 +65,10 @@ def test_the_workers_write_into_the_store_and_the_release_equals_the_embedded_on
     assert all(name.startswith("test-release/") for name in objects(s3, f"{bucket}/releases"))
 
 
-def test_a_failure_after_the_workers_wrote_removes_the_staging_prefix_and_refunds(s3, credentials, tmp_path,
-                                                                                  monkeypatch):
+def test_a_failure_after_the_workers_wrote_removes_the_staging_prefix_and_stays_charged(s3, credentials, tmp_path,
+                                                                                       monkeypatch):
+    """Charged before the workers start (noisy values go where a killed driver or a versioned bucket could leave
+    them): a failure removes the prefix, is never refunded, and a re-run with the key publishes free."""
     pytest.importorskip("apache_beam")
     book = tmp_path / "ledger.sqlite"
     set_budget(open_ledger(book), "test-data", "epsilon", Fraction(10))
@@ -75,12 +79,20 @@ def test_a_failure_after_the_workers_wrote_removes_the_staging_prefix_and_refund
         seen.extend(objects(s3, "failed/releases"))
         raise RuntimeError("driver failed after the workers wrote")
 
-    monkeypatch.setattr(run_module, "finish_release", fail)
-    with pytest.raises(RuntimeError):
-        run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=bucket_uri(s3, "failed"), engine="beam")
+    with monkeypatch.context() as patched:  # undone at its end (the credentials stay)
+        patched.setattr(run_module, "finish_release", fail)
+        with pytest.raises(PublishError, match="charged in the ledger when its selection or staging started"):
+            run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=bucket_uri(s3, "failed"),
+                        engine="beam")
     assert any(name.endswith(".parquet") for name in seen)  # the parts were in the store
     assert objects(s3, "failed/releases") == []
-    assert statuses(book) == [ABORTED]
+    assert statuses(book) == [COMMITTED]
+    again = run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=bucket_uri(s3, "failed"),
+                        engine="beam", overwrite=False)
+    with downloaded(again.release_dir) as copy:
+        manifest = json.loads((copy.path / "manifest.json").read_text())
+        assert manifest["ledger"]["charged_by_this_run"] == "0" and verify_release(copy.path).ok
+    assert statuses(book) == [COMMITTED]
 
 
 def test_staged_parts_that_cannot_be_removed_are_named_and_the_run_is_charged(s3, credentials, tmp_path,
@@ -91,8 +103,9 @@ def test_staged_parts_that_cannot_be_removed_are_named_and_the_run_is_charged(s3
     spec = write_case(tmp_path / "case", TREE_SPEC)
     monkeypatch.setattr(run_module, "finish_release", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("late")))
     monkeypatch.setattr(release_module, "remove_remote_staging", lambda staging: ["left/part.parquet"])
-    with pytest.raises(StagedPartsLeft, match="1 staged object.*could not be removed.*the run is charged"):
+    with pytest.raises(PublishError, match="1 staged object.*could not be removed.*the run is charged") as raised:
         run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=bucket_uri(s3, "stuck"), engine="beam")
+    assert isinstance(raised.value.__cause__, StagedPartsLeft)
     assert statuses(book) == [COMMITTED]  # noisy values stay readable: never refunded
 
 
@@ -102,7 +115,8 @@ def test_the_next_run_removes_a_dead_runs_staging_prefix_and_no_other(s3, creden
     here = socket.gethostname()
     dead = f"stale/releases/.test-release.staging+999999999.1+{here}+0a0b0c0d"
     elsewhere = "stale/releases/.test-release.staging+12.34+another-host+0a0b0c0d"
-    for prefix in (dead, elsewhere):
+    unparsed = f"stale/releases/.test-release.staging+notatoken+{here}+0a0b0c0d"
+    for prefix in (dead, elsewhere, unparsed):
         for name in (STAGING_MARKER, "tables/pop.nation.parquet"):
             with store(s3).open_output_stream(f"{prefix}/{name}") as handle:
                 handle.write(b"left by a killed run")
@@ -111,7 +125,15 @@ def test_the_next_run_removes_a_dead_runs_staging_prefix_and_no_other(s3, creden
     names = objects(s3, "stale/releases")
     assert not any(name.startswith(dead.rsplit("/", 1)[1]) for name in names)
     assert f"{elsewhere.rsplit('/', 1)[1]}/{STAGING_MARKER}" in names  # another host's: cannot be told dead
+    assert f"{unparsed.rsplit('/', 1)[1]}/{STAGING_MARKER}" in names  # no owner in its name: never removed
     assert "test-release/manifest.json" in names
+
+
+FOLDERS = ("tables", "measurements", "debiased")
+
+
+def writing(data: bytes):
+    return lambda sink: sink.write(data)
 
 
 def _staging(s3, bucket: str):
@@ -133,21 +155,59 @@ def test_a_worker_writes_nothing_where_the_marker_is_not_its_runs(s3, credential
 
 def test_the_driver_publishes_only_exactly_what_the_workers_reported(s3, credentials):
     staging = _staging(s3, "reports")
-    entries = [put_part(staging, "tables/a.csv", b"a,b\n"), put_part(staging, "tables/b.csv", b"c\n")]
-    check_remote_staged(staging, entries)
+    entries = [put_part(staging, "tables/a.csv", writing(b"a,b\n")), put_part(staging, "tables/b.csv", writing(b"c\n"))]
+    assert entries[0] == {"path": "tables/a.csv", "sha256": hashlib.sha256(b"a,b\n").hexdigest(), "bytes": 4}
+    check_remote_staged(staging, entries, FOLDERS)
     with pytest.raises(DPReleaseError, match="reported a release file twice"):
-        check_remote_staged(staging, entries + entries[:1])
+        check_remote_staged(staging, entries + entries[:1], FOLDERS)
     with pytest.raises(DPReleaseError, match="not found .* with its size"):
-        check_remote_staged(staging, [entries[0], {**entries[1], "bytes": 3}])
+        check_remote_staged(staging, [entries[0], {**entries[1], "bytes": 3}], FOLDERS)
     with pytest.raises(DPReleaseError, match="no worker reported"):
-        check_remote_staged(staging, entries[:1])
+        check_remote_staged(staging, entries[:1], FOLDERS)
     with pytest.raises(DPReleaseError, match="not found"):
-        check_remote_staged(staging, entries + [{"path": "tables/c.csv", "sha256": "0" * 64, "bytes": 1}])
+        check_remote_staged(staging, entries + [{"path": "tables/c.csv", "sha256": "0" * 64, "bytes": 1}], FOLDERS)
+    with pytest.raises(DPReleaseError, match="2 file.*outside the release's folders"):
+        check_remote_staged(staging, entries, ("measurements", "debiased"))
     with pytest.raises(ValueError, match="not a plain"):
-        put_part(staging, "../escape.csv", b"x")
+        put_part(staging, "../escape.csv", writing(b"x"))
     with pytest.raises(ValueError, match="not a plain"):
-        put_part(staging, STAGING_MARKER, b"x")
+        put_part(staging, STAGING_MARKER, writing(b"x"))
     boto3.client("s3", endpoint_url=f"http://{s3}").put_object(
         Bucket="reports", Key=f"{staging.path.split('/', 1)[1]}/tables/../tables/a.csv", Body=b"a,b\n")
     with pytest.raises(DPReleaseError, match="1 object.* not plain"):
-        check_remote_staged(staging, entries)
+        check_remote_staged(staging, entries, FOLDERS)
+
+
+def test_a_part_rewritten_in_the_store_after_the_check_is_never_published(s3, credentials, tmp_path, monkeypatch):
+    """A late task attempt (or anyone) rewriting a staged part with other bytes of the same size after the driver's
+    check: the copy in the release is read back against the worker's SHA-256, so no manifest is uploaded."""
+    pytest.importorskip("apache_beam")
+    spec = write_case(tmp_path / "case", TREE_SPEC)
+    check = run_module.check_remote_staged
+
+    def check_then_rewrite(parts, entries, folders):
+        check(parts, entries, folders)
+        name = next(e["path"] for e in entries if e["path"].endswith(".csv"))
+        with parts.store.filesystem.open_input_stream(parts.object_path(name)) as handle:
+            data = handle.read()
+        with parts.store.filesystem.open_output_stream(parts.object_path(name)) as handle:
+            handle.write(data[:-2] + (b"7\n" if data[-2:] != b"7\n" else b"8\n"))
+
+    monkeypatch.setattr(run_module, "check_remote_staged", check_then_rewrite)
+    with pytest.raises(DPReleaseError, match="other bytes than its worker wrote"):
+        run_release(spec, key_file=tmp_path / "k.key", out_dir=bucket_uri(s3, "rewritten"), engine="beam")
+    assert "test-release/manifest.json" not in objects(s3, "rewritten/releases")
+
+
+def test_overwriting_a_release_in_a_store_leaves_no_directory_markers(s3, credentials, tmp_path):
+    """--overwrite with another set of tables: the old prefix is emptied whole (a client's delete leaves empty
+    directory markers, which a listing reads as odd names), so the new release verifies and can be replaced again."""
+    out = bucket_uri(s3, "markers")
+    first = write_case(tmp_path / "first", small_spec())
+    run_release(first, key_file=tmp_path / "k1.key", out_dir=out)
+    second = write_case(tmp_path / "second", small_spec(queries=small_spec()["queries"][:1]))
+    for attempt in range(2):
+        done = run_release(second, key_file=tmp_path / "k2.key", out_dir=out, overwrite=True)
+        with downloaded(done.release_dir) as copy:
+            assert verify_release(copy.path).ok
+    assert not any(name.endswith("/") for name in objects(s3, "markers/releases"))

@@ -472,6 +472,8 @@ class SparkEngine(Engine):
             with _arrow_settings(spark):
                 yield spark
         except Exception as error:
+            with contextlib.suppress(Exception):  # no task of a failed run goes on writing after it
+                spark.sparkContext.cancelAllJobs()
             if isinstance(error, DPReleaseError):
                 raise
             raise InputChanged.in_worker(error) or DPReleaseError(f"the Spark job failed: {type(error).__name__}") \

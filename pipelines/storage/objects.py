@@ -16,6 +16,7 @@ local checks run on the copy unchanged.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import shutil
 import tempfile
@@ -158,24 +159,37 @@ def _release_above(release: RemoteRelease) -> str | None:
 
 
 def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool,
-                   staged_parts: Sequence[tuple[str, str]] = ()) -> None:
+                   staged_parts: Sequence[tuple[str, str, str]] = ()) -> None:
     """Publish the staged release at `local_dir` to the store: with `overwrite`, what the prefix holds is removed
     first (a manifest first, so it stops being a release); then every part the workers staged in the same store
-    (`staged_parts`: (its path in the store, its name in the release)) is copied inside the store, every local
-    file uploaded, the manifest last: a reader never sees a manifest whose files are not all there."""
+    (`staged_parts`: (its path in the store, its name in the release, the SHA-256 its worker reported)) is copied
+    inside the store and read back (DPReleaseError unless its bytes are those reported, which the manifest
+    lists), every local file uploaded, the manifest last: a reader never sees a manifest whose files are not all
+    there, nor one that lists other bytes than the release holds."""
     old = check_remote_target(release, overwrite)  # no odd names: every object removed is the one listed
     filesystem = release.store.filesystem
     if MANIFEST in old:
         filesystem.delete_file(release.object_path(MANIFEST))
-    for relative in sorted(set(old) - {MANIFEST}):
-        filesystem.delete_file(release.object_path(relative))
-    for source, relative in staged_parts:
+    if old:  # plain names only (checked): the prefix emptied whole, with the directory markers a client leaves
+        filesystem.delete_dir_contents(release.path, missing_dir_ok=True)
+    for source, relative, sha256 in staged_parts:
         if safe_relative(relative) is None or relative == MANIFEST:
             raise ValueError(f"{relative!r}: not a part's name")
         filesystem.copy_file(source, release.object_path(relative))
+        if _object_sha256(filesystem, release.object_path(relative)) != sha256:
+            raise DPReleaseError(f"release file {relative}: copied into {shown(release.uri)} with other bytes than "
+                                 "its worker wrote (rewritten while the run published?)")
     files = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file())
     for relative in [f for f in files if f != MANIFEST] + [MANIFEST]:
         _upload_file(local_dir / relative, filesystem, release.object_path(relative))
+
+
+def _object_sha256(filesystem: pafs.FileSystem, path: str) -> str:
+    digest = hashlib.sha256()
+    with filesystem.open_input_stream(path) as handle:
+        while block := handle.read(COPY_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _upload_file(local: Path, filesystem: pafs.FileSystem, path: str) -> None:

@@ -6,14 +6,19 @@ driver and the workers is needed.
                                   marker object with a random token of this run
     workers  open_remote_staging  refuse to write unless the marker holds the run's token (a worker that reaches
                                   another store, or a stale prefix, writes nothing)
-             put_part             one object per part file, whole (a PUT is atomic: a retried task attempt writes
-                                  the same bytes again); its entry (name, SHA-256, size) goes back to the driver
+             put_part             one object per part file, streamed and whole (an object store's PUT is atomic; a
+                                  file system's file is renamed into place); its entry (name, SHA-256, size) goes
+                                  back to the driver
     driver   check_remote_staged  the prefix holds exactly the reported parts with their sizes (and the marker):
                                   a missing, short, extra or odd-named object refuses the release
              upload_release       (`objects`) each part copied inside the store into the release's prefix, the
                                   driver's own files uploaded, `manifest.json` last
              remove_remote_staging  the prefix removed after a commit or a failure; what cannot be removed is named
-                                  (`StagedPartsLeft`: the run is then charged, never refunded: noisy values stay)
+                                  (`StagedPartsLeft`)
+
+The parts are noisy values in the store from the moment a worker writes them, so the run that stages them is
+charged before its workers start and never refunded (`pipelines.run`): a killed driver, a task attempt still
+writing after the prefix was removed, or a versioned bucket can leave them readable.
 
 A driver killed before it could remove its prefix leaves it behind: the next run of the same release on the same
 host removes the prefixes of runs whose process is gone (`remove_stale_remote`), as it does local staging
@@ -23,7 +28,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass
+from typing import Callable, Collection
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -39,10 +46,13 @@ STAGING_MARKER = ".dprelease-staging"
 """An object (or a file, in a local staging directory) holding a random token of its run: a worker writes a part
 only where the marker holds its run's token. Removed before the manifest is written."""
 MAX_MARKER_BYTES = 64
+OWNER_TOKEN = re.compile(r"^[0-9]+\.[0-9]+$")
+"""The `pid.start` of a staging prefix's owner: a prefix whose name holds anything else is never removed."""
 
 
 class StagedPartsLeft(DPReleaseError):
-    """A failed run's staged parts (noisy values) could not all be removed from the store: the run is charged."""
+    """A failed run's staged parts (noisy values) could not all be removed from the store (the run was charged
+    before they were written)."""
 
 
 @dataclass(frozen=True)
@@ -91,21 +101,55 @@ def open_remote_staging(uri: str, token: str) -> RemoteStaging:
     return RemoteStaging(store, path, query, token)
 
 
-def put_part(staging: RemoteStaging, relative: str, data: bytes) -> dict:
-    """Write one part file as one object (whole: a reader never sees part of it); its manifest entry."""
+class _Hashed:
+    """A writable file that hashes and counts what passes through it into `target` (a store's output stream)."""
+
+    def __init__(self, target):
+        self.target, self.sha256, self.size, self.closed = target, hashlib.sha256(), 0, False
+
+    def write(self, data) -> int:
+        data = memoryview(data)
+        self.sha256.update(data)
+        self.size += data.nbytes
+        self.target.write(data)
+        return data.nbytes
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def put_part(staging: RemoteStaging, relative: str, write: Callable) -> dict:
+    """Write one part file, streamed by `write(sink)` (a writable file), as one object; its manifest entry (name,
+    SHA-256, bytes). Whole when a reader sees it: an object store's PUT is atomic (a retried task attempt puts the
+    same bytes again); in a file system (hdfs://) it is written under a temporary name and renamed into place."""
     if safe_relative(relative) is None or relative == STAGING_MARKER:
         raise ValueError(f"{relative!r}: not a plain relative name")
-    with staging.store.filesystem.open_output_stream(staging.object_path(relative)) as out:
-        out.write(data)
-    return {"path": relative, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    filesystem = staging.store.filesystem
+    target = staging.object_path(relative)
+    written = target if staging.store.holds_objects else \
+        f"{target.rsplit('/', 1)[0]}/.{target.rsplit('/', 1)[1]}.{os.urandom(6).hex()}.tmp"
+    with filesystem.open_output_stream(written) as out:
+        hashed = _Hashed(out)
+        write(pa.PythonFile(hashed, mode="w"))
+    if written != target:
+        filesystem.move(written, target)
+    return {"path": relative, "sha256": hashed.sha256.hexdigest(), "bytes": hashed.size}
 
 
-def check_remote_staged(staging: RemoteStaging, entries: list[dict]) -> None:
-    """The staging prefix holds exactly the parts the workers reported, each with its size, and the marker:
-    DPReleaseError (public: names and counts only) otherwise."""
+def check_remote_staged(staging: RemoteStaging, entries: list[dict], folders: Collection[str]) -> None:
+    """The staging prefix holds exactly the parts the workers reported, each with its size and in one of the
+    release's `folders` for parts (never where the driver writes its own files), and the marker: DPReleaseError
+    (public: names and counts only) otherwise."""
     paths = [e["path"] for e in entries]
     if len(set(paths)) != len(paths):
         raise DPReleaseError("the workers reported a release file twice")
+    outside = [p for p in paths if safe_relative(p) is None or p.split("/", 1)[0] not in folders or "/" not in p]
+    if outside:
+        raise DPReleaseError(f"the workers reported {len(outside)} file(s) outside the release's folders for parts "
+                             f"({', '.join(sorted(folders))}); nothing is published")
     listing = list_prefix(staging.store, staging.path)
     if listing.odd:
         raise DPReleaseError(f"the staging prefix {shown(staging.uri)} holds {len(listing.odd)} object(s) whose names "
@@ -155,7 +199,7 @@ def remove_stale_remote(release: RemoteRelease, name_prefix: str, process_alive)
         if info.type != pafs.FileType.Directory or not name.startswith(name_prefix) or safe_relative(name) is None:
             continue
         token, _, rest = name[len(name_prefix):].partition("+")
-        if process_alive(rest.partition("+")[0], token) is False:
+        if OWNER_TOKEN.fullmatch(token) and process_alive(rest.partition("+")[0], token) is False:
             staging = RemoteStaging(release.store, f"{parent}/{name}", release.query, "")
             if not remove_remote_staging(staging):
                 removed.append(release.store.uri(staging.path))

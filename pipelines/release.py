@@ -31,7 +31,7 @@ from dprelease.accounting.redact import shown
 from dprelease.accounting.signing import SIGNATURE_FILE, fingerprint, sign
 from dprelease.transforms.domains import dimension_labels
 
-from .debiased import debiased_tables, write_debiased
+from .debiased import debiased_parts, debiased_tables, write_debiased
 from .housekeeping import leftover_tag
 from .manifest import build_manifest, domain_file_names, dump_manifest, sha256_file
 from .plan import MeanOutput, Plan, TablePlan
@@ -266,6 +266,27 @@ def stage_release(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def expected_part_files(plan: Plan, layout: Layout) -> set[str]:
+    """Every table, measurement, mean and debiased file of `plan`'s release under `layout` (what `stage_release`
+    writes, and what the workers of a distributed engine must report): public, from the plan."""
+    parts = [p for table in plan.tables for folder in (TABLES_DIR, MEASUREMENTS_DIR)
+             for p in table_parts(plan, table, folder, layout)]
+    parts += [p for mean in plan.means for p in mean_parts(plan, mean, layout)]
+    parts += [p for debiased in debiased_tables(plan) for p in debiased_parts(plan, debiased, layout)]
+    return {f"{p.stem}{suffix}" for p in parts for suffix in (".parquet", ".csv")}
+
+
+def check_reported_parts(entries: list[dict], expected: set[str]) -> None:
+    """The workers reported exactly the release's files (`expected_part_files`): none missing (a release without
+    one of its tables would verify), none other. DPReleaseError with counts and one name otherwise."""
+    reported = {e["path"] for e in entries}
+    missing, other = sorted(expected - reported), sorted(reported - expected)
+    if missing or other:
+        example = (missing or other)[0]
+        raise DPReleaseError(f"the workers reported {len(missing)} of the release's files missing and {len(other)} "
+                             f"file(s) it has no place for (e.g. {example!r}); nothing is published")
 
 
 def check_staged_files(staging: Path, entries: list[dict]) -> None:

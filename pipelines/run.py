@@ -31,8 +31,9 @@ from .debiased import DEBIASED_DIR
 from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout
 from .postprocessing import estimation_path, post_process, unit_tree
 from .provenance import Invocation, run_invocation
-from .release import (StagedRelease, check_removed, check_staged_files, check_target, finish_release, new_staging,
-                      publish, replaced_prefix, stage_release, staging_prefix, store_staging_prefix)
+from .release import (StagedRelease, check_removed, check_reported_parts, check_staged_files, check_target,
+                      expected_part_files, finish_release, new_staging, publish, replaced_prefix, stage_release,
+                      staging_prefix, store_staging_prefix)
 from .coding_check import coding_warnings, files_read
 from .selection import check_engine_selects, select_tables
 from .source import InputSource, open_input, open_memory_input
@@ -409,7 +410,8 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
             if reservation and reservation.charged_early and not committed and isinstance(error, Exception) \
                     and not isinstance(error, PublishError):
                 raise PublishError(
-                    f"release {spec.release_id}: charged in the ledger when its selection or staging started, but not "
+                    f"release {spec.release_id}: charged in the ledger when its "
+                    f"{'selection' if plan.selections else 'staging in the store'} started, but not "
                     f"published ({public_text(error)}); re-run it with --key-file {key_path} and the "
                     "same spec and input to publish it at no further cost") from error
             raise
@@ -471,6 +473,7 @@ def _stage_in_workers(plan: Plan, engine_: Engine, source: InputSource, release_
     try:
         entries, summaries = engine_.release_parts(plan, source, release_key, staging, token, record["layout"],
                                                    progress)
+        check_reported_parts(entries, expected_part_files(plan, record["layout"]))
         check_staged_files(staging, entries)
         LOG.info("noise, post-processing (%s) and %d files written by the %s workers", estimation_path(plan),
                  len(entries), engine_.name)
@@ -497,6 +500,7 @@ def _stage_in_store(plan: Plan, engine_: Engine, source: InputSource, release_ke
         try:
             entries, summaries = engine_.release_parts(plan, source, release_key, parts.uri, parts.token,
                                                        record["layout"], progress)
+            check_reported_parts(entries, expected_part_files(plan, record["layout"]))
             check_remote_staged(parts, entries, (TABLES_DIR, MEASUREMENTS_DIR, DEBIASED_DIR))
             LOG.info("noise, post-processing (%s) and %d files written into the store by the %s workers",
                      estimation_path(plan), len(entries), engine_.name)

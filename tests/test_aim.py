@@ -334,3 +334,25 @@ def test_spark_selection_reads_the_input_once_and_counts_every_pass_from_the_kep
               for r in (embedded, other)]
     assert chosen[0] == chosen[1]
     assert_same_release(embedded.release_dir, other.release_dir, "spark")
+
+
+def test_the_spark_count_of_kept_records_counts_a_table_once_however_often_it_is_named(tmp_path):
+    """A selection pass names the table the round before chose both as released and as counted: counted twice it
+    would be released with twice its sensitivity (found by the test above, which then chose other tables)."""
+    import pyarrow as pa
+
+    from dprelease.pipelines.engines.spark import _count_kept_function, _range_steps
+
+    spec = write_case(tmp_path / "c", small_spec())
+    plan = build_plan(*load_spec(spec))
+    columns = plan.encoded_columns()
+    rng = np.random.default_rng(5)
+    codes = {c: rng.integers(0, plan.domains[c].size, 500).astype(np.int32) for c in columns}
+    batch = pa.RecordBatch.from_pydict({f"c{i}": pa.array(codes[c]) for i, c in enumerate(columns)})
+    counts = [b for b in _count_kept_function(plan, [0, 1, 0, 1], _range_steps(plan))([batch])]
+    found = pa.Table.from_batches(counts)
+    for table_id in (0, 1):
+        mine = found.filter(pa.compute.equal(found["table_id"], table_id))
+        vector = np.zeros(plan.tables[table_id].layout.n_measured, dtype=np.int64)
+        np.add.at(vector, mine["cell"].to_numpy(), mine["count"].to_numpy())
+        assert np.array_equal(vector, plan.tables[table_id].layout.measure_vector(codes, 500))

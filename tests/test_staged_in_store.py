@@ -49,15 +49,28 @@ def embedded(tmp_path_factory):
 @pytest.mark.parametrize("engine", ["spark", "beam"])
 def test_the_workers_write_into_the_store_and_the_release_equals_the_embedded_one(engine, embedded, s3, credentials,
                                                                                  tmp_path):
+    options = {}
     if engine == "spark":
         pytest.importorskip("pyspark")
-        master = "local[2]"
+        from pyspark.sql import SparkSession
+
+        # local executors take their environment from the JVM, which an earlier test may have started before the
+        # store's credentials were set: hand them over as a cluster's workers would have them
+        stale = SparkSession.getActiveSession()
+        if stale is not None:
+            stale.stop()
+        options["spark_session"] = (SparkSession.builder.master("local[2]")
+                                    .config("spark.executorEnv.AWS_ACCESS_KEY_ID", "testing")
+                                    .config("spark.executorEnv.AWS_SECRET_ACCESS_KEY", "testing").getOrCreate())
     else:
         pytest.importorskip("apache_beam")
-        master = None
     spec, key, local = embedded
     bucket = f"staged-{engine}"
-    done = run_release(spec, key_file=key, out_dir=bucket_uri(s3, bucket), engine=engine, master=master)
+    try:
+        done = run_release(spec, key_file=key, out_dir=bucket_uri(s3, bucket), engine=engine, **options)
+    finally:
+        if options:
+            options["spark_session"].stop()
     with downloaded(done.release_dir) as copy:
         assert_same_release(local, copy.path, engine)
         assert verify_release(copy.path).ok
@@ -81,7 +94,7 @@ def test_a_failure_after_the_workers_wrote_removes_the_staging_prefix_and_stays_
 
     with monkeypatch.context() as patched:  # undone at its end (the credentials stay)
         patched.setattr(run_module, "finish_release", fail)
-        with pytest.raises(PublishError, match="charged in the ledger when its selection or staging started"):
+        with pytest.raises(PublishError, match="charged in the ledger when its staging in the store started"):
             run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=bucket_uri(s3, "failed"),
                         engine="beam")
     assert any(name.endswith(".parquet") for name in seen)  # the parts were in the store
@@ -211,3 +224,50 @@ def test_overwriting_a_release_in_a_store_leaves_no_directory_markers(s3, creden
         with downloaded(done.release_dir) as copy:
             assert verify_release(copy.path).ok
     assert not any(name.endswith("/") for name in objects(s3, "markers/releases"))
+
+
+@pytest.mark.parametrize("to_store", [True, False])
+def test_a_part_no_worker_reported_refuses_the_release(to_store, s3, credentials, tmp_path, monkeypatch):
+    """The driver knows from the plan every file the workers must write (`expected_part_files`): a release missing
+    one (it would verify: the manifest lists what was reported) is never published, in a store or a directory."""
+    pytest.importorskip("apache_beam")
+    from dprelease.pipelines.engines.beam import BeamEngine
+
+    spec = write_case(tmp_path / "case", TREE_SPEC)
+    release_parts = BeamEngine.release_parts
+
+    def one_unreported(self, *args, **kwargs):
+        entries, summaries = release_parts(self, *args, **kwargs)
+        return entries[1:], summaries
+
+    monkeypatch.setattr(BeamEngine, "release_parts", one_unreported)
+    out = bucket_uri(s3, "unreported") if to_store else tmp_path / "out"
+    with pytest.raises(DPReleaseError, match="reported 1 of the release's files missing"):
+        run_release(spec, key_file=tmp_path / "k.key", out_dir=out, engine="beam")
+    if to_store:
+        assert objects(s3, "unreported/releases") == []
+    else:
+        assert not (tmp_path / "out" / "test-release").exists()
+
+
+@pytest.mark.parametrize("spec_path", ["demo", "small"])
+def test_the_files_a_plan_expects_are_those_the_embedded_engine_writes(spec_path, tmp_path):
+    from dprelease.pipelines.layout import Layout
+    from dprelease.pipelines.release import expected_part_files
+
+    from .conftest import DEMO_SPEC
+
+    layout = Layout(group_work=64, part_rows=64)  # many parts per table
+    if spec_path == "demo":
+        from dprelease.pipelines.commands import demo_data
+
+        data, _ = demo_data(2_000, tmp_path / "data", seed=3)
+        spec = DEMO_SPEC
+        done = run_release(spec, input_path=str(data), out_dir=tmp_path / "out", key_file=tmp_path / "k.key",
+                           layout=layout)
+    else:
+        spec = write_case(tmp_path / "case", small_spec())
+        done = run_release(spec, out_dir=tmp_path / "out", key_file=tmp_path / "k.key", layout=layout)
+    manifest = json.loads((done.release_dir / "manifest.json").read_text())
+    written = {f["path"] for f in manifest["files"] if not f["path"].startswith("domains/")}
+    assert written == expected_part_files(build_plan(*load_spec(spec)), layout)

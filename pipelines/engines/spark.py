@@ -137,8 +137,10 @@ def _kept_schema(plan: Plan) -> str:
 
 def _count_kept_function(plan: Plan, table_ids: list[int], steps: list[int]):
     """Per partition of kept records (`_bound_function`): the count tables `table_ids` measured over them, emitted
-    as sparse partial counts with the release range each falls in (as `_encode_bound_count_function` emits)."""
+    as sparse partial counts with the release range each falls in (as `_encode_bound_count_function` emits). Each
+    table once, however often it is named (a table counted twice would be released with twice its sensitivity)."""
     columns = plan.encoded_columns()
+    table_ids = sorted(set(table_ids))
     layouts = [plan.tables[i].layout for i in table_ids]
 
     def count(batches):

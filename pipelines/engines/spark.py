@@ -62,6 +62,36 @@ def _import_pyspark():
     return SparkSession
 
 
+def _encoded_partition(batches, columns: list[str], encoders: dict, unit: str | None):
+    """(codes of every column, records, unit values) of one partition's records (all records of a unit together),
+    encoded by the encoding kernel (records it drops are left out); None for a partition with no record kept."""
+    parts: dict[str, list] = {c: [] for c in columns}
+    units = []
+    rows = 0
+    for batch in batches:
+        codes, keep = encode_batch(batch, encoders)  # reads each encoder's source column
+        for c in columns:
+            parts[c].append(codes[c][keep].astype(np.int32))
+        if unit:
+            units.append(batch.column(unit).filter(pa.array(keep)))
+        rows += int(keep.sum())
+    if not rows:
+        return None
+    codes = {c: np.concatenate(v) if v else np.empty(0, np.int32) for c, v in parts.items()}
+    return codes, rows, pa.chunked_array(units).combine_chunks() if unit else None
+
+
+def _sparse_counts(table_id: int, counts: np.ndarray, steps: list[int]) -> pa.RecordBatch:
+    """A table's nonzero counts as sparse partial counts, each with the release range it falls in."""
+    cells = np.flatnonzero(counts)
+    return pa.RecordBatch.from_pydict({
+        "table_id": pa.array(np.full(cells.size, table_id, dtype=np.int32)),
+        "range_id": pa.array((cells // steps[table_id]).astype(np.int64)),
+        "cell": pa.array(cells.astype(np.int64)),
+        "count": pa.array(counts[cells]),
+    })
+
+
 def _encode_bound_count_function(plan: Plan, unit: str | None, subkey: bytes, steps: list[int]):
     """Per partition (all records of a unit together): encode every batch (encoding kernel),
     bound contributions (bounding kernel) and measure every table (aggregation kernel); emit the
@@ -72,29 +102,13 @@ def _encode_bound_count_function(plan: Plan, unit: str | None, subkey: bytes, st
     layouts = [t.layout for t in plan.tables]
 
     def encode_bound_count(batches):
-        parts: dict[str, list] = {c: [] for c in columns}
-        units = []
-        rows = 0
-        for batch in batches:
-            codes, keep = encode_batch(batch, encoders)  # reads each encoder's source column
-            for c in columns:
-                parts[c].append(codes[c][keep].astype(np.int32))
-            if unit:
-                units.append(batch.column(unit).filter(pa.array(keep)))
-            rows += int(keep.sum())
-        if not rows:
+        encoded = _encoded_partition(batches, columns, encoders, unit)
+        if encoded is None:
             return
-        codes = {c: np.concatenate(v) if v else np.empty(0, np.int32) for c, v in parts.items()}
-        unit_values = pa.chunked_array(units).combine_chunks() if unit else None
+        codes, rows, unit_values = encoded
         partial = bounded_counts(layouts, codes, rows, sizes, unit_values, plan.bounds.max_records_per_unit, subkey)
         for table_id, counts in enumerate(partial):
-            cells = np.flatnonzero(counts)
-            yield pa.RecordBatch.from_pydict({
-                "table_id": pa.array(np.full(cells.size, table_id, dtype=np.int32)),
-                "range_id": pa.array((cells // steps[table_id]).astype(np.int64)),
-                "cell": pa.array(cells.astype(np.int64)),
-                "count": pa.array(counts[cells]),
-            })
+            yield _sparse_counts(table_id, counts, steps)
 
     return encode_bound_count
 
@@ -108,20 +122,10 @@ def _bound_function(plan: Plan, unit: str | None, subkey: bytes):
     sizes = [plan.domains[c].size for c in columns]
 
     def bound(batches):
-        parts: dict[str, list] = {c: [] for c in columns}
-        units = []
-        rows = 0
-        for batch in batches:
-            codes, keep = encode_batch(batch, encoders)
-            for c in columns:
-                parts[c].append(codes[c][keep].astype(np.int32))
-            if unit:
-                units.append(batch.column(unit).filter(pa.array(keep)))
-            rows += int(keep.sum())
-        if not rows:
+        encoded = _encoded_partition(batches, columns, encoders, unit)
+        if encoded is None:
             return
-        codes = {c: np.concatenate(v) for c, v in parts.items()}
-        unit_values = pa.chunked_array(units).combine_chunks() if unit else None
+        codes, rows, unit_values = encoded
         kept, n_rows, _ = bounded_records(codes, rows, sizes, unit_values, plan.bounds.max_records_per_unit, subkey)
         for start in range(0, n_rows, ARROW_BATCH_ROWS):
             yield pa.RecordBatch.from_pydict({f"c{i}": pa.array(kept[c][start:start + ARROW_BATCH_ROWS])
@@ -150,14 +154,8 @@ def _count_kept_function(plan: Plan, table_ids: list[int], steps: list[int]):
             for total, layout in zip(totals, layouts):
                 total += layout.measure_vector(codes, batch.num_rows)
         for table_id, counts in zip(table_ids, totals):
-            cells = np.flatnonzero(counts)
-            if cells.size:
-                yield pa.RecordBatch.from_pydict({
-                    "table_id": pa.array(np.full(cells.size, table_id, dtype=np.int32)),
-                    "range_id": pa.array((cells // steps[table_id]).astype(np.int64)),
-                    "cell": pa.array(cells.astype(np.int64)),
-                    "count": pa.array(counts[cells]),
-                })
+            if counts.any():
+                yield _sparse_counts(table_id, counts, steps)
 
     return count
 
@@ -537,18 +535,13 @@ class SparkEngine(Engine):
         """The codes of the records bounded over `plan`'s encoded columns, read and bounded on the first call of a
         run and persisted on the executors' local disks; later calls over the same columns reuse them."""
         from pyspark import StorageLevel
-        from pyspark.sql import functions as F
 
         signature = (id(source), key.derive("dprelease/bound"), tuple(plan.encoded_columns()))
         if self._kept is not None and self._kept[0] == signature:
             return self._kept[1]
         self._drop_kept()
-        unit = source.unit_column
-        frame = self._read(spark, source)
-        if unit:  # records of a unit must meet in one partition; null units are dropped by policy
-            partitions = max(spark.sparkContext.defaultParallelism, -(-source.estimated_rows() // ROWS_PER_PARTITION))
-            frame = frame.where(F.col(unit).isNotNull()).repartition(partitions, unit)
-        records = frame.mapInArrow(_bound_function(plan, unit, key.derive("dprelease/bound")), _kept_schema(plan))
+        records = self._by_unit(spark, source).mapInArrow(
+            _bound_function(plan, source.unit_column, key.derive("dprelease/bound")), _kept_schema(plan))
         records = records.persist(StorageLevel.DISK_ONLY)
         records.count()  # read, encode and bound now, once
         self._kept = (signature, records)
@@ -565,16 +558,23 @@ class SparkEngine(Engine):
         given), the input read, bounded over every table of the plan and counted in executors."""
         from pyspark.sql import functions as F
 
-        unit = source.unit_column
-        frame = self._read(spark, source)
-        if unit:  # records of a unit must meet in one partition; null units are dropped by policy
-            partitions = max(spark.sparkContext.defaultParallelism, -(-source.estimated_rows() // ROWS_PER_PARTITION))
-            frame = frame.where(F.col(unit).isNotNull()).repartition(partitions, unit)
-        partial = frame.mapInArrow(_encode_bound_count_function(plan, unit, key.derive("dprelease/bound"), steps),
-                                   "table_id int, range_id long, cell long, count long")
+        partial = self._by_unit(spark, source).mapInArrow(
+            _encode_bound_count_function(plan, source.unit_column, key.derive("dprelease/bound"), steps),
+            "table_id int, range_id long, cell long, count long")
         if table_ids is not None:
             partial = partial.where(F.col("table_id").isin(list(table_ids)))
         return partial.groupBy("table_id", "range_id", "cell").agg(F.sum("count").alias("count"))
+
+    def _by_unit(self, spark, source: InputSource):
+        """The input's records (`_read`), all records of a unit in one partition (null units dropped by policy)."""
+        from pyspark.sql import functions as F
+
+        frame = self._read(spark, source)
+        unit = source.unit_column
+        if unit:
+            partitions = max(spark.sparkContext.defaultParallelism, -(-source.estimated_rows() // ROWS_PER_PARTITION))
+            frame = frame.where(F.col(unit).isNotNull()).repartition(partitions, unit)
+        return frame
 
     def _grouped_ranges(self, spark, plan: Plan, source: InputSource, counts, steps: list[int],
                         table_ids: list[int] | None = None):

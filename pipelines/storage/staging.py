@@ -39,8 +39,8 @@ from dprelease.accounting.errors import DPReleaseError
 from dprelease.accounting.redact import shown
 
 from .local import safe_relative
-from .objects import RemoteRelease, list_prefix
-from .uris import Store, open_store
+from .objects import RemoteRelease, list_prefix, open_release
+from .uris import Store
 
 STAGING_MARKER = ".dprelease-staging"
 """An object (or a file, in a local staging directory) holding a random token of its run: a worker writes a part
@@ -87,18 +87,17 @@ def new_remote_staging(release: RemoteRelease, name_prefix: str, owner_tag: str)
 def open_remote_staging(uri: str, token: str) -> RemoteStaging:
     """In a worker: the staging prefix at `uri`, once its marker is seen to hold `token`; DPReleaseError (nothing
     written) otherwise."""
-    store, path = open_store(uri.rstrip("/"), "staging")
-    path = path.rstrip("/")
-    query = uri.split("?", 1)[1] if "?" in uri else ""
+    prefix = open_release(uri, "staging")  # the store, its path and connection settings, as any release's
+    staging = RemoteStaging(prefix.store, prefix.path, prefix.query, token)
     try:
-        with store.filesystem.open_input_stream(f"{path}/{STAGING_MARKER}") as handle:
+        with staging.store.filesystem.open_input_stream(staging.object_path(STAGING_MARKER)) as handle:
             found = handle.read(MAX_MARKER_BYTES).decode("ascii", "replace")
     except (pa.ArrowException, OSError):
         found = None
     if found != token:
-        raise DPReleaseError(f"the staging prefix {shown(store.uri(path))} is not this run's as the driver made it "
+        raise DPReleaseError(f"the staging prefix {shown(staging.uri)} is not this run's as the driver made it "
                              "(another store, or a prefix of an earlier run); nothing was written")
-    return RemoteStaging(store, path, query, token)
+    return staging
 
 
 class _Hashed:

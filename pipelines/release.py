@@ -38,8 +38,8 @@ from .plan import MeanOutput, Plan, TablePlan
 from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, Part, mean_parts, table_parts
 from .postprocessing import EstimateVariances, estimate_variances, mean_values
 from .provenance import Invocation
-from . import storage
-from .storage import RemoteStaging, check_release_target, inside, remove_remote_staging
+from .storage import (STAGING_MARKER, RemoteStaging, StagedPartsLeft, check_release_target, inside,
+                      remove_remote_staging)
 
 LOG = logging.getLogger("dprelease")
 
@@ -174,7 +174,7 @@ def check_removed(staging: RemoteStaging) -> None:
     """Remove a staging prefix in a store; StagedPartsLeft naming it and counting what stayed, if anything did."""
     left = remove_remote_staging(staging)
     if left:
-        raise storage.StagedPartsLeft(f"{len(left)} staged object(s) with noisy values could not be removed from "
+        raise StagedPartsLeft(f"{len(left)} staged object(s) with noisy values could not be removed from "
                                       f"{shown(staging.uri)}: remove them; the run is charged")
 
 
@@ -198,12 +198,11 @@ def replaced_prefix(release_id: str) -> str:
 check_target = check_release_target
 """Where a release is published: `storage.check_release_target`."""
 
-STAGING_MARKER = storage.STAGING_MARKER
-"""A file in every staging directory holding a random token of its run: a worker writes a part only into a
-staging directory that holds its run's token (`check_staging`), so a worker that cannot see the driver's
-directory (a relative path resolved in its own work directory, or a disk the driver does not share) writes
-nothing at all, instead of noisy parts the driver can neither check nor remove. Removed before the manifest
-is written. A release published to a store is staged in the store instead (`storage.staging`)."""
+# STAGING_MARKER (from `storage.staging`) is a file in every staging directory holding a random token of its run:
+# a worker writes a part only into a staging directory that holds its run's token (`check_staging`), so a worker
+# that cannot see the driver's directory (a relative path resolved in its own work directory, or a disk the driver
+# does not share) writes nothing at all, instead of noisy parts the driver can neither check nor remove. Removed
+# before the manifest is written. A release published to a store is staged in the store instead.
 
 
 def new_staging(final_dir: Path) -> tuple[Path, str]:

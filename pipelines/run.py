@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
+import json
 import logging
 import os
 import shutil
 import tempfile
-import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -207,6 +207,30 @@ def calibrate_gaussian(rho: Fraction, sensitivity: Sensitivity, where: str) -> D
         denominator //= 2
 
 
+GRID_MANTISSA_BITS = 6
+"""`compact_gaussian_budget` puts sigma^2 on m * 2^e with m of this many bits (32 to 63): within 1/32 of the
+requested sigma^2, and the losses of many such tables sum to a fraction whose denominator divides
+lcm(32..63) times a power of two (tens of digits, never hundreds)."""
+
+
+def compact_gaussian_budget(rho: Fraction, sensitivity: Sensitivity) -> Fraction:
+    """The largest rho' <= rho whose discrete Gaussian variance L2^2 / (2 rho') is m * 2^e with m of
+    GRID_MANTISSA_BITS bits: `calibrate_gaussian(rho', ...)` then spends exactly rho'.
+
+    Why: a query whose tables get many different shares (a workload-optimal split) would otherwise compose to
+    a sum of fractions with as many unrelated denominators, too long to print, store or verify exactly.
+    Privacy: rho' <= rho (sigma^2 rounded up)."""
+    exact = Fraction(sensitivity.l2_squared) / (2 * rho)
+    e = exact.numerator.bit_length() - exact.denominator.bit_length() - GRID_MANTISSA_BITS
+    while Fraction(2) ** (e + GRID_MANTISSA_BITS) <= exact:  # the grid step 2^e with exact < 2^(e + bits)
+        e += 1
+    while e > -1000 and Fraction(2) ** (e + GRID_MANTISSA_BITS - 1) > exact:
+        e -= 1
+    step = Fraction(2) ** e
+    sigma2 = math.ceil(exact / step) * step
+    return Fraction(sensitivity.l2_squared) / (2 * sigma2)
+
+
 def calibrate_selection(budget: Fraction, selections: int, definition: str, where: str) -> ExponentialSelection:
     """Exponential mechanism selections whose composed loss is at most `budget`.
 

@@ -141,6 +141,9 @@ class Release:
         `release.with_budget(rho="1/4").plan()`. `budget`: fields of the spec's budget (epsilon, rho, delta) to change,
         or a whole new budget (with `definition`), validated like a spec file."""
         document = self.spec.model_dump(mode="json", exclude_unset=True)
+        for query in document["queries"]:  # `select: auto` chooses again at the new budget
+            if query["name"] in self.spec.auto_selections:
+                query["select"] = "auto"
         document["budget"] = dict(budget) if "definition" in budget else {**document["budget"], **budget}
         return Release(parse_spec(document), self.base_dir)
 

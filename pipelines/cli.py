@@ -184,7 +184,24 @@ def _path_lines(plan) -> list[str]:
             lines.append(f"Marginals {q.name}: {what[path]}; {joint_size(plan, q) // units:,} joint cells per unit"
                          + (f", {joint_size(plan, q):,} in all, fitted a chunk of units at a time"
                             if path not in ("tables", "tree", "junction") else ""))
+            if not q.selects:
+                lines.append(_strategy_line(plan, q))
+            elif q.name in plan.spec.auto_selections:
+                lines.append(f"Selection {q.name}: {plan.spec.auto_selections[q.name]}")
     return lines
+
+
+def _strategy_line(plan, query) -> str:
+    """How a published marginals query is measured, and its expected workload error against direct measurement."""
+    from .plan import strategy_errors
+
+    errors = strategy_errors(plan, query)
+    if errors is None:
+        return f"Measurement {query.name}: each {query.way}-way table directly, equal shares"
+    tables, lower, ratio = errors
+    return (f"Measurement {query.name}: workload-optimal split over {tables} tables ({lower} lower-way); expected "
+            f"workload error {ratio:.3f}x that of measuring each {query.way}-way table directly (sum over the "
+            f"tables of total least-squares variance / sqrt(cells))")
 
 
 def _local_lines(plan) -> list[str]:

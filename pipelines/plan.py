@@ -17,7 +17,8 @@ from typing import Callable
 from dprelease.accounting.composition import MeasurementEvent, Totals, compose
 from dprelease.accounting.conversions import approx_to_zcdp
 from dprelease.accounting.errors import SpecError
-from dprelease.accounting.mechanisms import calibrate_gaussian, calibrate_laplace, calibrate_selection
+from dprelease.accounting.mechanisms import (calibrate_gaussian, calibrate_laplace, calibrate_selection,
+                                              compact_gaussian_budget)
 from dprelease.accounting.rationals import allocate
 from dprelease.accounting.sensitivity import (ContributionBounds, Sensitivity, count_sensitivity,
                                               mst_score_sensitivity, quantile_score_sensitivity, sum_sensitivity,
@@ -28,6 +29,7 @@ from dprelease.transforms.mst import Components, workload_weights
 from dprelease.transforms.domains import (NATION, CategoricalDomain, Dimension, Domain, GeographyDomain,
                                           IntegerDomain, MeasureDomain, dimension, measure_key)
 from dprelease.transforms.release_values import TableRelease
+from dprelease.transforms.strategy import Strategy, down_closure, optimal_strategy, workload_error
 
 from .storage import UnsafeFile, read_regular
 from .spec import (CategoricalColumn, CountUnitsQuery, GeographyColumn, HierarchyQuery, HistogramQuery,
@@ -343,6 +345,62 @@ synthetic_adult.py): 9/20, 1/10, 9/20 (OpenDP's 0.9 measuring share) gives 5% le
 MST's paper's thirds."""
 
 
+def measured_strategy(query: MarginalsQuery, spec: ReleaseSpec, domains) -> Strategy | None:
+    """The workload-optimal strategy of a published (not selected) marginals query (`transforms.strategy`), or
+    None where its tables are measured directly: `strategy: direct`, a pure-DP budget (the optimisation is
+    for variances proportional to 1/rho), a table declared invariant, or a workload of one table."""
+    if query.selects or query.strategy == "direct" or spec.budget.definition == "pure":
+        return None
+    workload = list(itertools.combinations(query.attributes, query.way))
+    if any(table_name(query.name, c) in spec.invariants for c in down_closure(workload)):
+        return None
+    sizes = {a: d.size for a, d in zip(query.attributes, _dims(list(query.attributes), domains))}
+    return optimal_strategy(workload, sizes)
+
+
+def _marginal_weights(query: MarginalsQuery, spec: ReleaseSpec, domains,
+                      chosen: tuple[Pair, ...] | None) -> list[tuple[tuple[str, ...], Fraction]]:
+    """Every table of a marginals query with its budget weight: a selected query's 1-way tables and chosen
+    tables (fixed shares); a published query's strategy (`measured_strategy`), or its t-way tables alike."""
+    if query.selects:
+        r = len(query.attributes)
+        return [((a,), ONE_WAY_SHARE / r) for a in query.attributes] + \
+            [(tuple(c), PAIR_SHARE / (r - 1)) for c in chosen or []]
+    strategy = measured_strategy(query, spec, domains)
+    if strategy is None:
+        return [(combo, Fraction(1)) for combo in itertools.combinations(query.attributes, query.way)]
+    return [(combo, Fraction(weight)) for combo, weight in zip(strategy.tables, strategy.weights)]
+
+
+def strategy_errors(plan: "Plan", query: MarginalsQuery) -> tuple[int, int, float] | None:
+    """A published marginals query measured by its strategy: (tables measured, of them lower-way, the expected
+    workload error over that of the equal split of the same budget), from the calibrated mechanisms' variances;
+    None where it is measured directly. Public: the plan only."""
+    strategy = measured_strategy(query, plan.spec, plan.domains)
+    if strategy is None:
+        return None
+    workload = list(itertools.combinations(query.attributes, query.way))
+    sizes = {a: d.size for a, d in zip(query.attributes, _dims(list(query.attributes), plan.domains))}
+    measured = {t.name: t.event for t in plan.tables if t.query == query.name}
+    variances = [float(measured[table_name(query.name, t)].mechanism.sigma2) for t in strategy.tables]
+    share = sum((e.allocated for e in measured.values()), Fraction(0))
+    equal = float(calibrate_gaussian(share / len(workload), count_sensitivity(plan.bounds), query.name).sigma2)
+    ratio = workload_error(workload, list(strategy.tables), variances, sizes) / \
+        workload_error(workload, workload, [equal] * len(workload), sizes)
+    return len(strategy.tables), sum(1 for t in strategy.tables if len(t) < query.way), ratio
+
+
+def _compact_parts(parts: dict[str, Fraction], sensitivity: Sensitivity) -> dict[str, Fraction]:
+    """Unequal shares of one query (a workload-optimal split) moved onto the compact variance grid
+    (`compact_gaussian_budget`), every table's but the largest's, which takes the rest: the parts still sum
+    exactly to the query's share, and their losses to a fraction short enough to print and verify. Each grid
+    share is at most its optimal share (within 1/32 of its variance), the largest table's at least its own."""
+    largest = max(parts, key=lambda name: parts[name])
+    compact = {name: compact_gaussian_budget(part, sensitivity) for name, part in parts.items() if name != largest}
+    compact[largest] = sum(parts.values(), Fraction(0)) - sum(compact.values(), Fraction(0))
+    return {name: compact[name] for name in parts}
+
+
 def _query_tables(query, spec: ReleaseSpec, domains, chosen: tuple[Pair, ...] | None = None) -> list[TableShape]:
     """Every table a query asks for (a `select: mst` or `aim` query: its 1-way tables and the `chosen` tables)."""
     if isinstance(query, HistogramQuery):
@@ -359,17 +417,8 @@ def _query_tables(query, spec: ReleaseSpec, domains, chosen: tuple[Pair, ...] | 
         return [TableShape(query.name, dims, None, "sum" if isinstance(query, SumQuery) else "quantile", measure)]
     if isinstance(query, MarginalsQuery):
         prefix = _dims([query.within], domains) if query.within else []
-        tables = []
-        combos = itertools.combinations(query.attributes, query.way)
-        if query.selects:
-            r = len(query.attributes)
-            combos = [(a,) for a in query.attributes] + list(chosen or [])
-        for combo in combos:
-            weight = Fraction(1) if not query.selects else ONE_WAY_SHARE / r if len(combo) == 1 else \
-                PAIR_SHARE / (r - 1)
-            tables.append(TableShape(table_name(query.name, combo), prefix + _dims(list(combo), domains),
-                                     weight=weight))
-        return tables
+        return [TableShape(table_name(query.name, combo), prefix + _dims(list(combo), domains), weight=weight)
+                for combo, weight in _marginal_weights(query, spec, domains, chosen)]
     assert isinstance(query, HierarchyQuery)
     tables = []
     by = _dims(query.by, domains)
@@ -615,6 +664,8 @@ def plan_over(spec: ReleaseSpec, domains: dict[str, Domain], chosen: dict[str, t
             parts = {shape.name: share * shape.weight for shape in noisy}
         else:
             parts = dict(zip([shape.name for shape in noisy], allocate(share, [shape.weight for shape in noisy])))
+            if isinstance(query, MarginalsQuery) and definition != "pure" and len(set(parts.values())) > 1:
+                parts = _compact_parts(parts, count_sensitivity(bounds))
         for shape in shapes:
             if isinstance(query, QuantileQuery):
                 tables.append(_quantile_table(query, shape, spec, domains, bounds, parts[shape.name], definition))

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_serializer,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, WithJsonSchema, field_validator,
+                      model_serializer, model_validator)
 
 from dprelease.accounting.errors import SpecError
 from dprelease.accounting.redact import shown
@@ -319,8 +319,10 @@ class MarginalsQuery(QueryBase):
                                         "spec's order). Attributes whose t-way combinations are tabulated.")
     way: int = Field(2, ge=1, description="Defaulted (2). t: the size of each combination.")
     within: str | None = Field(None, description="Optional. A geography level every marginal is crossed with, 'geo.county'.")
-    select: Literal["all", "mst", "aim"] = Field(
-        "all", description="Defaulted (all): measure every t-way combination. 'mst' (way 2 only): measure every "
+    select: Literal["all", "mst", "aim", "auto"] = Field(
+        "all", description="Defaulted (all): measure every t-way combination. 'auto': 'mst' or 'aim', chosen from "
+                           "the query's budget per attribute (public; `plan` says which and why, the manifest's spec "
+                           "holds the choice). 'mst' (way 2 only): measure every "
                            "attribute's 1-way table, choose a spanning tree of 2-way tables with the exponential "
                            "mechanism (MST, McKenna et al. 2021; each pair scored less the expected error of measuring it, as in AIM) "
                            "and measure those; the query's budget splits 45% 1-way "
@@ -330,6 +332,12 @@ class MarginalsQuery(QueryBase):
                            "attribute and up to `degree` attributes of a table already measured, scored against the "
                            "model fitted to the measurements so far, and measures it before the next round (the same "
                            "budget split).")
+    strategy: Literal["optimal", "direct"] = Field(
+        "optimal", description="Defaulted (optimal), for published tables (select: all) under a zcdp or approx budget: "
+                               "'optimal' measures the t-way tables and their lower-way tables with the budget split "
+                               "that minimises the t-way tables' total variance (ResidualPlanner, Xiao et al. 2023); "
+                               "the lower-way tables it measures are published too, and `plan` shows the expected "
+                               "error against 'direct'; 'direct' measures each t-way table alone, with equal shares.")
     degree: int | None = Field(
         None, ge=1, le=MAX_AIM_DEGREE, strict=True,
         description=f"Optional, with select: aim only (default 2): the most attributes a new attribute's table joins "
@@ -363,6 +371,8 @@ class MarginalsQuery(QueryBase):
             document.pop("workload", None)
         if document.get("degree") is None:
             document.pop("degree", None)
+        if document.get("strategy") == "optimal":
+            del document["strategy"]
         return document
 
 
@@ -438,6 +448,34 @@ class OutputSpec(Frozen):
     dir: str = Field(description="Required. Directory under which the release directory <release_id>/ is published.")
 
 
+AUTO_AIM_RHO_PER_ATTRIBUTE = Fraction(1, 3000)
+"""`select: auto` takes 'aim' when the query's zCDP budget per attribute is at least this (a pure epsilon counts
+as epsilon^2 / 2), 'mst' below. Measured on UCI Adult's 14 attributes (benchmarks/synthetic_adult.py, 5 keys):
+at epsilon 0.3 (rho per attribute 1.1e-4) mst's records were 2% better on 2-way and 3-way marginals, at epsilon
+1 (1.1e-3) and 3 aim's 7-12% better: each AIM round buys an estimate of a table only when a round's share beats
+the table's noise, which a small budget per attribute does not."""
+
+
+def auto_selection(spec: "ReleaseSpec", query: "MarginalsQuery") -> tuple[str, str]:
+    """The mode `select: auto` picks for `query` and why, from public things only: the spec's budget, the
+    query's weight among the queries', its number of attributes."""
+    from dprelease.accounting.conversions import approx_to_zcdp
+
+    budget = spec.budget
+    if budget.definition == "pure":
+        total = Fraction(budget.epsilon) ** 2 / 2
+    elif budget.definition == "zcdp":
+        total = Fraction(budget.rho)
+    else:
+        total = approx_to_zcdp(Fraction(budget.epsilon), budget.delta)
+    share = total * Fraction(query.weight) / sum((Fraction(q.weight) for q in spec.queries), Fraction(0))
+    per_attribute = share / len(query.attributes)
+    mode = "aim" if per_attribute >= AUTO_AIM_RHO_PER_ATTRIBUTE else "mst"
+    relation = ">=" if mode == "aim" else "<"
+    return mode, (f"select: auto chose {mode}: the query's rho per attribute, {float(per_attribute):.3g}, is "
+                  f"{relation} {float(AUTO_AIM_RHO_PER_ATTRIBUTE):.3g}")
+
+
 class ReleaseSpec(Frozen):
     """A differentially private release: what to read, how to bound, what to count, how much budget."""
 
@@ -486,11 +524,33 @@ class ReleaseSpec(Frozen):
                                                          or column.get("randomized_response") is not None))]
         queries = []
         for query in document["queries"]:
-            if isinstance(query, dict) and query.get("kind") == "marginals" and query.get("select") in ("mst", "aim") \
+            if isinstance(query, dict) and query.get("kind") == "marginals" and query.get("select") in ("mst", "aim", "auto") \
                     and query.get("attributes") is None:
                 query = {**query, "attributes": columns}
             queries.append(query)
         return {**document, "queries": queries}
+
+    _auto: dict[str, str] | None = PrivateAttr(default=None)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _resolve_auto_select(cls, data: Any, handler) -> "ReleaseSpec":
+        """`select: auto` becomes 'mst' or 'aim' (`auto_selection`), so the canonical spec, its hash and the
+        manifest hold the choice; the reasons stay on the parsed spec for `plan` (`auto_selections`)."""
+        spec = handler(data)
+        chosen = {q.name: auto_selection(spec, q) for q in spec.queries
+                  if isinstance(q, MarginalsQuery) and q.select == "auto"}
+        if not chosen:
+            return spec
+        queries = [q.model_copy(update={"select": chosen[q.name][0]}) if q.name in chosen else q for q in spec.queries]
+        resolved = spec.model_copy(update={"queries": queries})
+        resolved._auto = {name: reason for name, (_, reason) in chosen.items()}
+        return resolved
+
+    @property
+    def auto_selections(self) -> dict[str, str]:
+        """Per `select: auto` query of the document this spec was parsed from: the mode chosen, and why."""
+        return dict(self._auto or {})
 
     @field_validator("period")
     @classmethod

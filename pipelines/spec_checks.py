@@ -91,9 +91,12 @@ def _check_refs(spec: ReleaseSpec, refs: list[str], path: str, problems: list[st
 
 def _check_workload(query: MarginalsQuery, path: str, problems: list[str]) -> None:
     """A workload belongs to a `select: mst` or `aim` query and names its attributes, each once per marginal; a
-    degree belongs to a `select: aim` query."""
+    degree belongs to a `select: aim` query; a strategy to published tables."""
     if query.degree is not None and query.select != "aim":
         problems.append(f"{path}.degree = {query.degree}: only a `select: aim` query takes a degree (select = "
+                        f"{query.select!r})")
+    if query.strategy == "direct" and query.selects:
+        problems.append(f"{path}.strategy = 'direct': only published tables (select: all) take a strategy (select = "
                         f"{query.select!r})")
     if query.workload is None:
         return

@@ -25,6 +25,7 @@ def test_demo_release_end_to_end(tmp_path):
     planned = cli("plan", DEMO_SPEC)
     assert planned.returncode == 0, planned.stderr
     assert "population.tract" in planned.stdout and "rho = 1" in planned.stdout
+    assert "Measurement county_marginals: workload-optimal split" in planned.stdout
     key = tmp_path / "demo.key"
     refused = cli("run", DEMO_SPEC, "--input", data / "persons.parquet", "--out", tmp_path / "releases",
                   "--key-file", key)

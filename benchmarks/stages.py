@@ -17,6 +17,7 @@ from dprelease.pipelines.engines.embedded import EmbeddedEngine
 from dprelease.pipelines.layout import Layout
 from dprelease.pipelines.plan import build_plan
 from dprelease.pipelines.postprocessing import estimation_path, least_squares_estimates, post_process
+from dprelease.pipelines.provenance import Invocation
 from dprelease.pipelines.release import stage_release
 from dprelease.pipelines.run import bind_release_key
 from dprelease.pipelines.source import open_input
@@ -40,7 +41,8 @@ def main(spec_path: str, input_path: str, workers: int) -> None:
     estimated = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
         staged = stage_release(plan, noisy, published, Path(out) / spec.release_id, engine="embedded", key_id="0" * 16,
-                               created_at="2026-01-01T00:00:00+00:00", command_line=["stages.py"], layout=Layout(),
+                               created_at="2026-01-01T00:00:00+00:00", invocation=Invocation("benchmark stages.py"),
+                               layout=Layout(),
                                workers=workers)
         written = time.perf_counter()
         staged.discard()

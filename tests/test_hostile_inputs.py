@@ -294,3 +294,19 @@ def test_the_cell_limit_names_the_largest_table_by_its_entries(tmp_path):
                                 "q": [0.5], "candidates": list(range(0, 20_000, 2))}])
     ran = cli("plan", write_case(tmp_path / "case", spec), "--max-cells", 1000)
     assert ran.returncode == 2 and "largest table 'q'" in ran.stderr and "quantile buckets" in ran.stderr, ran.stderr
+
+
+@pytest.mark.parametrize("kind", [pa.string(), pa.large_string()])
+def test_text_values_are_coded_alike_by_the_vectorised_lookup_and_by_their_text(kind):
+    """A text column's dictionary is matched as UTF-8 bytes in one lookup; the codes equal matching each value's
+    text, with nulls, misses, non-ASCII values and text that is not valid UTF-8 all handled as before."""
+    from dprelease.transforms import encode
+
+    values = ("F", "é", "01001000100", "M")
+    raw = [b"\xc3\xa9", None, b"F", b"x", b"\xffF", b"01001000100", b"\xc3", b"M", b"", b"F"]
+    column = pa.array(raw, pa.large_binary() if kind == pa.large_string() else pa.binary()).view(kind)
+    texts = [None if v is None else encode._decoded(v) for v in raw]
+    expected = [values.index(t) if t in values else encode.INVALID for t in texts]
+    assert encode._lookup_codes(column, values).tolist() == expected
+    assert encode._lookup_codes(column.dictionary_encode(), values).tolist() == expected
+    assert encode._lookup_codes(pa.chunked_array([column[:4], column[4:]]), values).tolist() == expected

@@ -7,6 +7,7 @@ in a way that can abort a run or reach a log.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -52,13 +53,26 @@ def dictionary_encoded(column: pa.Array | pa.ChunkedArray) -> pa.DictionaryArray
     return encoded.combine_chunks() if isinstance(encoded, pa.ChunkedArray) else encoded
 
 
-def _lookup_codes(column: pa.Array | pa.ChunkedArray, table: dict[str, int]) -> np.ndarray:
-    """Codes of a string-like column via its dictionary; INVALID for misses and nulls."""
+def _lookup_codes(column: pa.Array | pa.ChunkedArray, values: tuple[str, ...]) -> np.ndarray:
+    """Codes (positions in `values`) of a column via its dictionary; INVALID for misses and nulls. A text
+    dictionary is matched as bytes against the values' UTF-8 in one vectorised lookup (text that is not valid
+    UTF-8 equals no value); any other dictionary value by its text form (`_as_text`)."""
     encoded = dictionary_encoded(column)
-    dictionary = dictionary_values(encoded.dictionary)
-    lut = np.array([table.get(_as_text(v), INVALID) for v in dictionary] + [INVALID], dtype=np.int64)
-    indices = encoded.indices.fill_null(len(dictionary))
+    if is_text(encoded.dictionary.type):
+        found = pc.index_in(text_as_bytes(encoded.dictionary), value_set=_utf8_values(values))
+        lut = np.append(found.fill_null(INVALID).to_numpy(zero_copy_only=False).astype(np.int64), INVALID)
+    else:
+        table = {v: i for i, v in enumerate(values)}
+        lut = np.array([table.get(_as_text(v), INVALID) for v in dictionary_values(encoded.dictionary)] + [INVALID],
+                       dtype=np.int64)
+    indices = encoded.indices.fill_null(len(encoded.dictionary))
     return lut[indices.to_numpy(zero_copy_only=False)]
+
+
+@functools.lru_cache(maxsize=64)
+def _utf8_values(values: tuple[str, ...]) -> pa.Array:
+    """A domain's values as one binary array (built once per domain, not per batch)."""
+    return pa.array([v.encode("utf-8") for v in values], type=pa.large_binary())
 
 
 def _as_text(value: object) -> str | None:
@@ -116,19 +130,19 @@ class ColumnEncoder:
         if isinstance(domain, IntegerDomain):
             codes = self._encode_integer(_integer_values(column), domain)
         else:
-            table = self._string_table()
-            codes = _lookup_codes(column, table)
+            codes = _lookup_codes(column, self._values())
         if domain.policy == "other":
             other = domain.size - 1
             codes = np.where(codes == INVALID, other, codes)
         return codes
 
-    def _string_table(self) -> dict[str, int]:
+    def _values(self) -> tuple[str, ...]:
+        """The domain's values in code order (a categorical's values, a geography's leaves)."""
         domain = self.domain
         if isinstance(domain, CategoricalDomain):
-            return {v: i for i, v in enumerate(domain.values)}
+            return domain.values
         assert isinstance(domain, GeographyDomain)
-        return {leaf: i for i, leaf in enumerate(domain.leaves)}
+        return tuple(domain.leaves)
 
     @staticmethod
     def _encode_measure(values: np.ndarray, domain: MeasureDomain) -> np.ndarray:

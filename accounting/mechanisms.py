@@ -213,9 +213,14 @@ requested sigma^2, and the losses of many such tables sum to a fraction whose de
 lcm(32..63) times a power of two (tens of digits, never hundreds)."""
 
 
+_GRID_FINEST = 20
+"""The finest grid step is 2^-20 (`_MAX_DENOMINATOR`): a variance on it is one `calibrate_gaussian` keeps as is."""
+
+
 def compact_gaussian_budget(rho: Fraction, sensitivity: Sensitivity) -> Fraction:
     """The largest rho' <= rho whose discrete Gaussian variance L2^2 / (2 rho') is m * 2^e with m of
-    GRID_MANTISSA_BITS bits: `calibrate_gaussian(rho', ...)` then spends exactly rho'.
+    GRID_MANTISSA_BITS bits (or, for a variance below 2^-14, a multiple of 2^-20): `calibrate_gaussian(rho', ...)`
+    then spends exactly rho' (its sampler's limits permitting; at most rho' always).
 
     Why: a query whose tables get many different shares (a workload-optimal split) would otherwise compose to
     a sum of fractions with as many unrelated denominators, too long to print, store or verify exactly.
@@ -226,7 +231,7 @@ def compact_gaussian_budget(rho: Fraction, sensitivity: Sensitivity) -> Fraction
         e += 1
     while e > -1000 and Fraction(2) ** (e + GRID_MANTISSA_BITS - 1) > exact:
         e -= 1
-    step = Fraction(2) ** e
+    step = Fraction(2) ** max(e, -_GRID_FINEST)  # sigma^2 below 2^-14: a step of 2^-20, the calibration's own grid
     sigma2 = math.ceil(exact / step) * step
     return Fraction(sensitivity.l2_squared) / (2 * sigma2)
 

@@ -193,11 +193,12 @@ def _path_lines(plan) -> list[str]:
 
 def _strategy_line(plan, query) -> str:
     """How a published marginals query is measured, and its expected workload error against direct measurement."""
-    from .plan import strategy_errors
+    from .plan import direct_reason, strategy_errors
 
     errors = strategy_errors(plan, query)
     if errors is None:
-        return f"Measurement {query.name}: each {query.way}-way table directly, equal shares"
+        reason = direct_reason(query, plan.spec, plan.optimal_marginals)
+        return f"Measurement {query.name}: each {query.way}-way table directly, equal shares ({reason})"
     tables, lower, ratio = errors
     return (f"Measurement {query.name}: workload-optimal split over {tables} tables ({lower} lower-way); expected "
             f"workload error {ratio:.3f}x that of measuring each {query.way}-way table directly (sum over the "

@@ -25,7 +25,7 @@ from .plan import SelectionPlan, Plan, TablePlan
 from .debiased import local_section
 from .postprocessing import EstimateVariances, estimate_variances, steps_applied
 
-MANIFEST_VERSION = 6
+MANIFEST_VERSION = 7
 """2: one global least-squares estimate behind the count tables, its per-cell variance in the tables and
 the manifest. 3: the ledger block states what the release cost (`charged`, also for a free re-run) beside
 what the run added (`charged_by_this_run`) and every budget period charged; invariants state which
@@ -33,9 +33,13 @@ neighbours the guarantee covers. 4: a `select: mst` selection scores each pair l
 measuring it (`transforms.mst.noise_penalty`). 5: `select: aim` selections (a manifest claiming an earlier
 version with one is refused). 6: the implied loss per attribute and per geography level includes the
 selections that read them, and states the worst case over every selection the data could have made; provenance
-is structured and allow-listed (`invocation`), no command line. verify still checks versions 1 to 5 against the
-rules of their time."""
+is structured and allow-listed (`invocation`), no command line. 7: a published marginals query under a zcdp or
+approx budget is measured by its workload-optimal split (`transforms.strategy`) unless its spec says `strategy:
+direct`; releases of versions 1 to 6 are re-planned with every such query measured directly, as they were. verify
+still checks versions 1 to 6 against the rules of their time. Any change to the optimisation (its iterations,
+loss, thresholds or grid) changes plans: it needs a new version, and the old behaviour kept for the old ones."""
 SELECTION_LOSS_VERSION = 6
+OPTIMAL_MARGINALS_VERSION = 7
 DEPENDENCIES = ["numpy", "pyarrow", "pydantic", "PyYAML", "cryptography", "click", "rich"]
 NEIGHBOURING_NOTE = {
     "add_remove": "neighbouring inputs differ by adding or removing one privacy unit with all its records",

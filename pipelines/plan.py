@@ -29,7 +29,7 @@ from dprelease.transforms.mst import Components, workload_weights
 from dprelease.transforms.domains import (NATION, CategoricalDomain, Dimension, Domain, GeographyDomain,
                                           IntegerDomain, MeasureDomain, dimension, measure_key)
 from dprelease.transforms.release_values import TableRelease
-from dprelease.transforms.strategy import Strategy, down_closure, optimal_strategy, workload_error
+from dprelease.transforms.strategy import MAX_TERMS, Strategy, optimal_strategy, too_large, workload_error
 
 from .storage import UnsafeFile, read_regular
 from .spec import (CategoricalColumn, CountUnitsQuery, GeographyColumn, HierarchyQuery, HistogramQuery,
@@ -176,6 +176,9 @@ class Plan:
     totals: Totals
     means: tuple[MeanOutput, ...] = ()
     selections: tuple[SelectionPlan, ...] = ()
+    optimal_marginals: bool = True
+    """Published marginals queries measured by their workload-optimal split (`measured_strategy`); False
+    re-plans a release of manifest version 6 or earlier, when every query was measured directly."""
 
     def events(self) -> list[MeasurementEvent]:
         """Every measurement the release composes: its measured tables, its selections, and the tables still
@@ -345,28 +348,43 @@ synthetic_adult.py): 9/20, 1/10, 9/20 (OpenDP's 0.9 measuring share) gives 5% le
 MST's paper's thirds."""
 
 
-def measured_strategy(query: MarginalsQuery, spec: ReleaseSpec, domains) -> Strategy | None:
+def measured_strategy(query: MarginalsQuery, spec: ReleaseSpec, domains, enabled: bool = True) -> Strategy | None:
     """The workload-optimal strategy of a published (not selected) marginals query (`transforms.strategy`), or
-    None where its tables are measured directly: `strategy: direct`, a pure-DP budget (the optimisation is
-    for variances proportional to 1/rho), a table declared invariant, or a workload of one table."""
-    if query.selects or query.strategy == "direct" or spec.budget.definition == "pure":
+    None where its tables are measured directly (`direct_reason` says why)."""
+    if query.selects or direct_reason(query, spec, enabled) is not None:
         return None
     workload = list(itertools.combinations(query.attributes, query.way))
-    if any(table_name(query.name, c) in spec.invariants for c in down_closure(workload)):
-        return None
     sizes = {a: d.size for a, d in zip(query.attributes, _dims(list(query.attributes), domains))}
     return optimal_strategy(workload, sizes)
 
 
-def _marginal_weights(query: MarginalsQuery, spec: ReleaseSpec, domains,
-                      chosen: tuple[Pair, ...] | None) -> list[tuple[tuple[str, ...], Fraction]]:
+def direct_reason(query: MarginalsQuery, spec: ReleaseSpec, enabled: bool = True) -> str | None:
+    """Why a published marginals query is measured directly (None: by its optimal split): `strategy: direct`, a
+    pure-DP budget (the optimisation is for variances proportional to 1/rho), a release of manifest version 6 or
+    earlier, a workload of one table, or one too large to optimise."""
+    workload = list(itertools.combinations(query.attributes, query.way))
+    if query.strategy == "direct":
+        return "strategy: direct"
+    if spec.budget.definition == "pure":
+        return "a pure-DP budget (Laplace noise: the split is optimised for zcdp and approx budgets)"
+    if not enabled:
+        return "a release of manifest version 6 or earlier, when every table was measured directly"
+    if len(workload) < 2:
+        return "a single table"
+    if too_large(workload):
+        return f"too large to optimise (over {MAX_TERMS:,} table-subset terms)"
+    return None
+
+
+def _marginal_weights(query: MarginalsQuery, spec: ReleaseSpec, domains, chosen: tuple[Pair, ...] | None,
+                      optimal: bool) -> list[tuple[tuple[str, ...], Fraction]]:
     """Every table of a marginals query with its budget weight: a selected query's 1-way tables and chosen
     tables (fixed shares); a published query's strategy (`measured_strategy`), or its t-way tables alike."""
     if query.selects:
         r = len(query.attributes)
         return [((a,), ONE_WAY_SHARE / r) for a in query.attributes] + \
             [(tuple(c), PAIR_SHARE / (r - 1)) for c in chosen or []]
-    strategy = measured_strategy(query, spec, domains)
+    strategy = measured_strategy(query, spec, domains, optimal)
     if strategy is None:
         return [(combo, Fraction(1)) for combo in itertools.combinations(query.attributes, query.way)]
     return [(combo, Fraction(weight)) for combo, weight in zip(strategy.tables, strategy.weights)]
@@ -376,7 +394,7 @@ def strategy_errors(plan: "Plan", query: MarginalsQuery) -> tuple[int, int, floa
     """A published marginals query measured by its strategy: (tables measured, of them lower-way, the expected
     workload error over that of the equal split of the same budget), from the calibrated mechanisms' variances;
     None where it is measured directly. Public: the plan only."""
-    strategy = measured_strategy(query, plan.spec, plan.domains)
+    strategy = measured_strategy(query, plan.spec, plan.domains, plan.optimal_marginals)
     if strategy is None:
         return None
     workload = list(itertools.combinations(query.attributes, query.way))
@@ -401,7 +419,8 @@ def _compact_parts(parts: dict[str, Fraction], sensitivity: Sensitivity) -> dict
     return {name: compact[name] for name in parts}
 
 
-def _query_tables(query, spec: ReleaseSpec, domains, chosen: tuple[Pair, ...] | None = None) -> list[TableShape]:
+def _query_tables(query, spec: ReleaseSpec, domains, chosen: tuple[Pair, ...] | None = None,
+                  optimal: bool = True) -> list[TableShape]:
     """Every table a query asks for (a `select: mst` or `aim` query: its 1-way tables and the `chosen` tables)."""
     if isinstance(query, HistogramQuery):
         return [TableShape(query.name, _dims(query.by, domains))]
@@ -418,7 +437,7 @@ def _query_tables(query, spec: ReleaseSpec, domains, chosen: tuple[Pair, ...] | 
     if isinstance(query, MarginalsQuery):
         prefix = _dims([query.within], domains) if query.within else []
         return [TableShape(table_name(query.name, combo), prefix + _dims(list(combo), domains), weight=weight)
-                for combo, weight in _marginal_weights(query, spec, domains, chosen)]
+                for combo, weight in _marginal_weights(query, spec, domains, chosen, optimal)]
     assert isinstance(query, HierarchyQuery)
     tables = []
     by = _dims(query.by, domains)
@@ -536,18 +555,19 @@ def _selection(query: MarginalsQuery, share: Fraction, bounds: ContributionBound
 
 
 def build_plan(spec: ReleaseSpec, base_dir: Path, reader: DomainReader | None = None,
-               chosen: dict[str, tuple[Clique, ...]] | None = None) -> Plan:
+               chosen: dict[str, tuple[Clique, ...]] | None = None, optimal_marginals: bool = True) -> Plan:
     """Plan a release from its spec. Privacy: sensitivity comes from `count_sensitivity` of the
     declared bounds; each table's mechanism is calibrated to its exact share of the budget. Domain files
     are read by `reader` (default: relative to `base_dir`). `chosen`: the tables each `select: mst` or `aim`
-    query chose (from a run or a manifest); without them the plan is the one before data is read."""
-    return plan_over(spec, build_domains(spec, base_dir, reader), chosen)
+    query chose (from a run or a manifest); without them the plan is the one before data is read.
+    `optimal_marginals`: False for a release of manifest version 6 or earlier (`Plan.optimal_marginals`)."""
+    return plan_over(spec, build_domains(spec, base_dir, reader), chosen, optimal_marginals)
 
 
 def with_selections(plan: Plan, chosen: dict[str, tuple[Clique, ...]]) -> Plan:
     """The plan once its selections are made: the chosen tables in place of the pending ones (the same budget,
     mechanisms and totals)."""
-    return plan_over(plan.spec, plan.domains, chosen)
+    return plan_over(plan.spec, plan.domains, chosen, plan.optimal_marginals)
 
 
 def candidate_tables(plan: Plan, selection: SelectionPlan, cliques=None, released: bool = False) -> list[TablePlan]:
@@ -640,7 +660,8 @@ def selection_cells(plan: Plan) -> int:
     return cells
 
 
-def plan_over(spec: ReleaseSpec, domains: dict[str, Domain], chosen: dict[str, tuple[Clique, ...]] | None) -> Plan:
+def plan_over(spec: ReleaseSpec, domains: dict[str, Domain], chosen: dict[str, tuple[Clique, ...]] | None,
+              optimal_marginals: bool = True) -> Plan:
     """`build_plan` over domains already built."""
     chosen = chosen or {}
     unknown = sorted(set(chosen) - {q.name for q in spec.queries if getattr(q, "selects", False)})
@@ -658,7 +679,7 @@ def plan_over(spec: ReleaseSpec, domains: dict[str, Domain], chosen: dict[str, t
         selected = isinstance(query, MarginalsQuery) and query.selects
         if selected:
             selections.append(_selection(query, share, bounds, definition, chosen.get(query.name)))
-        shapes = _query_tables(query, spec, domains, selections[-1].chosen if selected else None)
+        shapes = _query_tables(query, spec, domains, selections[-1].chosen if selected else None, optimal_marginals)
         noisy = [shape for shape in shapes if shape.name not in spec.invariants]
         if selected:  # fixed shares (1-way, pairs, selection: a third each), the same before and after choosing
             parts = {shape.name: share * shape.weight for shape in noisy}
@@ -686,13 +707,15 @@ def plan_over(spec: ReleaseSpec, domains: dict[str, Domain], chosen: dict[str, t
             means.append(MeanOutput(query.name, shapes[0].name, shapes[1].name, shapes[0].measure))
     names = [t.name for t in tables]
     if len(set(names)) != len(names):
-        raise SpecError(f"queries: two tables would share a name: {sorted({n for n in names if names.count(n) > 1})}")
+        raise SpecError(f"queries: two tables would share a name: {sorted({n for n in names if names.count(n) > 1})} "
+                        f"(a marginal's name joins its attributes with '-': rename a column whose name holds one)")
     _check_selection_names(tables, selections)
     events = [t.event for t in tables if t.event is not None] + [e for s in selections for e in s.events()]
     if sum((e.allocated for e in events), Fraction(0)) != total:  # exact arithmetic: checked anyway
         raise ArithmeticError("the allocation does not sum to the budget")
     totals = compose(events, spec.budget.definition, getattr(spec.budget, "delta", None))
-    return Plan(spec, domains, bounds, sensitivity, total, tuple(tables), totals, tuple(means), tuple(selections))
+    return Plan(spec, domains, bounds, sensitivity, total, tuple(tables), totals, tuple(means), tuple(selections),
+                optimal_marginals)
 
 
 __all__ = ["Plan", "TablePlan", "SelectionPlan", "Pair", "with_selections", "candidate_tables", "HierarchyLink", "MeanOutput", "Measure", "build_plan", "build_domains", "NATION"]

@@ -461,6 +461,11 @@ def auto_selection(spec: "ReleaseSpec", query: "MarginalsQuery") -> tuple[str, s
     query's weight among the queries', its number of attributes."""
     from dprelease.accounting.conversions import approx_to_zcdp
 
+    from .spec_checks import MAX_AIM_ATTRIBUTES
+
+    if len(query.attributes) > MAX_AIM_ATTRIBUTES:
+        return "mst", (f"select: auto chose mst: {len(query.attributes)} attributes, more than aim takes "
+                       f"({MAX_AIM_ATTRIBUTES})")
     budget = spec.budget
     if budget.definition == "pure":
         total = Fraction(budget.epsilon) ** 2 / 2
@@ -472,8 +477,9 @@ def auto_selection(spec: "ReleaseSpec", query: "MarginalsQuery") -> tuple[str, s
     per_attribute = share / len(query.attributes)
     mode = "aim" if per_attribute >= AUTO_AIM_RHO_PER_ATTRIBUTE else "mst"
     relation = ">=" if mode == "aim" else "<"
-    return mode, (f"select: auto chose {mode}: the query's rho per attribute, {float(per_attribute):.3g}, is "
-                  f"{relation} {float(AUTO_AIM_RHO_PER_ATTRIBUTE):.3g}")
+    counted = " (its pure epsilon counted as epsilon^2 / 2)" if budget.definition == "pure" else ""
+    return mode, (f"select: auto chose {mode}: the query's rho per attribute{counted}, {float(per_attribute):.3g}, "
+                  f"is {relation} {float(AUTO_AIM_RHO_PER_ATTRIBUTE):.3g}")
 
 
 class ReleaseSpec(Frozen):

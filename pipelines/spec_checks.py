@@ -89,20 +89,25 @@ def _check_refs(spec: ReleaseSpec, refs: list[str], path: str, problems: list[st
             seen.append(resolved[0])
 
 
-def _check_workload(query: MarginalsQuery, path: str, problems: list[str]) -> None:
+def _select_said(spec: ReleaseSpec, query: MarginalsQuery) -> str:
+    """A query's `select` as its spec said it: 'auto' (chose 'aim') for a `select: auto` query."""
+    return f"'auto' (chose {query.select!r})" if query.name in spec.auto_selections else repr(query.select)
+
+
+def _check_workload(query: MarginalsQuery, path: str, problems: list[str], said: str) -> None:
     """A workload belongs to a `select: mst` or `aim` query and names its attributes, each once per marginal; a
     degree belongs to a `select: aim` query; a strategy to published tables."""
-    if query.degree is not None and query.select != "aim":
+    if query.degree is not None and query.select != "aim" and not said.startswith("'auto'"):
         problems.append(f"{path}.degree = {query.degree}: only a `select: aim` query takes a degree (select = "
-                        f"{query.select!r})")
+                        f"{said})")
     if query.strategy == "direct" and query.selects:
         problems.append(f"{path}.strategy = 'direct': only published tables (select: all) take a strategy (select = "
-                        f"{query.select!r})")
+                        f"{said})")
     if query.workload is None:
         return
     if not query.selects:
         problems.append(f"{path}.workload: only a `select: mst` or `select: aim` query takes a workload (select = "
-                        f"{query.select!r})")
+                        f"{said})")
         return
     for i, marginal in enumerate(query.workload):
         for j, attribute in enumerate(marginal.attributes):
@@ -161,15 +166,21 @@ def cross_reference_problems(spec: ReleaseSpec) -> list[str]:
             if query.way > len(query.attributes):
                 problems.append(f"{path}.way = {query.way}: must be <= number of attributes ({len(query.attributes)})")
             limit = MAX_MST_ATTRIBUTES if query.select == "mst" else MAX_AIM_ATTRIBUTES
+            said = _select_said(spec, query)
             if query.selects and (query.way != 2 or not 2 <= len(query.attributes) <= limit):
-                problems.append(f"{path}.select = {query.select!r}: needs way = 2 and 2 to {limit} attributes "
+                problems.append(f"{path}.select = {said}: needs way = 2 and 2 to {limit} attributes "
                                 f"(got way = {query.way}, {len(query.attributes)} attribute(s))")
             if query.selects:
                 for j, ref in enumerate(query.attributes):
                     if isinstance(spec.columns.get(ref.partition(".")[0]), GeographyColumn):
-                        problems.append(f"{path}.attributes[{j}] = {ref!r}: a `select: {query.select}` query's "
+                        plain = f"auto` (chose {query.select})" if query.name in spec.auto_selections \
+                            else f"{query.select}`"
+                        problems.append(f"{path}.attributes[{j}] = {ref!r}: a `select: {plain} query's "
                                         f"attributes cannot be a geography (cross its tables with one by `within`)")
-            _check_workload(query, path, problems)
+            _check_workload(query, path, problems, said)
+            if query.name in spec.auto_selections and query.degree is not None:
+                problems.append(f"{path}.degree = {query.degree}: `select: auto` takes no degree (it chooses mst or "
+                                f"aim from the budget); write `select: aim` to give one")
             if query.within is not None:
                 resolved = _resolve(spec, query.within, f"{path}.within", problems)
                 if resolved and resolved[1] is None:

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from dprelease.pipelines.manifest import MANIFEST_VERSION
 from dprelease.pipelines.plan import build_plan, with_selections
 from dprelease.pipelines.spec import load_spec
 from dprelease.transforms.aim import (attribute_weights, clique_steps, clique_weight, junction_steps, largest_weight,
@@ -86,7 +87,7 @@ def test_the_plan_accounts_every_round_before_any_data_is_read(tmp_path, definit
 def test_an_aim_release_runs_verifies_adds_up_and_synthesizes(tmp_path):
     root, manifest, ledger = run_with_ledger(tmp_path, aim_case(tmp_path / "c"))
     [record] = manifest["selections"]
-    assert manifest["manifest_version"] == 6 and record["method"] == "aim" and record["degree"] == 2
+    assert manifest["manifest_version"] == MANIFEST_VERSION and record["method"] == "aim" and record["degree"] == 2
     assert record["chosen"][0] == ["edu", "inc"]  # by far the most dependent pair
     junction_steps(ATTRIBUTES, [tuple(c) for c in record["chosen"]], 2)
     assert any(len(c) == 3 for c in record["chosen"])  # at rho = 25 a triple beats its noise

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from dprelease.pipelines.manifest import MANIFEST_VERSION
 from dprelease.pipelines.plan import build_plan, candidate_tables, with_selections
 from dprelease.pipelines.spec import load_spec
 
@@ -385,7 +386,7 @@ def test_a_version_3_manifest_verifies_with_the_score_of_its_time(tmp_path):
     root = run_release(path, key_file=tmp_path / "k.key", ledger=None).release_dir
     manifest_path = root / "manifest.json"
     published = json.loads(manifest_path.read_text())
-    assert published["manifest_version"] == 6 and published["selections"][0]["score"] == SELECTION_SCORE + NOISE_PENALTY
+    assert published["manifest_version"] == MANIFEST_VERSION and published["selections"][0]["score"] == SELECTION_SCORE + NOISE_PENALTY
     assert verify_release(root).ok
     for version, score, ok in ((3, SELECTION_SCORE, True), (4, SELECTION_SCORE + NOISE_PENALTY, True),
                                (4, SELECTION_SCORE, False),

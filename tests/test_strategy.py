@@ -236,3 +236,50 @@ def test_an_auto_selected_release_runs_says_why_and_verifies(tmp_path):
     manifest = json.loads((result.release_dir / "manifest.json").read_text())
     assert manifest["spec"]["queries"][0]["select"] == "aim"
     assert verify_release(result.release_dir).ok
+
+
+def test_a_tiny_variance_stays_on_the_calibrations_grid():
+    sensitivity = Sensitivity(1, 1, "test")
+    for rho in (Fraction(10 ** 6), Fraction(123456, 7), Fraction(40000)):
+        compact = compact_gaussian_budget(rho, sensitivity)
+        assert 0 < compact <= rho and calibrate_gaussian(compact, sensitivity, "t").privacy_loss(sensitivity) == compact
+
+
+def test_a_release_of_manifest_version_6_is_replanned_with_its_tables_measured_directly(tmp_path, monkeypatch):
+    """A release made before the optimal split (every table measured directly, manifest version 6) still
+    verifies; the same release claiming version 7 does not (its allocations are not the optimal split's)."""
+    from dprelease.pipelines import plan as planning
+
+    rng = np.random.default_rng(6)
+    n = 2000
+    rows = {"pid": np.arange(n), "geo": rng.choice(GEO_LEAVES, n), "age": rng.integers(0, 100, n),
+            "sex": rng.choice(["F", "M"], n), "race": rng.choice(list("abcdefg"), n)}
+    from .conftest import write_case
+    spec = write_case(tmp_path / "case", _spec(), rows)
+    with monkeypatch.context() as patched:  # the code before version 7: no query measured by its split
+        patched.setattr(planning, "measured_strategy", lambda *args, **kwargs: None)
+        result = run_release(spec, key_file=tmp_path / "k.key")
+    path = result.release_dir / "manifest.json"
+    manifest = json.loads(path.read_text())
+    assert len({t["allocated"]["fraction"] for t in manifest["tables"]}) == 1  # the equal split
+    manifest["manifest_version"] = 6
+    path.write_text(json.dumps(manifest, indent=2))
+    assert verify_release(result.release_dir).ok, verify_release(result.release_dir).problems
+    manifest["manifest_version"] = 7
+    path.write_text(json.dumps(manifest, indent=2))
+    assert any("allocat" in p for p in verify_release(result.release_dir).problems)
+
+
+def test_auto_select_falls_back_to_mst_past_aims_attributes_and_words_errors_as_auto():
+    document = _auto_document({"definition": "zcdp", "rho": "1000"})
+    for i in range(61):
+        document["columns"][f"c{i}"] = {"type": "categorical", "values": ["a", "b"]}
+    document["queries"][0]["attributes"] = [f"c{i}" for i in range(61)]
+    spec = parse_spec(document)
+    assert spec.queries[0].select == "mst" and "61 attributes, more than aim takes (60)" in spec.auto_selections["m"]
+    with pytest.raises(SpecError, match=r"queries\[0\]\.degree = 1: `select: auto` takes no degree"):
+        parse_spec(_auto_document({"definition": "zcdp", "rho": "1"}) | {"queries": [
+            {"name": "m", "kind": "marginals", "attributes": ["age", "sex", "race"], "select": "auto", "degree": 1}]})
+    with pytest.raises(SpecError, match=r"select = 'auto' \(chose 'aim'\): needs way = 2"):
+        parse_spec(_auto_document({"definition": "zcdp", "rho": "1"}) | {"queries": [
+            {"name": "m", "kind": "marginals", "attributes": ["age", "sex", "race"], "select": "auto", "way": 3}]})

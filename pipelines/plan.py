@@ -29,7 +29,8 @@ from dprelease.transforms.mst import Components, workload_weights
 from dprelease.transforms.domains import (NATION, CategoricalDomain, Dimension, Domain, GeographyDomain,
                                           IntegerDomain, MeasureDomain, dimension, measure_key)
 from dprelease.transforms.release_values import TableRelease
-from dprelease.transforms.strategy import MAX_TERMS, Strategy, optimal_strategy, too_large, workload_error
+from dprelease.transforms.strategy import Strategy, optimal_strategy, workload_error
+from dprelease.transforms.strategy import direct_reason as strategy_direct_reason
 
 from .storage import UnsafeFile, read_regular
 from .spec import (CategoricalColumn, CountUnitsQuery, GeographyColumn, HierarchyQuery, HistogramQuery,
@@ -353,27 +354,30 @@ def measured_strategy(query: MarginalsQuery, spec: ReleaseSpec, domains, enabled
     None where its tables are measured directly (`direct_reason` says why)."""
     if query.selects or direct_reason(query, spec, enabled) is not None:
         return None
-    workload = list(itertools.combinations(query.attributes, query.way))
-    sizes = {a: d.size for a, d in zip(query.attributes, _dims(list(query.attributes), domains))}
-    return optimal_strategy(workload, sizes)
+    return optimal_strategy(_workload(query), _attribute_sizes(query, domains))
+
+
+def _workload(query: MarginalsQuery) -> list[tuple[str, ...]]:
+    """A published marginals query's tables: every `way`-combination of its attributes, in their order."""
+    return list(itertools.combinations(query.attributes, query.way))
+
+
+def _attribute_sizes(query: MarginalsQuery, domains) -> dict[str, int]:
+    """Each attribute of a marginals query (a column or a geography level) with its public domain size."""
+    return {a: d.size for a, d in zip(query.attributes, _dims(list(query.attributes), domains))}
 
 
 def direct_reason(query: MarginalsQuery, spec: ReleaseSpec, enabled: bool = True) -> str | None:
     """Why a published marginals query is measured directly (None: by its optimal split): `strategy: direct`, a
     pure-DP budget (the optimisation is for variances proportional to 1/rho), a release of manifest version 6 or
-    earlier, a workload of one table, or one too large to optimise."""
-    workload = list(itertools.combinations(query.attributes, query.way))
+    earlier, a workload of one table, or one too large to optimise (`transforms.strategy.direct_reason`)."""
     if query.strategy == "direct":
         return "strategy: direct"
     if spec.budget.definition == "pure":
         return "a pure-DP budget (Laplace noise: the split is optimised for zcdp and approx budgets)"
     if not enabled:
         return "a release of manifest version 6 or earlier, when every table was measured directly"
-    if len(workload) < 2:
-        return "a single table"
-    if too_large(workload):
-        return f"too large to optimise (over {MAX_TERMS:,} table-subset terms)"
-    return None
+    return strategy_direct_reason(_workload(query))
 
 
 def _marginal_weights(query: MarginalsQuery, spec: ReleaseSpec, domains, chosen: tuple[Pair, ...] | None,
@@ -386,7 +390,7 @@ def _marginal_weights(query: MarginalsQuery, spec: ReleaseSpec, domains, chosen:
             [(tuple(c), PAIR_SHARE / (r - 1)) for c in chosen or []]
     strategy = measured_strategy(query, spec, domains, optimal)
     if strategy is None:
-        return [(combo, Fraction(1)) for combo in itertools.combinations(query.attributes, query.way)]
+        return [(combo, Fraction(1)) for combo in _workload(query)]
     return [(combo, Fraction(weight)) for combo, weight in zip(strategy.tables, strategy.weights)]
 
 
@@ -397,8 +401,7 @@ def strategy_errors(plan: "Plan", query: MarginalsQuery) -> tuple[int, int, floa
     strategy = measured_strategy(query, plan.spec, plan.domains, plan.optimal_marginals)
     if strategy is None:
         return None
-    workload = list(itertools.combinations(query.attributes, query.way))
-    sizes = {a: d.size for a, d in zip(query.attributes, _dims(list(query.attributes), plan.domains))}
+    workload, sizes = _workload(query), _attribute_sizes(query, plan.domains)
     measured = {t.name: t.event for t in plan.tables if t.query == query.name}
     variances = [float(measured[table_name(query.name, t)].mechanism.sigma2) for t in strategy.tables]
     share = sum((e.allocated for e in measured.values()), Fraction(0))
@@ -616,7 +619,7 @@ def candidate_cells(plan: Plan, selection: SelectionPlan) -> list[int]:
     """Each candidate's cells (public: its dimensions' sizes), without building its table (`candidate_tables`)."""
     query = plan.query(selection.query)
     units = _dims([query.within], plan.domains)[0].size if query.within else 1
-    sizes = {a: d.size for a, d in zip(query.attributes, _dims(list(query.attributes), plan.domains))}
+    sizes = _attribute_sizes(query, plan.domains)
     return [units * math.prod(sizes[a] for a in clique) for clique in selection.candidates]
 
 

@@ -89,15 +89,20 @@ def _check_refs(spec: ReleaseSpec, refs: list[str], path: str, problems: list[st
             seen.append(resolved[0])
 
 
-def _select_said(spec: ReleaseSpec, query: MarginalsQuery) -> str:
-    """A query's `select` as its spec said it: 'auto' (chose 'aim') for a `select: auto` query."""
-    return f"'auto' (chose {query.select!r})" if query.name in spec.auto_selections else repr(query.select)
+def _select_said(query: MarginalsQuery, auto: bool) -> str:
+    """A query's `select` as its spec said it: 'auto' (chose 'aim') for a `select: auto` query (`auto`)."""
+    return f"'auto' (chose {query.select!r})" if auto else repr(query.select)
 
 
-def _check_workload(query: MarginalsQuery, path: str, problems: list[str], said: str) -> None:
+def _check_workload(query: MarginalsQuery, path: str, problems: list[str], auto: bool) -> None:
     """A workload belongs to a `select: mst` or `aim` query and names its attributes, each once per marginal; a
-    degree belongs to a `select: aim` query; a strategy to published tables."""
-    if query.degree is not None and query.select != "aim" and not said.startswith("'auto'"):
+    degree belongs to a `select: aim` query (not `select: auto`, which may choose mst); a strategy to published
+    tables. `auto`: the query's spec said `select: auto`."""
+    said = _select_said(query, auto)
+    if query.degree is not None and auto:
+        problems.append(f"{path}.degree = {query.degree}: `select: auto` takes no degree (it chooses mst or "
+                        f"aim from the budget); write `select: aim` to give one")
+    elif query.degree is not None and query.select != "aim":
         problems.append(f"{path}.degree = {query.degree}: only a `select: aim` query takes a degree (select = "
                         f"{said})")
     if query.strategy == "direct" and query.selects:
@@ -166,21 +171,17 @@ def cross_reference_problems(spec: ReleaseSpec) -> list[str]:
             if query.way > len(query.attributes):
                 problems.append(f"{path}.way = {query.way}: must be <= number of attributes ({len(query.attributes)})")
             limit = MAX_MST_ATTRIBUTES if query.select == "mst" else MAX_AIM_ATTRIBUTES
-            said = _select_said(spec, query)
+            auto = query.name in spec.auto_selections
             if query.selects and (query.way != 2 or not 2 <= len(query.attributes) <= limit):
-                problems.append(f"{path}.select = {said}: needs way = 2 and 2 to {limit} attributes "
+                problems.append(f"{path}.select = {_select_said(query, auto)}: needs way = 2 and 2 to {limit} attributes "
                                 f"(got way = {query.way}, {len(query.attributes)} attribute(s))")
             if query.selects:
                 for j, ref in enumerate(query.attributes):
                     if isinstance(spec.columns.get(ref.partition(".")[0]), GeographyColumn):
-                        plain = f"auto` (chose {query.select})" if query.name in spec.auto_selections \
-                            else f"{query.select}`"
+                        plain = f"auto` (chose {query.select})" if auto else f"{query.select}`"
                         problems.append(f"{path}.attributes[{j}] = {ref!r}: a `select: {plain} query's "
                                         f"attributes cannot be a geography (cross its tables with one by `within`)")
-            _check_workload(query, path, problems, said)
-            if query.name in spec.auto_selections and query.degree is not None:
-                problems.append(f"{path}.degree = {query.degree}: `select: auto` takes no degree (it chooses mst or "
-                                f"aim from the budget); write `select: aim` to give one")
+            _check_workload(query, path, problems, auto)
             if query.within is not None:
                 resolved = _resolve(spec, query.within, f"{path}.within", problems)
                 if resolved and resolved[1] is None:

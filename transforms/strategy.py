@@ -159,10 +159,9 @@ def optimal_strategy(workload: list[Marginal], sizes: dict[str, int]) -> Strateg
 @functools.lru_cache(maxsize=64)
 def _optimal_strategy(workload: tuple[Marginal, ...], size_items: tuple[tuple[str, int], ...]) -> Strategy | None:
     """The tables to measure for `workload` (its marginals weighted as the module says) and their integer
-    weights, or None when
-    the optimisation is larger than MAX_TERMS or the workload is a single table (direct is optimal)."""
+    weights, or None where it is measured directly (`direct_reason`)."""
     workload, sizes = list(workload), dict(size_items)
-    if len(workload) < 2 or too_large(workload):
+    if direct_reason(workload) is not None:
         return None
     direct_error = _Problem(workload, list(workload), sizes).error([1.0 / len(workload)] * len(workload))
     candidates, weights, error = _choose([_fit(workload, list(workload), sizes),
@@ -170,10 +169,14 @@ def _optimal_strategy(workload: tuple[Marginal, ...], size_items: tuple[tuple[st
     return Strategy(tuple(candidates), tuple(weights), error, direct_error)
 
 
-def too_large(workload: list[Marginal]) -> bool:
-    """Whether the optimisation would iterate over more than MAX_TERMS (table, subset) terms (counted before
-    anything is built)."""
-    return sum(2 ** len(m) for m in down_closure(workload)) > MAX_TERMS
+def direct_reason(workload: list[Marginal]) -> str | None:
+    """Why `workload` is measured directly, not optimised (None: it is optimised): a single table (direct is
+    optimal), or more than MAX_TERMS (table, subset) terms to iterate over (counted before anything is built)."""
+    if len(workload) < 2:
+        return "a single table"
+    if sum(2 ** len(m) for m in down_closure(workload)) > MAX_TERMS:
+        return f"too large to optimise (over {MAX_TERMS:,} table-subset terms)"
+    return None
 
 
 def _fit(workload: list[Marginal], candidates: list[Marginal], sizes: dict[str, int]):
@@ -189,7 +192,8 @@ def _fit(workload: list[Marginal], candidates: list[Marginal], sizes: dict[str, 
             break
         candidates = kept
     weights = [max(1, round(s * SHARE_RESOLUTION)) for s in shares]
-    return candidates, weights, problem.error([w / sum(weights) for w in weights])
+    total = sum(weights)
+    return candidates, weights, problem.error([w / total for w in weights])
 
 
 def _choose(fits: list[tuple]) -> tuple:

@@ -1,0 +1,222 @@
+"""The graphical model over any measured cliques (`transforms.units.graphical`): its junction tree, a fit equal
+to the dense least-squares fit on small cyclic models, tables of any attributes, integer tables that add up
+and records that tabulate to them."""
+import itertools
+import math
+
+import numpy as np
+import pytest
+from scipy.optimize import minimize
+
+from dprelease.transforms.units import graphical as g
+
+
+def _connected(tree: g.JunctionTree, members: list[int]) -> bool:
+    """Whether the cliques `members` form one connected part of the tree."""
+    members = set(members)
+    reached = {min(members)}
+    changed = True
+    while changed:
+        changed = False
+        for i in members - reached:
+            if tree.parents[i] in reached or any(tree.parents[j] == i for j in reached):
+                reached.add(i)
+                changed = True
+    return reached == members
+
+
+def _check_tree(tree: g.JunctionTree, cliques) -> None:
+    assert tree.parents[0] == -1
+    assert all(0 <= p < i for i, p in enumerate(tree.parents) if i)
+    for clique in cliques:
+        assert any(set(clique) <= set(c) for c in tree.cliques), clique
+    for a in tree.attributes:
+        holding = [i for i, c in enumerate(tree.cliques) if a in c]
+        assert holding and _connected(tree, holding), a  # running intersection
+    for c in tree.cliques:
+        assert c == tuple(a for a in tree.attributes if a in c)
+
+
+@pytest.mark.parametrize("cliques,expected", [
+    ([("a", "b"), ("b", "c"), ("a", "c")], [("a", "b", "c"), ("d",)]),
+    ([("a", "b"), ("b", "c"), ("c", "d")], [("a", "b"), ("b", "c"), ("c", "d")]),
+    ([("a", "b"), ("b", "c"), ("c", "d"), ("a", "d")], [("a", "b", "c"), ("a", "c", "d")]),
+    ([("a", "b"), ("c", "d")], [("a", "b"), ("c", "d")]),
+    ([("a", "b", "c"), ("b", "c"), ("c", "d")], [("a", "b", "c"), ("c", "d")]),
+])
+def test_junction_tree_of_cycles_trees_and_parts(cliques, expected):
+    sizes = {"a": 2, "b": 3, "c": 4, "d": 5}
+    tree = g.junction_tree("abcd", cliques, sizes)
+    _check_tree(tree, cliques)
+    assert sorted(tree.cliques) == sorted(expected)
+    assert tree == g.junction_tree("abcd", cliques, sizes)  # deterministic
+
+
+def test_junction_tree_of_random_graphs_keeps_running_intersection():
+    rng = np.random.default_rng(0)
+    attributes = tuple("abcdefgh")
+    sizes = dict(zip(attributes, rng.integers(2, 6, size=8).tolist()))
+    for _ in range(60):
+        cliques = [tuple(sorted(rng.choice(8, size=rng.integers(2, 4), replace=False).tolist()))
+                   for _ in range(rng.integers(1, 9))]
+        cliques = [tuple(attributes[i] for i in c) for c in cliques]
+        _check_tree(g.junction_tree(attributes, cliques, sizes), cliques)
+
+
+def test_check_size_refuses_past_the_cap_naming_the_clique():
+    sizes = {"a": 10, "b": 10, "c": 10}
+    tree = g.junction_tree("abc", [("a", "b"), ("b", "c"), ("a", "c")], sizes)
+    assert g.check_size(tree, sizes, units=3) == 3000
+    with pytest.raises(g.ModelTooLarge, match=r"3,000 cells \(3 units x 1,000; its largest clique a-b-c .*cap of 2,999"):
+        g.check_size(tree, sizes, units=3, cap=2999)
+
+
+ATTRIBUTES = ("a", "b", "c", "d")
+SIZES = {"a": 2, "b": 3, "c": 2, "d": 3}
+
+
+def _margin(joint: np.ndarray, clique) -> np.ndarray:
+    """(units, *ATTRIBUTES) joint summed to the clique."""
+    return joint.sum(axis=tuple(1 + i for i, a in enumerate(ATTRIBUTES) if a not in clique))
+
+
+def _measurements(rng, units: int, cliques, noise: float = 5.0) -> tuple[np.ndarray, list[g.Measurement]]:
+    cells = math.prod(SIZES.values())
+    joint = rng.dirichlet(np.full(cells, 3.0), size=units).reshape((units,) + tuple(SIZES.values())) * 5000
+    out = []
+    for clique in cliques:
+        exact = _margin(joint, clique)
+        variance = (noise if len(clique) > 1 else 2 * noise) ** 2
+        out.append(g.Measurement(clique, exact + rng.normal(0, math.sqrt(variance), size=exact.shape), variance))
+    return joint, out
+
+
+def _dense_fit(measurements: list[g.Measurement], unit: int, total: float) -> np.ndarray:
+    """The weighted least-squares joint (nonnegative, summing to `total`) by a dense solver."""
+    cells = math.prod(SIZES.values())
+    rows, values, weights = [], [], []
+    for m in measurements:
+        axes = [ATTRIBUTES.index(a) for a in m.clique]
+        for index in itertools.product(*[range(SIZES[a]) for a in m.clique]):
+            row = np.zeros(tuple(SIZES.values()))
+            where: list = [slice(None)] * len(ATTRIBUTES)
+            for axis, i in zip(axes, index):
+                where[axis] = i
+            row[tuple(where)] = 1
+            rows.append(row.ravel())
+            values.append(m.values[unit][index])
+            weights.append(1 / m.variance)
+    a, y, w = np.array(rows), np.array(values), np.array(weights)
+    found = minimize(lambda p: 0.5 * np.sum(w * (a @ p - y) ** 2), np.full(cells, total / cells),
+                     jac=lambda p: a.T @ (w * (a @ p - y)), method="SLSQP", bounds=[(0, None)] * cells,
+                     constraints=[{"type": "eq", "fun": lambda p: p.sum() - total, "jac": lambda p: np.ones(cells)}],
+                     options={"ftol": 1e-15, "maxiter": 2000})
+    return found.x.reshape(tuple(SIZES.values()))
+
+
+@pytest.mark.parametrize("cliques", [
+    [("a", "b"), ("b", "c"), ("c", "d"), ("a", "d"), ("a",), ("b",)],     # a 4-cycle
+    [("a", "b"), ("b", "c"), ("a", "c"), ("c", "d"), ("d",)],             # a triangle and a pendant pair
+    [("a", "b", "c"), ("b", "c", "d"), ("a", "d")],                       # 3-way tables closing a cycle
+])
+def test_fit_equals_the_dense_least_squares_fit(cliques):
+    rng = np.random.default_rng(len(cliques))
+    _, measurements = _measurements(rng, 2, cliques)
+    tree = g.junction_tree(ATTRIBUTES, cliques, SIZES)
+    model = g.fit(tree, SIZES, measurements, iterations=3000)
+    marginals = model.marginals()
+    for unit in range(2):
+        dense = _dense_fit(measurements, unit, float(model.totals[unit]))[None]
+        for m in measurements:
+            assert np.abs(model.table(m.clique, marginals)[unit] - _margin(dense, m.clique)[0]).max() < 1e-3
+
+
+def test_fit_of_the_exact_tables_recovers_them():
+    rng = np.random.default_rng(5)
+    cliques = [("a", "b"), ("b", "c"), ("c", "d"), ("a", "d")]
+    joint, noisy = _measurements(rng, 1, cliques)
+    exact = [g.Measurement(m.clique, _margin(joint, m.clique), m.variance) for m in noisy]
+    model = g.fit(g.junction_tree(ATTRIBUTES, cliques, SIZES), SIZES, exact, iterations=3000)
+    for m in exact:
+        assert np.abs(model.table(m.clique) - m.values).max() < 1e-3 * 5000
+
+
+def test_units_are_fitted_independently():
+    rng = np.random.default_rng(7)
+    cliques = [("a", "b"), ("b", "c"), ("c", "d"), ("a", "d")]
+    _, measurements = _measurements(rng, 3, cliques)
+    measurements[0] = g.Measurement(measurements[0].clique, measurements[0].values * [[[1]], [[0]], [[50]]],
+                                    measurements[0].variance)  # one unit empty, one far larger
+    tree = g.junction_tree(ATTRIBUTES, cliques, SIZES)
+    together = g.fit(tree, SIZES, measurements, iterations=200).marginals()
+    for unit in range(3):
+        alone = g.fit(tree, SIZES, [g.Measurement(m.clique, m.values[unit:unit + 1], m.variance)
+                                    for m in measurements], iterations=200).marginals()
+        for x, y in zip(together, alone):
+            np.testing.assert_allclose(x[unit], y[0], rtol=1e-9, atol=1e-9)
+    assert all(np.isfinite(t).all() for t in together)
+
+
+def test_tables_across_cliques_are_the_models_margins():
+    rng = np.random.default_rng(3)
+    attributes = tuple("abcdef")
+    sizes = dict(zip(attributes, [2, 3, 2, 3, 2, 2]))
+    cliques = [("a", "b"), ("b", "c"), ("c", "d"), ("a", "d"), ("d", "e"), ("e", "f"), ("b", "f")]
+    measurements = [g.Measurement(c, rng.uniform(10, 100, size=(2,) + tuple(sizes[a] for a in c)), 4.0)
+                    for c in cliques]
+    tree = g.junction_tree(attributes, cliques, sizes)
+    model = g.fit(tree, sizes, measurements, iterations=100)
+    marginals = model.marginals()
+    joint = np.ones((2,) + tuple(sizes.values()))
+    for i, clique in enumerate(tree.cliques):  # the junction tree's distribution, densely
+        joint = joint * g._expand(marginals[i], clique, attributes, sizes)
+        if tree.parents[i] >= 0:
+            separator = tree.separator(i)
+            joint = joint / g._expand(g._sum_to(marginals[i], clique, separator), separator, attributes, sizes)
+    np.testing.assert_allclose(joint.reshape(2, -1).sum(axis=1), model.totals)
+    for size in (1, 2, 3):
+        for clique in itertools.combinations(attributes, size):
+            np.testing.assert_allclose(model.table(clique, marginals), g._sum_to(joint, attributes, clique),
+                                       rtol=1e-9, atol=1e-9)
+
+
+def test_integer_tables_add_up_and_records_tabulate_to_them():
+    rng = np.random.default_rng(11)
+    cliques = [("a", "b"), ("b", "c"), ("c", "d"), ("a", "d")]
+    _, measurements = _measurements(rng, 3, cliques, noise=40.0)
+    tree = g.junction_tree(ATTRIBUTES, cliques, SIZES)
+    model = g.fit(tree, SIZES, measurements, iterations=300)
+    marginals = model.marginals()
+    totals = np.rint(model.totals).astype(np.int64)
+    tables = g.integer_tables(tree, SIZES, marginals, totals)
+    for i, (clique, table) in enumerate(zip(tree.cliques, tables)):
+        assert table.dtype == np.int64 and (table >= 0).all()
+        np.testing.assert_array_equal(table.reshape(3, -1).sum(axis=1), totals)
+        if tree.parents[i] >= 0:
+            p, separator = tree.parents[i], tree.separator(i)
+            np.testing.assert_array_equal(g._sum_to(table, clique, separator),
+                                          g._sum_to(tables[p], tree.cliques[p], separator))
+        assert np.abs(table - marginals[i]).sum() < table.size * 2
+    unit, codes = g.records(tree, SIZES, tables, seed=1)
+    assert unit.size == totals.sum()
+    for clique, table in zip(tree.cliques, tables):
+        counted = np.zeros_like(table)
+        np.add.at(counted, (unit,) + tuple(codes[a] for a in clique), 1)
+        np.testing.assert_array_equal(counted, table)
+    again = g.records(tree, SIZES, tables, seed=1)
+    assert all((again[1][a] == codes[a]).all() for a in ATTRIBUTES)
+
+
+def test_an_attribute_no_table_joins_is_its_own_part():
+    rng = np.random.default_rng(2)
+    cliques = [("a", "b"), ("b", "c"), ("d",)]
+    _, measurements = _measurements(rng, 1, cliques)
+    tree = g.junction_tree(ATTRIBUTES, cliques, SIZES)
+    assert ("d",) in tree.cliques and tree.separator(tree.cliques.index(("d",))) == ()
+    model = g.fit(tree, SIZES, measurements, iterations=500)
+    table = model.table(("a", "d"))
+    independent = model.table(("a",))[:, :, None] * model.table(("d",))[:, None, :] / model.totals[:, None, None]
+    np.testing.assert_allclose(table, independent, rtol=1e-9)
+    tables = g.integer_tables(tree, SIZES, model.marginals(), np.rint(model.totals).astype(np.int64))
+    unit, codes = g.records(tree, SIZES, tables, seed=0)
+    assert np.bincount(codes["d"], minlength=3).tolist() == tables[tree.cliques.index(("d",))][0].tolist()

@@ -1,0 +1,427 @@
+"""A graphical model fitted to any set of measured tables (cliques that may close cycles), per unit, as
+Private-PGM fits one (McKenna, Sheldon and Miklau 2019), in numpy and vectorised across geographic units.
+
+    junction tree   the measured cliques' graph is made chordal (greedy minimum-fill elimination, ties by
+                    the attributes' sizes, then the query's order) and its maximal cliques joined by a maximum
+                    spanning tree on their overlaps: the model's cliques, each a table per unit, and the
+                    separators between them. Its size (cells per unit x units) is capped (`check_size`).
+    fit             the weighted least-squares fit of the measurements' tables, sum_m ||mu_m - y_m||^2 / v_m
+                    (v_m the table's public noise variance), over the tables of every distribution with the
+                    unit's estimated total: mirror descent on the maximal cliques' log-potentials (the entropic
+                    mirror map), their marginals from two-pass belief propagation on the junction tree, and an
+                    Armijo step per unit. The loss is convex in the measured tables, and the marginal polytope
+                    of a junction tree holds the margins of every joint, so the fit converges to the dense
+                    least-squares fit's measured tables (tested against one).
+    integers        the maximal cliques' tables as nonnegative integers that add up exactly (the root's table
+                    fitted to the unit total, then clique by clique each row of the new attributes given a
+                    separator value fitted to the separator's count: `tree_model.fitted_rows`), and records that
+                    tabulate to them exactly (`records`): every table of the model's attributes that lies in a
+                    clique is then a margin of the same records.
+
+Where the measured cliques already form a junction tree grown one attribute at a time, the tree path
+(`tree_model.junction_tables`, with its shrinkage) is used instead; this path is for cliques that close cycles.
+
+Privacy: post-processing. Every function reads released noisy tables, their public variances and the public
+plan (attributes, sizes, cliques) only; a unit's result depends on that unit's inputs alone (per-unit steps).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .tree_model import fitted_rows
+
+Clique = tuple[str, ...]
+"""Attributes of one table, in the query's order."""
+
+MODEL_CELLS_CAP = 1 << 25
+"""The largest model (cells of its maximal cliques per unit, times units) a fit holds: 256 MiB per array of
+doubles; the fit keeps about ten such arrays."""
+
+FIT_ITERATIONS = 1000
+"""Mirror-descent iterations (Private-PGM's default for AIM)."""
+
+
+@dataclass(frozen=True)
+class JunctionTree:
+    """The maximal cliques of the measured cliques' chordal completion, each in the query's order, ordered so
+    that every clique's parent comes before it (`parents[0] == -1`: the root). Public: from the cliques."""
+
+    attributes: tuple[str, ...]
+    cliques: tuple[Clique, ...]
+    parents: tuple[int, ...]
+
+    def separator(self, i: int) -> Clique:
+        """The attributes clique i shares with its parent (empty for the root or a clique starting a part of
+        the model no other clique touches)."""
+        if self.parents[i] < 0:
+            return ()
+        parent = set(self.cliques[self.parents[i]])
+        return tuple(a for a in self.cliques[i] if a in parent)
+
+    def children(self, i: int) -> list[int]:
+        return [j for j, p in enumerate(self.parents) if p == i]
+
+    def home(self, clique) -> int:
+        """The first maximal clique holding every attribute of `clique`."""
+        members = set(clique)
+        return next(i for i, c in enumerate(self.cliques) if members <= set(c))
+
+    def cells(self, sizes: dict[str, int]) -> int:
+        """Cells per unit of the model's tables."""
+        return sum(math.prod(sizes[a] for a in c) for c in self.cliques)
+
+
+def _ordered(attributes: tuple[str, ...], members) -> Clique:
+    members = set(members)
+    return tuple(a for a in attributes if a in members)
+
+
+def _elimination_cliques(attributes: tuple[str, ...], cliques: list[Clique], sizes: dict[str, int]) -> list[Clique]:
+    """The cliques met eliminating every attribute from the graph joining each clique's attributes: at each step
+    the attribute whose elimination adds the fewest edges (then the smallest eliminated table, then the query's
+    order) goes with the attributes still joined to it."""
+    neighbours: dict[str, set[str]] = {a: set() for a in attributes}
+    for clique in cliques:
+        for a in clique:
+            neighbours[a].update(b for b in clique if b != a)
+    left = list(attributes)
+    found: list[Clique] = []
+    while left:
+        def cost(a: str) -> tuple[int, int, int]:
+            around = [b for b in neighbours[a] if b in left]
+            fill = sum(1 for i, b in enumerate(around) for c in around[i + 1:] if c not in neighbours[b])
+            return fill, sizes[a] * math.prod(sizes[b] for b in around), attributes.index(a)
+
+        chosen = min(left, key=cost)
+        around = [b for b in neighbours[chosen] if b in left]
+        for b in around:
+            neighbours[b].update(c for c in around if c != b)
+        found.append(_ordered(attributes, [chosen, *around]))
+        left.remove(chosen)
+    return found
+
+
+def junction_tree(attributes, cliques, sizes: dict[str, int]) -> JunctionTree:
+    """The junction tree of `cliques` over `attributes` (every attribute a vertex, also one no clique holds):
+    the maximal cliques of the chordal completion (`_elimination_cliques`), joined by Kruskal's maximum spanning
+    tree on their overlaps (ties by the cliques' order; parts that share nothing joined by empty separators),
+    ordered breadth first from the largest clique. Running intersection holds: an attribute's cliques form a
+    connected part of the tree."""
+    attributes = tuple(attributes)
+    found = _elimination_cliques(attributes, [_ordered(attributes, c) for c in cliques], sizes)
+    maximal: list[Clique] = []
+    for clique in sorted(found, key=lambda c: (-len(c), [attributes.index(a) for a in c])):
+        if not any(set(clique) <= set(m) for m in maximal):
+            maximal.append(clique)
+    pairs = sorted(((i, j) for i in range(len(maximal)) for j in range(i + 1, len(maximal))),
+                   key=lambda p: -len(set(maximal[p[0]]) & set(maximal[p[1]])))
+    part = list(range(len(maximal)))
+
+    def root(i: int) -> int:
+        while part[i] != i:
+            i = part[i]
+        return i
+
+    adjacent: dict[int, list[int]] = {i: [] for i in range(len(maximal))}
+    for i, j in pairs:
+        if root(i) != root(j):
+            part[root(i)] = root(j)
+            adjacent[i].append(j)
+            adjacent[j].append(i)
+    start = max(range(len(maximal)), key=lambda i: (math.prod(sizes[a] for a in maximal[i]), -i))
+    order, parents, seen = [start], {start: -1}, {start}
+    for i in order:
+        for j in sorted(adjacent[i]):
+            if j not in seen:
+                seen.add(j)
+                parents[j] = i
+                order.append(j)
+    position = {old: new for new, old in enumerate(order)}
+    return JunctionTree(attributes, tuple(maximal[i] for i in order),
+                        tuple(-1 if parents[i] < 0 else position[parents[i]] for i in order))
+
+
+class ModelTooLarge(ValueError):
+    """A model over the cap (`check_size`)."""
+
+
+def check_size(tree: JunctionTree, sizes: dict[str, int], units: int, cap: int = MODEL_CELLS_CAP) -> int:
+    """The model's cells (per unit times units); ModelTooLarge naming its largest clique and the cap when over it.
+    Public: from the plan."""
+    cells = tree.cells(sizes) * units
+    if cells > cap:
+        largest = max(tree.cliques, key=lambda c: math.prod(sizes[a] for a in c))
+        raise ModelTooLarge(f"the model of these tables holds {cells:,} cells ({units:,} units x "
+                            f"{tree.cells(sizes):,}; its largest clique {'-'.join(largest)} alone "
+                            f"{math.prod(sizes[a] for a in largest):,}), over the cap of {cap:,}")
+    return cells
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One released table: its clique (in the query's order), its noisy values (units, sizes in the clique's
+    order) and its public noise variance per cell."""
+
+    clique: Clique
+    values: np.ndarray
+    variance: float
+
+
+def _shape(sub: Clique, full: Clique, sizes: dict[str, int]) -> tuple[int, ...]:
+    """The broadcast shape (after the unit axis) of a table over `sub` inside a table over `full`."""
+    members = set(sub)
+    return tuple(sizes[a] if a in members else 1 for a in full)
+
+
+def _expand(values: np.ndarray, sub: Clique, full: Clique, sizes: dict[str, int]) -> np.ndarray:
+    """A (units, sub...) table shaped to broadcast against a (units, full...) one (both in the query's order)."""
+    return values.reshape((values.shape[0],) + _shape(sub, full, sizes))
+
+
+def _dropped(sub: Clique, full: Clique) -> tuple[int, ...]:
+    members = set(sub)
+    return tuple(1 + i for i, a in enumerate(full) if a not in members)
+
+
+def _sum_to(values: np.ndarray, full: Clique, sub: Clique) -> np.ndarray:
+    """A (units, full...) table summed down to (units, sub...)."""
+    axes = _dropped(sub, full)
+    return values.sum(axis=axes) if axes else values
+
+
+def _log_sum_to(values: np.ndarray, full: Clique, sub: Clique) -> np.ndarray:
+    """log of the sum of exp(values) down to (units, sub...), stably."""
+    axes = _dropped(sub, full)
+    if not axes:
+        return values
+    top = values.max(axis=axes, keepdims=True)
+    return np.log(np.exp(values - top).sum(axis=axes)) + np.squeeze(top, axis=axes)
+
+
+class Model:
+    """A junction tree's log-potentials per unit and the marginals they give (`marginals`)."""
+
+    def __init__(self, tree: JunctionTree, sizes: dict[str, int], totals: np.ndarray):
+        self.tree, self.sizes = tree, sizes
+        self.totals = np.maximum(np.asarray(totals, dtype=np.float64), 0.0)
+        units = self.totals.size
+        self.potentials = [np.zeros((units,) + tuple(sizes[a] for a in c)) for c in tree.cliques]
+
+    def marginals(self, potentials: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """Every maximal clique's table (units, sizes...) of the distribution the potentials define, scaled to
+        the unit totals: belief propagation leaves to root, then root to leaves."""
+        tree, sizes = self.tree, self.sizes
+        theta = self.potentials if potentials is None else potentials
+        n = len(tree.cliques)
+        up: list[np.ndarray | None] = [None] * n
+        inward = [t.copy() for t in theta]
+        for i in range(n - 1, 0, -1):
+            p, separator = tree.parents[i], tree.separator(i)
+            up[i] = _log_sum_to(inward[i], tree.cliques[i], separator)
+            inward[p] += _expand(up[i], separator, tree.cliques[p], sizes)
+        beliefs = [np.empty(0)] * n
+        beliefs[0] = inward[0]
+        for i in range(1, n):
+            p, separator = tree.parents[i], tree.separator(i)
+            down = _log_sum_to(beliefs[p] - _expand(up[i], separator, tree.cliques[p], sizes), tree.cliques[p],
+                               separator)
+            beliefs[i] = inward[i] + _expand(down, separator, tree.cliques[i], sizes)
+        out = []
+        for belief, clique in zip(beliefs, tree.cliques):
+            flat = belief.reshape(belief.shape[0], -1)
+            weights = np.exp(flat - flat.max(axis=1, keepdims=True))
+            weights *= (self.totals / weights.sum(axis=1))[:, None]
+            out.append(weights.reshape(belief.shape))
+        return out
+
+    def table(self, clique, marginals: list[np.ndarray] | None = None) -> np.ndarray:
+        """The model's table of any set of its attributes (units, sizes in the query's order): a margin of the
+        maximal clique holding them, else of the distribution over the part of the tree joining cliques that
+        hold them (`_spanning_table`)."""
+        clique = _ordered(self.tree.attributes, clique)
+        tables = self.marginals() if marginals is None else marginals
+        home = next((i for i, c in enumerate(self.tree.cliques) if set(clique) <= set(c)), None)
+        if home is not None:
+            return _sum_to(tables[home], self.tree.cliques[home], clique)
+        return _spanning_table(self.tree, self.sizes, tables, clique)
+
+
+def _spanning_table(tree: JunctionTree, sizes: dict[str, int], tables: list[np.ndarray], clique: Clique) -> np.ndarray:
+    """The table of `clique` under the junction tree's distribution, whose restriction to a connected part of
+    the tree is the product of its cliques' tables over the product of its separators' tables: the part joining
+    the first clique holding each attribute (paths up to their common ancestor), eliminated leaves first, each
+    message keeping its separator and the attributes of `clique` met below it."""
+    homes = {tree.home((a,)) for a in clique}
+    part: set[int] = set()
+    for i in homes:
+        path = [i]
+        while tree.parents[path[-1]] >= 0:
+            path.append(tree.parents[path[-1]])
+        part.update(path)
+    # the common ancestor: the deepest clique on every path to the root
+    ancestors = None
+    for i in homes:
+        chain = {i}
+        while tree.parents[i] >= 0:
+            i = tree.parents[i]
+            chain.add(i)
+        ancestors = chain if ancestors is None else ancestors & chain
+    top = max(ancestors)
+    part = {i for i in part if i == top or _below(tree, i, top)}
+    wanted = set(clique)
+    messages: dict[int, tuple[Clique, np.ndarray]] = {}
+    for i in sorted(part, reverse=True):
+        members, values = tree.cliques[i], tables[i]
+        if i != top:
+            separator = tree.separator(i)
+            below = _expand(_sum_to(values, members, separator), separator, members, sizes)
+            values = values / np.where(below > 0, below, 1.0)
+        for child in [j for j in tree.children(i) if j in messages]:
+            kept, message = messages.pop(child)
+            members, values = _product(tree.attributes, sizes, members, values, kept, message)
+        keep = set(tree.separator(i)) | wanted if i != top else wanted
+        kept = tuple(a for a in members if a in keep)
+        messages[i] = (kept, _sum_to(values, members, kept))
+    return messages[top][1]
+
+
+def _below(tree: JunctionTree, i: int, top: int) -> bool:
+    while tree.parents[i] >= 0:
+        i = tree.parents[i]
+        if i == top:
+            return True
+    return False
+
+
+def _product(attributes: tuple[str, ...], sizes: dict[str, int], a: Clique, x: np.ndarray, b: Clique, y: np.ndarray
+             ) -> tuple[Clique, np.ndarray]:
+    """The product of two tables over their attributes' union (in the query's order)."""
+    union = _ordered(attributes, set(a) | set(b))
+    return union, _expand(x, a, union, sizes) * _expand(y, b, union, sizes)
+
+
+def estimated_totals(measurements: list[Measurement]) -> np.ndarray:
+    """Each unit's total: the inverse-variance weighted mean of the measurements' totals (a table of n cells with
+    variance v per cell gives its total with variance n v), at least 0."""
+    weights = [1.0 / (max(m.variance, 1e-12) * m.values[0].size) for m in measurements]
+    sums = [m.values.reshape(m.values.shape[0], -1).sum(axis=1) for m in measurements]
+    return np.maximum(sum(w * s for w, s in zip(weights, sums)) / sum(weights), 0.0)
+
+
+def _loss_and_gradients(model: Model, marginals: list[np.ndarray], measurements: list[Measurement],
+                        weights: list[float], homes: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Per unit, sum_m w_m ||mu_m - y_m||^2 / 2, and its gradient with respect to each maximal clique's table."""
+    tree, sizes = model.tree, model.sizes
+    loss = np.zeros(model.totals.size)
+    gradients = [np.zeros_like(t) for t in marginals]
+    for m, weight, home in zip(measurements, weights, homes):
+        residual = _sum_to(marginals[home], tree.cliques[home], m.clique) - m.values
+        loss += 0.5 * weight * (residual * residual).reshape(residual.shape[0], -1).sum(axis=1)
+        gradients[home] += weight * _expand(residual, m.clique, tree.cliques[home], sizes)
+    return loss, gradients
+
+
+def _inner(gradients: list[np.ndarray], a: list[np.ndarray], b: list[np.ndarray]) -> np.ndarray:
+    """Per unit, sum over the cliques of <gradient, a - b>."""
+    return sum(((g * (x - y)).reshape(g.shape[0], -1).sum(axis=1) for g, x, y in zip(gradients, a, b)))
+
+
+def fit(tree: JunctionTree, sizes: dict[str, int], measurements: list[Measurement],
+        totals: np.ndarray | None = None, iterations: int = FIT_ITERATIONS, start: Model | None = None) -> Model:
+    """The model whose tables fit the measurements best (weighted least squares, weights the inverse variances
+    relative to the smallest), each unit with `totals` records (default `estimated_totals`): mirror descent on
+    the log-potentials, theta <- theta - step * gradient, each unit's step grown by 1.01 after a step that meets
+    Armijo's condition and halved (the step undone) after one that does not, from 2 / total (Private-PGM's
+    schedule). `start`: a model of the same tree whose potentials the descent starts from (warm start)."""
+    if totals is None:
+        totals = estimated_totals(measurements)
+    model = Model(tree, sizes, totals)
+    if start is not None:
+        model.potentials = [p.copy() for p in start.potentials]
+    smallest = min(max(m.variance, 1e-12) for m in measurements)
+    weights = [smallest / max(m.variance, 1e-12) for m in measurements]
+    measurements = [Measurement(m.clique, np.asarray(m.values, dtype=np.float64).reshape(
+        (-1,) + tuple(sizes[a] for a in m.clique)), m.variance) for m in measurements]
+    homes = [tree.home(m.clique) for m in measurements]
+    step = 2.0 / np.maximum(model.totals, 1.0)
+    marginals = model.marginals()
+    loss, gradients = _loss_and_gradients(model, marginals, measurements, weights, homes)
+    for _ in range(iterations):
+        trial = [p - _per_unit(step, p) * g for p, g in zip(model.potentials, gradients)]
+        trial_marginals = model.marginals(trial)
+        trial_loss, trial_gradients = _loss_and_gradients(model, trial_marginals, measurements, weights, homes)
+        accept = loss - trial_loss >= 0.5 * step * _inner(gradients, marginals, trial_marginals)
+        model.potentials = [np.where(_per_unit(accept, p), t, p) for p, t in zip(model.potentials, trial)]
+        marginals = [np.where(_per_unit(accept, m), t, m) for m, t in zip(marginals, trial_marginals)]
+        gradients = [np.where(_per_unit(accept, g), t, g) for g, t in zip(gradients, trial_gradients)]
+        loss = np.where(accept, trial_loss, loss)
+        step = np.where(accept, 1.01 * step, 0.5 * step)
+    return model
+
+
+def _per_unit(values: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """A per-unit vector shaped to broadcast against a (units, ...) table."""
+    return values.reshape((-1,) + (1,) * (like.ndim - 1))
+
+
+def integer_tables(tree: JunctionTree, sizes: dict[str, int], marginals: list[np.ndarray],
+                   unit_totals: np.ndarray) -> list[np.ndarray]:
+    """Every maximal clique's table as nonnegative integers (units, sizes...) adding up exactly: the root's
+    table fitted to the unit totals, then clique by clique (parents first) each row of its new attributes given
+    a separator value fitted to that value's count in the parent's integer table (`fitted_rows`). A unit's
+    tables depend on that unit's inputs only."""
+    unit_totals = np.asarray(unit_totals, dtype=np.int64)
+    units = unit_totals.size
+    out: list[np.ndarray] = []
+    for i, (clique, table) in enumerate(zip(tree.cliques, marginals)):
+        separator = tree.separator(i)
+        new = tuple(a for a in clique if a not in separator)
+        rows = _grouped(table, clique, separator, new)
+        if tree.parents[i] < 0:
+            counts = unit_totals
+        else:
+            p = tree.parents[i]
+            counts = _sum_to(out[p], tree.cliques[p], separator).reshape(-1)
+        dealt = fitted_rows(rows.reshape(counts.size, -1), counts)
+        out.append(_ungrouped(dealt.reshape(units, *[sizes[a] for a in separator + new]), clique, separator + new))
+    return out
+
+
+def _grouped(table: np.ndarray, clique: Clique, separator: Clique, new: Clique) -> np.ndarray:
+    """A (units, clique...) table as (units, separator..., new...)."""
+    return np.transpose(table, [0] + [1 + clique.index(a) for a in separator + new])
+
+
+def _ungrouped(table: np.ndarray, clique: Clique, order: Clique) -> np.ndarray:
+    """`_grouped`'s inverse: a (units, order...) table in the clique's own order."""
+    return np.ascontiguousarray(np.transpose(table, [0] + [1 + order.index(a) for a in clique]))
+
+
+def records(tree: JunctionTree, sizes: dict[str, int], tables: list[np.ndarray], seed: int
+            ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(each record's unit, each attribute's code per record) tabulating exactly to `tables` (`integer_tables`):
+    the root clique's records, then clique by clique the new attributes' cells dealt to the records of each
+    separator value in an order shuffled by `seed` (public), so the new attributes are independent of the
+    attributes already drawn given the separator (the model's conditional independence)."""
+    rng = np.random.default_rng(seed)
+    units = tables[0].shape[0]
+    root = tree.cliques[0]
+    unit = np.repeat(np.arange(units), tables[0].reshape(units, -1).sum(axis=1))
+    cell = np.repeat(np.tile(np.arange(math.prod(sizes[a] for a in root)), units), tables[0].ravel())
+    codes = dict(zip(root, np.unravel_index(cell, [sizes[a] for a in root])))
+    for i in range(1, len(tree.cliques)):
+        clique, separator = tree.cliques[i], tree.separator(i)
+        new = tuple(a for a in clique if a not in separator)
+        dealt = _grouped(tables[i], clique, separator, new)
+        group = unit
+        for a in separator:
+            group = group * sizes[a] + codes[a]
+        width = math.prod(sizes[a] for a in new)
+        order = np.lexsort((rng.random(group.size), group))
+        cells = np.empty(group.size, dtype=np.int64)
+        cells[order] = np.repeat(np.tile(np.arange(width), dealt.size // width), dealt.ravel())
+        codes.update(zip(new, np.unravel_index(cells, [sizes[a] for a in new])))
+    return unit, {a: np.asarray(codes[a], dtype=np.int64) for a in tree.attributes}

@@ -335,7 +335,11 @@ def fit(tree: JunctionTree, sizes: dict[str, int], measurements: list[Measuremen
     relative to the smallest), each unit with `totals` records (default `estimated_totals`): mirror descent on
     the log-potentials, theta <- theta - step * gradient, each unit's step grown by 1.01 after a step that meets
     Armijo's condition and halved (the step undone) after one that does not, from 2 / total (Private-PGM's
-    schedule). `start`: a model of the same tree whose potentials the descent starts from (warm start)."""
+    schedule). `start`: a model of the same tree whose potentials the descent starts from (warm start).
+    Measured limits: one step per unit, so a table weighted far below the heaviest converges slowly (a 100-cell
+    1-way table weighted 1/100 beside a 2-way table: still 17% off in L1 after 1000 iterations, 0.03% at equal
+    weights), and large cliques slowly (Adult's published 2-way tables, 30 pairs closing cycles into a 5-way
+    clique: 2.4% mean L1 misfit after 1000 iterations)."""
     if totals is None:
         totals = estimated_totals(measurements)
     model = Model(tree, sizes, totals)

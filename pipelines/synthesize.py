@@ -3,9 +3,10 @@
 TopDown's microdata detail file for dprelease: the records are drawn from the integer joint table that
 post-processing fits per geography unit for the release's marginals query (every published marginal
 is a margin of it; with several, a `select: mst` or `aim` one, else the one with the most attributes), or from
-a tree of its published 2-way tables (a `select: mst` query's chosen pairs; for a query whose joint is too
-large to fit, the maximum spanning tree of its pairs by dependence beyond noise), or from the junction tree of a
-`select: aim` query's chosen tables, and each
+a tree of its published 2-way tables (a `select: mst` query's chosen pairs), or from the junction tree of a
+`select: aim` query's chosen tables, or, for a query whose joint is too large to fit, from a graphical model
+of its published pairs (the maximum spanning tree by dependence beyond noise, then the other dependent pairs
+within a size cap, closing cycles), and each
 unit's records are split among the finest published hierarchy level's units by their published counts
 (which add up to the unit's total; for a hierarchy crossed with `by`, per `by` cell, scaled by largest
 remainders where the hierarchy's and the marginals' integers differ). A hierarchy without a marginals
@@ -206,10 +207,10 @@ def _records(plan: Plan, joints: dict, published: dict, max_records: int) -> tup
 
 def _tree_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQuery | None, level: str, published: dict,
                   max_records: int) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Records from a tree of published 2-way tables (`transforms.units.tree_model`), as many per unit as the
-    hierarchy publishes at the query's level (else as the root's table adds up to): a `select: mst` query's
-    chosen pairs; for a `select: all` query whose joint is too large to fit, the maximum spanning tree of its
-    pairs by `dependence_score` (pair tables published, or summed from its published t-way tables)."""
+    """Records from published tables, as many per unit as the hierarchy publishes at the query's level (else as
+    the root's table adds up to): a `select: mst` query's tree of chosen pairs (`transforms.units.tree_model`);
+    a `select: aim` query's junction tree (`_junction_records`); a `select: all` query whose joint is too large
+    to fit, a model of its pairs (`_model_records`; pair tables published, or summed from its t-way tables)."""
     attributes = list(query.attributes)
     units = 1 if query.within is None else plan.domains[query.within.partition(".")[0]].level_size(level)
     if query.select == "aim":
@@ -219,15 +220,72 @@ def _tree_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQuery |
         tables = [_pair_table(plan, query, a, b, published)[0] for a, b in pairs]
         root = published[table_name(query.name, (attributes[0],))]
     else:
-        found = {pair: _pair_table(plan, query, *pair, published) for pair in itertools.combinations(attributes, 2)}
-        pairs = spanning_tree(attributes, {pair: dependence_score(*found[pair]) for pair in found})
-        tables = [found[pair][0] for pair in pairs]
-        first = next(i for i, pair in enumerate(pairs) if attributes[0] in pair)
-        root = tables[first].sum(axis=2 if pairs[first][0] == attributes[0] else 1)
+        return _model_records(plan, query, hierarchy, level, units, published, max_records)
     root = np.asarray(root).reshape(units, -1)
     totals = _record_totals(hierarchy, level, units, root, published, max_records)
     unit, codes = sample_tree(totals, root, attributes, pairs, tables, _public_seed(plan))
     return unit, [codes[a] for a in attributes]
+
+
+SYNTHESIS_MODEL_CELLS = 1 << 16
+"""The largest model (cells per unit times units) `synthesize` fits to a `select: all` query's published pairs:
+pairs past the spanning tree are added while the model stays within it, and where the tree alone is larger (many
+units) the records follow the tree without a fit. Measured on Adult (benchmarks/synthetic_adult.py
+published_records): 2^16 and 2^17 within 0.001 of each other; 2^20 0.003 better at epsilon 3 in 13x the time."""
+SYNTHESIS_ITERATIONS = 300
+"""Mirror-descent iterations of that fit (`transforms.units.graphical.fit`), from the spanning tree's model."""
+
+
+def _model_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQuery | None, level: str, units: int,
+                   published: dict, max_records: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Records from a graphical model of a `select: all` query's published pairs (`transforms.units.graphical`):
+    the maximum spanning tree of its pairs by `dependence_score`, then the other pairs whose tables depart from
+    their margins' product beyond their noise (score above 0), most dependent first, each kept while the model
+    stays within SYNTHESIS_MODEL_CELLS (they may close cycles; where the tree alone is larger, the records follow
+    the tree, `tree_model.sample_tree`, as for a `select: mst` query). The model starts as the tree's distribution
+    (`graphical.tree_start`) and is fitted by least squares to every kept table (equal weights: the published
+    tables add up, so weights matter only where they conflict around a cycle); its tables are made integers
+    adding up to the records' totals and the records drawn along its junction tree. Post-processing of
+    published tables and a public seed."""
+    from dprelease.transforms.units import graphical
+    from dprelease.transforms.units.tree_model import tree_edges
+
+    attributes = list(query.attributes)
+    with_variances = {pair: _pair_table(plan, query, *pair, published) for pair in itertools.combinations(attributes, 2)}
+    found = {pair: table for pair, (table, _) in with_variances.items()}
+    sizes = {a: int(found[pair].shape[1 + pair.index(a)]) for pair in found for a in pair}
+    scores = {pair: dependence_score(*table_variance) for pair, table_variance in with_variances.items()}
+    tree_pairs = spanning_tree(attributes, scores)
+    edges = [(parent, child, found[tree_pairs[i]] if tree_pairs[i][0] == parent else np.swapaxes(found[tree_pairs[i]], 1, 2))
+             for parent, child, i in tree_edges(attributes, tree_pairs)]
+    root = edges[0][2].sum(axis=2).reshape(units, -1)
+    totals = _record_totals(hierarchy, level, units, root, published, max_records)
+    if graphical.junction_tree(attributes, tree_pairs, sizes).cells(sizes) * units > SYNTHESIS_MODEL_CELLS:
+        unit, codes = sample_tree(totals, root, attributes, tree_pairs, [found[p] for p in tree_pairs],
+                                  _public_seed(plan))  # the tree alone: no fit over so many units
+        return unit, [codes[a] for a in attributes]
+    pairs = _model_pairs(attributes, sizes, units, tree_pairs, scores)
+    tree = graphical.junction_tree(attributes, pairs, sizes)
+    start = graphical.tree_start(tree, sizes, totals, attributes[0], root, edges)
+    measurements = [graphical.Measurement(pair, found[pair], 1.0) for pair in pairs]
+    model = graphical.fit(tree, sizes, measurements, totals, SYNTHESIS_ITERATIONS, start=start)
+    tables = graphical.integer_tables(tree, sizes, model.marginals(), totals)
+    unit, codes = graphical.records(tree, sizes, tables, _public_seed(plan))
+    return unit, [codes[a] for a in attributes]
+
+
+def _model_pairs(attributes: list[str], sizes: dict[str, int], units: int, tree_pairs: list[tuple[str, str]],
+                 scores: dict[tuple[str, str], float]) -> list[tuple[str, str]]:
+    """The spanning tree's pairs, then every other pair scoring above 0, highest first (ties in the query's order),
+    each kept while the model's junction tree stays within SYNTHESIS_MODEL_CELLS. Public: published values."""
+    from dprelease.transforms.units.graphical import junction_tree
+
+    pairs = list(tree_pairs)
+    for pair in sorted(scores, key=lambda p: -scores[p]):  # stable
+        if scores[pair] > 0 and pair not in pairs and \
+                junction_tree(attributes, pairs + [pair], sizes).cells(sizes) * units <= SYNTHESIS_MODEL_CELLS:
+            pairs.append(pair)
+    return pairs
 
 
 def _record_totals(hierarchy: HierarchyQuery | None, level: str, units: int, root: np.ndarray, published: dict,

@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
 from dprelease.pipelines.run import run_release
 
@@ -180,17 +181,23 @@ def wide_release(tmp_path, way: int):
     return run_release(write_case(tmp_path / "case", spec, rows), key_file=tmp_path / "k.key", ledger=None), attributes
 
 
-def test_marginals_without_a_joint_give_records_from_a_tree_of_their_published_tables(tmp_path):
-    """A `select: all` query made integral table by table: the records follow the maximum spanning tree of its
-    pairs (by dependence beyond noise, post-processing of the published tables), per state, as many as the
-    hierarchy publishes; every pair table is tabulated and reported, the dependent pair (edu, inc) close to
-    its published table, and the draw is reproducible."""
+def test_marginals_without_a_joint_give_records_from_a_model_of_their_published_tables(tmp_path, monkeypatch):
+    """A `select: all` query made integral table by table: the records follow a graphical model of its pairs
+    (the maximum spanning tree by dependence beyond noise, then the other dependent pairs within the size cap,
+    closing cycles; post-processing of the published tables), per state, as many as the hierarchy publishes;
+    every pair table is tabulated and reported, the dependent pair (edu, inc) close to its published table, and
+    the draw is reproducible."""
     from dprelease.pipelines.postprocessing import marginals_path
     from dprelease.pipelines.synthesize import synthesize
+    from dprelease.transforms.units import graphical
 
     result, attributes = wide_release(tmp_path, 2)
     assert marginals_path(result.plan, result.plan.spec.queries[1]) != "joint"
-    synthetic = synthesize(result.release_dir)
+    fitted, fit = [], graphical.fit
+    with monkeypatch.context() as patched:
+        patched.setattr(graphical, "fit", lambda *a, **k: fitted.append(a[2]) or fit(*a, **k))
+        synthetic = synthesize(result.release_dir)
+    assert len(fitted) == 1 and len(fitted[0]) > len(attributes) - 1  # more pairs than a tree: cycles
     records = synthetic.records
     root = result.release_dir
     assert records.column_names == ["state", "county", *attributes]
@@ -203,6 +210,22 @@ def test_marginals_without_a_joint_give_records_from_a_tree_of_their_published_t
     assert counts(records, ["edu", "inc"])[("college", "low")] < 0.2 * sum(
         v for (s, e, i), v in independent.items() if e == "college")  # the dependence is kept
     assert synthesize(result.release_dir).records.equals(records)
+
+
+def test_marginals_with_a_tree_over_the_model_cap_give_records_from_the_tree(tmp_path, monkeypatch):
+    """Where the spanning tree alone is over the synthesis model's cap (many units), the records follow the tree
+    with no fit; the tree's pairs still carry the dependence."""
+    from dprelease.pipelines import synthesize as synthesis
+    from dprelease.transforms.units import graphical
+
+    result, attributes = wide_release(tmp_path, 2)
+    with monkeypatch.context() as patched:
+        patched.setattr(synthesis, "SYNTHESIS_MODEL_CELLS", 10)
+        patched.setattr(graphical, "fit", lambda *a, **k: pytest.fail("no fit past the cap"))
+        synthetic = synthesis.synthesize(result.release_dir)
+    records = synthetic.records
+    assert records.num_rows == sum(published(result.release_dir, "pop.state", ["state"]).values())
+    assert {row["table"]: row for row in synthetic.utility}["m.edu-inc"]["l1_to_published_per_record"] < 0.05
 
 
 def test_three_way_marginals_without_a_joint_give_records_from_their_pairs(tmp_path):

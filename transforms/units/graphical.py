@@ -12,14 +12,17 @@ Private-PGM fits one (McKenna, Sheldon and Miklau 2019), in numpy and vectorised
                     Armijo step per unit. The loss is convex in the measured tables, and the marginal polytope
                     of a junction tree holds the margins of every joint, so the fit converges to the dense
                     least-squares fit's measured tables (tested against one).
-    integers        the maximal cliques' tables as nonnegative integers that add up exactly (the root's table
-                    fitted to the unit total, then clique by clique each row of the new attributes given a
-                    separator value fitted to the separator's count: `tree_model.fitted_rows`), and records that
-                    tabulate to them exactly (`records`): every table of the model's attributes that lies in a
-                    clique is then a margin of the same records.
+    start           `tree_start`: the distribution of a spanning tree of the measured pairs (the tree model
+                    `tree_model` samples from), so a fit starts no worse than the tree.
+    integers        the maximal cliques' tables as nonnegative integers that add up exactly (from the unit
+                    totals, then clique by clique from the separator's counts in its parent, one attribute at
+                    a time: `tree_model.fitted_rows` per row of counts), and records that tabulate to them
+                    exactly (`records`): every table of the model's attributes that lies in a clique is then a
+                    margin of the same records.
 
-Where the measured cliques already form a junction tree grown one attribute at a time, the tree path
-(`tree_model.junction_tables`, with its shrinkage) is used instead; this path is for cliques that close cycles.
+Used by `synthesize` for a `select: all` query whose joint is too large to fit. A `select: mst` or `aim` query's
+tables form a tree grown one attribute at a time and take the tree path (`tree_model.junction_tables`, with its
+shrinkage); this path is for tables that close cycles.
 
 Privacy: post-processing. Every function reads released noisy tables, their public variances and the public
 plan (attributes, sizes, cliques) only; a unit's result depends on that unit's inputs alone (per-unit steps).
@@ -303,6 +306,27 @@ def _product(attributes: tuple[str, ...], sizes: dict[str, int], a: Clique, x: n
     return union, _expand(x, a, union, sizes) * _expand(y, b, union, sizes)
 
 
+def tree_start(tree: JunctionTree, sizes: dict[str, int], totals: np.ndarray, root: str, root_table: np.ndarray,
+               edges: list[tuple[str, str, np.ndarray]], floor: float = 1e-3) -> Model:
+    """A model of `tree` holding exactly the tree distribution of `edges` (parent, child, table (units, parent,
+    child)), directed away from `root` (whose table is `root_table`, (units, size)): the root's distribution times
+    each child's given its parent, every table made at least `floor` (a zero stays possible, just unlikely). Each
+    factor lies in a maximal clique (every edge is a measured pair), so the potentials' product is the tree's.
+    A start for `fit` that is already as good as the tree model."""
+    model = Model(tree, sizes, totals)
+    units = model.totals.size
+    factors = [((root,), np.log(np.maximum(np.asarray(root_table, dtype=np.float64).reshape(units, -1), floor)))]
+    for parent, child, table in edges:
+        rows = np.maximum(np.asarray(table, dtype=np.float64), floor)
+        conditional = np.log(rows / rows.sum(axis=2, keepdims=True))
+        pair = _ordered(tree.attributes, (parent, child))
+        factors.append((pair, conditional if pair == (parent, child) else np.swapaxes(conditional, 1, 2)))
+    for clique, values in factors:
+        home = tree.home(clique)
+        model.potentials[home] = model.potentials[home] + _expand(values, clique, tree.cliques[home], sizes)
+    return model
+
+
 def estimated_totals(measurements: list[Measurement]) -> np.ndarray:
     """Each unit's total: the inverse-variance weighted mean of the measurements' totals (a table of n cells with
     variance v per cell gives its total with variance n v), at least 0."""
@@ -358,12 +382,22 @@ def fit(tree: JunctionTree, sizes: dict[str, int], measurements: list[Measuremen
         trial_marginals = model.marginals(trial)
         trial_loss, trial_gradients = _loss_and_gradients(model, trial_marginals, measurements, weights, homes)
         accept = loss - trial_loss >= 0.5 * step * _inner(gradients, marginals, trial_marginals)
-        model.potentials = [np.where(_per_unit(accept, p), t, p) for p, t in zip(model.potentials, trial)]
-        marginals = [np.where(_per_unit(accept, m), t, m) for m, t in zip(marginals, trial_marginals)]
-        gradients = [np.where(_per_unit(accept, g), t, g) for g, t in zip(gradients, trial_gradients)]
+        model.potentials = _chosen(accept, trial, model.potentials)
+        marginals = _chosen(accept, trial_marginals, marginals)
+        gradients = _chosen(accept, trial_gradients, gradients)
         loss = np.where(accept, trial_loss, loss)
         step = np.where(accept, 1.01 * step, 0.5 * step)
     return model
+
+
+def _chosen(accept: np.ndarray, trial: list[np.ndarray], current: list[np.ndarray]) -> list[np.ndarray]:
+    """Per unit, the trial's tables where its step was accepted, else the current ones (the same values
+    `np.where` gives, without the copies when every unit or none accepted)."""
+    if accept.all():
+        return trial
+    if not accept.any():
+        return current
+    return [np.where(_per_unit(accept, c), t, c) for t, c in zip(trial, current)]
 
 
 def _per_unit(values: np.ndarray, like: np.ndarray) -> np.ndarray:
@@ -374,23 +408,28 @@ def _per_unit(values: np.ndarray, like: np.ndarray) -> np.ndarray:
 def integer_tables(tree: JunctionTree, sizes: dict[str, int], marginals: list[np.ndarray],
                    unit_totals: np.ndarray) -> list[np.ndarray]:
     """Every maximal clique's table as nonnegative integers (units, sizes...) adding up exactly: the root's
-    table fitted to the unit totals, then clique by clique (parents first) each row of its new attributes given
-    a separator value fitted to that value's count in the parent's integer table (`fitted_rows`). A unit's
-    tables depend on that unit's inputs only."""
+    attributes dealt from the unit totals, each later clique's from its separator's counts in its parent's integer
+    table, one attribute at a time: the counts of the attributes dealt so far split among the next attribute's
+    values in proportion to the clique's fitted table (`fitted_rows`, per row of counts). Dealing attribute by
+    attribute keeps each row's rounding among a few cells (rounding a large clique's table at once spreads its
+    error over its many small cells). A unit's tables depend on that unit's inputs only."""
     unit_totals = np.asarray(unit_totals, dtype=np.int64)
     units = unit_totals.size
     out: list[np.ndarray] = []
     for i, (clique, table) in enumerate(zip(tree.cliques, marginals)):
-        separator = tree.separator(i)
-        new = tuple(a for a in clique if a not in separator)
-        rows = _grouped(table, clique, separator, new)
+        have = tree.separator(i)
         if tree.parents[i] < 0:
             counts = unit_totals
         else:
             p = tree.parents[i]
-            counts = _sum_to(out[p], tree.cliques[p], separator).reshape(-1)
-        dealt = fitted_rows(rows.reshape(counts.size, -1), counts)
-        out.append(_ungrouped(dealt.reshape(units, *[sizes[a] for a in separator + new]), clique, separator + new))
+            counts = _sum_to(out[p], tree.cliques[p], have)
+        for a in [x for x in clique if x not in have]:
+            grown = _ordered(tree.attributes, set(have) | {a})
+            rows = _grouped(_sum_to(table, clique, grown), grown, have, (a,))
+            dealt = fitted_rows(rows.reshape(-1, sizes[a]), counts.reshape(-1))
+            counts = _ungrouped(dealt.reshape((units,) + tuple(sizes[x] for x in have + (a,))), grown, have + (a,))
+            have = grown
+        out.append(counts)
     return out
 
 

@@ -232,6 +232,9 @@ SYNTHESIS_MODEL_CELLS = 1 << 16
 pairs past the spanning tree are added while the model stays within it, and where the tree alone is larger (many
 units) the records follow the tree without a fit. Measured on Adult (benchmarks/synthetic_adult.py
 published_records): 2^16 and 2^17 within 0.001 of each other; 2^20 0.003 better at epsilon 3 in 13x the time."""
+SYNTHESIS_PAIR_TRIES = 8
+"""Pairs beyond the spanning tree tried per attribute (Adult's 14 attributes: all 91 pairs; 60 attributes: 480 of
+1,770, about 4 s of junction trees)."""
 SYNTHESIS_ITERATIONS = 300
 """Mirror-descent iterations of that fit (`transforms.units.graphical.fit`), from the spanning tree's model."""
 
@@ -246,7 +249,8 @@ def _model_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQuery 
     (`graphical.tree_start`) and is fitted by least squares to every kept table (equal weights: the published
     tables add up, so weights matter only where they conflict around a cycle); its tables are made integers
     adding up to the records' totals and the records drawn along its junction tree. Post-processing of
-    published tables and a public seed."""
+    published tables and a public seed. The fit is floating point with accept/reject steps: the same records
+    wherever numpy computes the same floats (the same platform and library versions)."""
     from dprelease.transforms.units import graphical
     from dprelease.transforms.units.tree_model import tree_edges
 
@@ -276,14 +280,15 @@ def _model_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQuery 
 
 def _model_pairs(attributes: list[str], sizes: dict[str, int], units: int, tree_pairs: list[tuple[str, str]],
                  scores: dict[tuple[str, str], float]) -> list[tuple[str, str]]:
-    """The spanning tree's pairs, then every other pair scoring above 0, highest first (ties in the query's order),
-    each kept while the model's junction tree stays within SYNTHESIS_MODEL_CELLS. Public: published values."""
+    """The spanning tree's pairs, then the other pairs scoring above 0, highest first (ties in the query's order),
+    each kept while the model's junction tree stays within SYNTHESIS_MODEL_CELLS; at most
+    SYNTHESIS_PAIR_TRIES per attribute are tried (each try builds a junction tree). Public: published values."""
     from dprelease.transforms.units.graphical import junction_tree
 
     pairs = list(tree_pairs)
-    for pair in sorted(scores, key=lambda p: -scores[p]):  # stable
-        if scores[pair] > 0 and pair not in pairs and \
-                junction_tree(attributes, pairs + [pair], sizes).cells(sizes) * units <= SYNTHESIS_MODEL_CELLS:
+    extra = [pair for pair in sorted(scores, key=lambda p: -scores[p]) if scores[pair] > 0 and pair not in pairs]
+    for pair in extra[:SYNTHESIS_PAIR_TRIES * len(attributes)]:  # sorted is stable
+        if junction_tree(attributes, pairs + [pair], sizes).cells(sizes) * units <= SYNTHESIS_MODEL_CELLS:
             pairs.append(pair)
     return pairs
 

@@ -215,7 +215,10 @@ class Model:
 
     def marginals(self, potentials: list[np.ndarray] | None = None) -> list[np.ndarray]:
         """Every maximal clique's table (units, sizes...) of the distribution the potentials define, scaled to
-        the unit totals: belief propagation leaves to root, then root to leaves."""
+        the unit totals: messages leaves to root (log-sum-exp over each clique's attributes outside its
+        separator), the root's table from its belief, then root to leaves each clique's table as its new
+        attributes' distribution given the separator (its belief less its message, at most 1: no overflow)
+        times the separator's table in its parent."""
         tree, sizes = self.tree, self.sizes
         theta = self.potentials if potentials is None else potentials
         n = len(tree.cliques)
@@ -225,19 +228,15 @@ class Model:
             p, separator = tree.parents[i], tree.separator(i)
             up[i] = _log_sum_to(inward[i], tree.cliques[i], separator)
             inward[p] += _expand(up[i], separator, tree.cliques[p], sizes)
-        beliefs = [np.empty(0)] * n
-        beliefs[0] = inward[0]
+        flat = inward[0].reshape(inward[0].shape[0], -1)
+        weights = np.exp(flat - flat.max(axis=1, keepdims=True))
+        weights *= (self.totals / weights.sum(axis=1))[:, None]
+        out = [weights.reshape(inward[0].shape)]
         for i in range(1, n):
-            p, separator = tree.parents[i], tree.separator(i)
-            down = _log_sum_to(beliefs[p] - _expand(up[i], separator, tree.cliques[p], sizes), tree.cliques[p],
-                               separator)
-            beliefs[i] = inward[i] + _expand(down, separator, tree.cliques[i], sizes)
-        out = []
-        for belief, clique in zip(beliefs, tree.cliques):
-            flat = belief.reshape(belief.shape[0], -1)
-            weights = np.exp(flat - flat.max(axis=1, keepdims=True))
-            weights *= (self.totals / weights.sum(axis=1))[:, None]
-            out.append(weights.reshape(belief.shape))
+            p, separator, clique = tree.parents[i], tree.separator(i), tree.cliques[i]
+            given = np.exp(inward[i] - _expand(up[i], separator, clique, sizes))
+            given *= _expand(_sum_to(out[p], tree.cliques[p], separator), separator, clique, sizes)
+            out.append(given)
         return out
 
     def table(self, clique, marginals: list[np.ndarray] | None = None) -> np.ndarray:
@@ -335,16 +334,60 @@ def estimated_totals(measurements: list[Measurement]) -> np.ndarray:
     return np.maximum(sum(w * s for w, s in zip(weights, sums)) / sum(weights), 0.0)
 
 
+@dataclass(frozen=True)
+class _Margins:
+    """How the loss takes each measurement's table from the model: per maximal clique, its measurements largest
+    first, each summed from the smallest table already taken that holds it (a 1-way table from its pair, not
+    from a large clique), and the gradient pushed back the same way, smallest first. Public: from the cliques."""
+
+    steps: tuple[tuple[int, tuple[tuple[int, Clique, Clique], ...]], ...]
+    """Per maximal clique (its index): (measurement index, its clique, the clique it is summed from)."""
+
+    @classmethod
+    def of(cls, tree: JunctionTree, measurements: list[Measurement]) -> "_Margins":
+        steps = []
+        for home, clique in enumerate(tree.cliques):
+            held = sorted((i for i, m in enumerate(measurements) if tree.home(m.clique) == home),
+                          key=lambda i: -len(measurements[i].clique))
+            taken: list[Clique] = [clique]
+            order = []
+            for i in held:
+                sub = measurements[i].clique
+                source = min((c for c in taken if set(sub) <= set(c)), key=len)
+                order.append((i, sub, source))
+                if sub not in taken:
+                    taken.append(sub)
+            if order:
+                steps.append((home, tuple(order)))
+        return cls(tuple(steps))
+
+
 def _loss_and_gradients(model: Model, marginals: list[np.ndarray], measurements: list[Measurement],
-                        weights: list[float], homes: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+                        weights: list[float], margins: _Margins) -> tuple[np.ndarray, list[np.ndarray]]:
     """Per unit, sum_m w_m ||mu_m - y_m||^2 / 2, and its gradient with respect to each maximal clique's table."""
     tree, sizes = model.tree, model.sizes
     loss = np.zeros(model.totals.size)
     gradients = [np.zeros_like(t) for t in marginals]
-    for m, weight, home in zip(measurements, weights, homes):
-        residual = _sum_to(marginals[home], tree.cliques[home], m.clique) - m.values
-        loss += 0.5 * weight * (residual * residual).reshape(residual.shape[0], -1).sum(axis=1)
-        gradients[home] += weight * _expand(residual, m.clique, tree.cliques[home], sizes)
+    for home, order in margins.steps:
+        clique = tree.cliques[home]
+        tables: dict[Clique, np.ndarray] = {clique: marginals[home]}
+        pushed: dict[Clique, np.ndarray] = {}
+        for i, sub, source in order:
+            m = measurements[i]
+            if sub not in tables:
+                tables[sub] = _sum_to(tables[source], source, sub)
+            residual = tables[sub] - m.values
+            loss += 0.5 * weights[i] * (residual * residual).reshape(residual.shape[0], -1).sum(axis=1)
+            pushed[sub] = pushed.get(sub, 0.0) + weights[i] * residual
+        for i, sub, source in reversed(order):  # smallest first: each gradient into the table it was taken from
+            if sub in pushed and sub != clique:
+                part = pushed.pop(sub)
+                if source == clique:
+                    gradients[home] += _expand(part, sub, clique, sizes)
+                else:
+                    pushed[source] = pushed.get(source, 0.0) + _expand(part, sub, source, sizes)
+        if clique in pushed:
+            gradients[home] += pushed.pop(clique)
     return loss, gradients
 
 
@@ -373,14 +416,14 @@ def fit(tree: JunctionTree, sizes: dict[str, int], measurements: list[Measuremen
     weights = [smallest / max(m.variance, 1e-12) for m in measurements]
     measurements = [Measurement(m.clique, np.asarray(m.values, dtype=np.float64).reshape(
         (-1,) + tuple(sizes[a] for a in m.clique)), m.variance) for m in measurements]
-    homes = [tree.home(m.clique) for m in measurements]
+    margins = _Margins.of(tree, measurements)
     step = 2.0 / np.maximum(model.totals, 1.0)
     marginals = model.marginals()
-    loss, gradients = _loss_and_gradients(model, marginals, measurements, weights, homes)
+    loss, gradients = _loss_and_gradients(model, marginals, measurements, weights, margins)
     for _ in range(iterations):
         trial = [p - _per_unit(step, p) * g for p, g in zip(model.potentials, gradients)]
         trial_marginals = model.marginals(trial)
-        trial_loss, trial_gradients = _loss_and_gradients(model, trial_marginals, measurements, weights, homes)
+        trial_loss, trial_gradients = _loss_and_gradients(model, trial_marginals, measurements, weights, margins)
         accept = loss - trial_loss >= 0.5 * step * _inner(gradients, marginals, trial_marginals)
         model.potentials = _chosen(accept, trial, model.potentials)
         marginals = _chosen(accept, trial_marginals, marginals)

@@ -232,9 +232,11 @@ SYNTHESIS_MODEL_CELLS = 1 << 16
 pairs past the spanning tree are added while the model stays within it, and where the tree alone is larger (many
 units) the records follow the tree without a fit. Measured on Adult (benchmarks/synthetic_adult.py
 published_records): 2^16 and 2^17 within 0.001 of each other; 2^20 0.003 better at epsilon 3 in 13x the time."""
-SYNTHESIS_PAIR_TRIES = 8
-"""Pairs beyond the spanning tree tried per attribute (Adult's 14 attributes: all 91 pairs; 60 attributes: 480 of
-1,770, about 4 s of junction trees)."""
+SYNTHESIS_PAIR_TRIES = 240
+"""Most pairs beyond the spanning tree that may each build a junction tree to be tried (a pair inside one of the
+model's cliques already costs nothing and is kept): Adult's 14 attributes try all their pairs; with every pair
+of 60 binary attributes dependent, the pairs take about 4 s, of 120 about 13 s (the model's cliques grow to 16
+attributes), beside the tens of minutes such a release's post-processing takes."""
 SYNTHESIS_ITERATIONS = 300
 """Mirror-descent iterations of that fit (`transforms.units.graphical.fit`), from the spanning tree's model."""
 
@@ -268,8 +270,7 @@ def _model_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQuery 
         unit, codes = sample_tree(totals, root, attributes, tree_pairs, [found[p] for p in tree_pairs],
                                   _public_seed(plan))  # the tree alone: no fit over so many units
         return unit, [codes[a] for a in attributes]
-    pairs = _model_pairs(attributes, sizes, units, tree_pairs, scores)
-    tree = graphical.junction_tree(attributes, pairs, sizes)
+    pairs, tree = _model_pairs(attributes, sizes, units, tree_pairs, scores)
     start = graphical.tree_start(tree, sizes, totals, attributes[0], root, edges)
     measurements = [graphical.Measurement(pair, found[pair], 1.0) for pair in pairs]
     model = graphical.fit(tree, sizes, measurements, totals, SYNTHESIS_ITERATIONS, start=start)
@@ -279,18 +280,33 @@ def _model_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQuery 
 
 
 def _model_pairs(attributes: list[str], sizes: dict[str, int], units: int, tree_pairs: list[tuple[str, str]],
-                 scores: dict[tuple[str, str], float]) -> list[tuple[str, str]]:
-    """The spanning tree's pairs, then the other pairs scoring above 0, highest first (ties in the query's order),
-    each kept while the model's junction tree stays within SYNTHESIS_MODEL_CELLS; at most
-    SYNTHESIS_PAIR_TRIES per attribute are tried (each try builds a junction tree). Public: published values."""
+                 scores: dict[tuple[str, str], float]):
+    """(The spanning tree's pairs, then the other pairs scoring above 0, highest first (ties in the query's order),
+    each kept while the model stays within SYNTHESIS_MODEL_CELLS; the model's junction tree.) A pair inside one of
+    the model's cliques is kept as it is; any other is tried by building the junction tree of the model's cliques
+    and the pair (a chordal graph and one edge), at most SYNTHESIS_PAIR_TRIES of them. Public: published values."""
     from dprelease.transforms.units.graphical import junction_tree
 
     pairs = list(tree_pairs)
-    extra = [pair for pair in sorted(scores, key=lambda p: -scores[p]) if scores[pair] > 0 and pair not in pairs]
-    for pair in extra[:SYNTHESIS_PAIR_TRIES * len(attributes)]:  # sorted is stable
-        if junction_tree(attributes, pairs + [pair], sizes).cells(sizes) * units <= SYNTHESIS_MODEL_CELLS:
+    model = junction_tree(attributes, pairs, sizes)
+    tried = 0
+    held = set(pairs)
+    for pair in sorted(scores, key=lambda p: -scores[p]):  # stable
+        if scores[pair] <= 0 or pair in held:
+            continue
+        if any(set(pair) <= set(clique) for clique in model.cliques):
             pairs.append(pair)
-    return pairs
+            held.add(pair)
+            continue
+        if tried == SYNTHESIS_PAIR_TRIES:
+            continue
+        tried += 1
+        grown = junction_tree(attributes, list(model.cliques) + [pair], sizes)
+        if grown.cells(sizes) * units <= SYNTHESIS_MODEL_CELLS:
+            pairs.append(pair)
+            held.add(pair)
+            model = grown
+    return pairs, model
 
 
 def _record_totals(hierarchy: HierarchyQuery | None, level: str, units: int, root: np.ndarray, published: dict,

@@ -91,19 +91,22 @@ def _elimination_cliques(attributes: tuple[str, ...], cliques: list[Clique], siz
         for a in clique:
             neighbours[a].update(b for b in clique if b != a)
     left = list(attributes)
+    remaining = set(attributes)
+    position = {a: i for i, a in enumerate(attributes)}
     found: list[Clique] = []
     while left:
         def cost(a: str) -> tuple[int, int, int]:
-            around = [b for b in neighbours[a] if b in left]
+            around = [b for b in neighbours[a] if b in remaining]
             fill = sum(1 for i, b in enumerate(around) for c in around[i + 1:] if c not in neighbours[b])
-            return fill, sizes[a] * math.prod(sizes[b] for b in around), attributes.index(a)
+            return fill, sizes[a] * math.prod(sizes[b] for b in around), position[a]
 
         chosen = min(left, key=cost)
-        around = [b for b in neighbours[chosen] if b in left]
+        around = sorted((b for b in neighbours[chosen] if b in remaining), key=position.__getitem__)
         for b in around:
             neighbours[b].update(c for c in around if c != b)
         found.append(_ordered(attributes, [chosen, *around]))
         left.remove(chosen)
+        remaining.discard(chosen)
     return found
 
 

@@ -254,7 +254,7 @@ def _model_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQuery 
     published tables and a public seed. The fit is floating point with accept/reject steps: the same records
     wherever numpy computes the same floats (the same platform and library versions)."""
     from dprelease.transforms.units import graphical
-    from dprelease.transforms.units.tree_model import tree_edges
+    from dprelease.transforms.units.tree_model import tree_steps
 
     attributes = list(query.attributes)
     with_variances = {pair: _pair_table(plan, query, *pair, published) for pair in itertools.combinations(attributes, 2)}
@@ -262,15 +262,16 @@ def _model_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQuery 
     sizes = {a: int(found[pair].shape[1 + pair.index(a)]) for pair in found for a in pair}
     scores = {pair: dependence_score(*table_variance) for pair, table_variance in with_variances.items()}
     tree_pairs = spanning_tree(attributes, scores)
-    edges = [(parent, child, found[tree_pairs[i]] if tree_pairs[i][0] == parent else np.swapaxes(found[tree_pairs[i]], 1, 2))
-             for parent, child, i in tree_edges(attributes, tree_pairs)]
+    _, steps = tree_steps(attributes, tree_pairs, [found[p] for p in tree_pairs])
+    edges = [(separator[0], child, table) for separator, child, table in steps]  # away from attributes[0]
     root = edges[0][2].sum(axis=2).reshape(units, -1)
     totals = _record_totals(hierarchy, level, units, root, published, max_records)
-    if graphical.junction_tree(attributes, tree_pairs, sizes).cells(sizes) * units > SYNTHESIS_MODEL_CELLS:
+    tree = graphical.junction_tree(attributes, tree_pairs, sizes)
+    if tree.cells(sizes) * units > SYNTHESIS_MODEL_CELLS:
         unit, codes = sample_tree(totals, root, attributes, tree_pairs, [found[p] for p in tree_pairs],
                                   _public_seed(plan))  # the tree alone: no fit over so many units
         return unit, [codes[a] for a in attributes]
-    pairs, tree = _model_pairs(attributes, sizes, units, tree_pairs, scores)
+    pairs, tree = _model_pairs(attributes, sizes, units, tree_pairs, tree, scores)
     start = graphical.tree_start(tree, sizes, totals, attributes[0], root, edges)
     measurements = [graphical.Measurement(pair, found[pair], 1.0) for pair in pairs]
     model = graphical.fit(tree, sizes, measurements, totals, SYNTHESIS_ITERATIONS, start=start)
@@ -280,15 +281,15 @@ def _model_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQuery 
 
 
 def _model_pairs(attributes: list[str], sizes: dict[str, int], units: int, tree_pairs: list[tuple[str, str]],
-                 scores: dict[tuple[str, str], float]):
+                 model, scores: dict[tuple[str, str], float]):
     """(The spanning tree's pairs, then the other pairs scoring above 0, highest first (ties in the query's order),
-    each kept while the model stays within SYNTHESIS_MODEL_CELLS; the model's junction tree.) A pair inside one of
+    each kept while the model stays within SYNTHESIS_MODEL_CELLS; the model's junction tree), from `model`, the
+    junction tree of the spanning tree's pairs. A pair inside one of
     the model's cliques is kept as it is; any other is tried by building the junction tree of the model's cliques
     and the pair (a chordal graph and one edge), at most SYNTHESIS_PAIR_TRIES of them. Public: published values."""
     from dprelease.transforms.units.graphical import junction_tree
 
     pairs = list(tree_pairs)
-    model = junction_tree(attributes, pairs, sizes)
     tried = 0
     held = set(pairs)
     for pair in sorted(scores, key=lambda p: -scores[p]):  # stable

@@ -90,22 +90,20 @@ def _elimination_cliques(attributes: tuple[str, ...], cliques: list[Clique], siz
     for clique in cliques:
         for a in clique:
             neighbours[a].update(b for b in clique if b != a)
-    left = list(attributes)
     remaining = set(attributes)
     position = {a: i for i, a in enumerate(attributes)}
     found: list[Clique] = []
-    while left:
+    while remaining:
         def cost(a: str) -> tuple[int, int, int]:
             around = [b for b in neighbours[a] if b in remaining]
             fill = sum(1 for i, b in enumerate(around) for c in around[i + 1:] if c not in neighbours[b])
             return fill, sizes[a] * math.prod(sizes[b] for b in around), position[a]
 
-        chosen = min(left, key=cost)
+        chosen = min(remaining, key=cost)  # the cost ends in the attribute's position: no ties
         around = sorted((b for b in neighbours[chosen] if b in remaining), key=position.__getitem__)
         for b in around:
             neighbours[b].update(c for c in around if c != b)
         found.append(_ordered(attributes, [chosen, *around]))
-        left.remove(chosen)
         remaining.discard(chosen)
     return found
 
@@ -259,23 +257,14 @@ def _spanning_table(tree: JunctionTree, sizes: dict[str, int], tables: list[np.n
     the tree is the product of its cliques' tables over the product of its separators' tables: the part joining
     the first clique holding each attribute (paths up to their common ancestor), eliminated leaves first, each
     message keeping its separator and the attributes of `clique` met below it."""
-    homes = {tree.home((a,)) for a in clique}
-    part: set[int] = set()
-    for i in homes:
+    paths = []  # each home's path to the root
+    for i in {tree.home((a,)) for a in clique}:
         path = [i]
         while tree.parents[path[-1]] >= 0:
             path.append(tree.parents[path[-1]])
-        part.update(path)
-    # the common ancestor: the deepest clique on every path to the root
-    ancestors = None
-    for i in homes:
-        chain = {i}
-        while tree.parents[i] >= 0:
-            i = tree.parents[i]
-            chain.add(i)
-        ancestors = chain if ancestors is None else ancestors & chain
-    top = max(ancestors)
-    part = {i for i in part if i == top or _below(tree, i, top)}
+        paths.append(path)
+    top = max(set.intersection(*(set(path) for path in paths)))  # the deepest clique on every path
+    part = {i for path in paths for i in path[:path.index(top) + 1]}
     wanted = set(clique)
     messages: dict[int, tuple[Clique, np.ndarray]] = {}
     for i in sorted(part, reverse=True):
@@ -291,14 +280,6 @@ def _spanning_table(tree: JunctionTree, sizes: dict[str, int], tables: list[np.n
         kept = tuple(a for a in members if a in keep)
         messages[i] = (kept, _sum_to(values, members, kept))
     return messages[top][1]
-
-
-def _below(tree: JunctionTree, i: int, top: int) -> bool:
-    while tree.parents[i] >= 0:
-        i = tree.parents[i]
-        if i == top:
-            return True
-    return False
 
 
 def _product(attributes: tuple[str, ...], sizes: dict[str, int], a: Clique, x: np.ndarray, b: Clique, y: np.ndarray

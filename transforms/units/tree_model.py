@@ -179,8 +179,8 @@ def sample_junction(unit_totals: np.ndarray, root: str, root_table: np.ndarray, 
     return unit, codes
 
 
-def _tree_steps(attributes: list[str], pairs: list[tuple[str, str]], pair_tables: list[np.ndarray]
-                ) -> tuple[list[tuple[str, str, int]], list[Step]]:
+def tree_steps(attributes: list[str], pairs: list[tuple[str, str]], pair_tables: list[np.ndarray]
+               ) -> tuple[list[tuple[str, str, int]], list[Step]]:
     """A tree of pairs as junction steps away from the first attribute (`tree_edges`), each pair's table as
     (units, parent, child)."""
     edges = tree_edges(attributes, pairs)
@@ -198,7 +198,7 @@ def tree_tables(unit_totals: np.ndarray, root_table: np.ndarray, attributes: lis
     (units, size), each pair's table (units, size a, size b)), nonnegative integers that add up exactly, per
     unit (every pair's margins are the 1-way tables).
     Post-processing: a unit's tables depend on that unit's inputs only."""
-    edges, steps = _tree_steps(attributes, pairs, pair_tables)
+    edges, steps = tree_steps(attributes, pairs, pair_tables)
     one_way, dealt = junction_tables(unit_totals, attributes[0], root_table, steps, margins,
                                      None if variances is None else [variances[i] for _, _, i in edges])
     out: list[np.ndarray | None] = [None] * len(pairs)
@@ -213,6 +213,6 @@ def sample_tree(unit_totals: np.ndarray, root_table: np.ndarray, attributes: lis
     """`sample_junction` along a tree of 2-way tables rooted at the first attribute: records tabulating exactly
     to `tree_tables` of the same inputs. `root_table`: (units, size) table of the first attribute;
     `pair_tables[i]`: (units, size a, size b) table of pairs[i] = (a, b)."""
-    edges, steps = _tree_steps(attributes, pairs, pair_tables)
+    edges, steps = tree_steps(attributes, pairs, pair_tables)
     return sample_junction(unit_totals, attributes[0], root_table, steps, seed, margins,
                            None if variances is None else [variances[i] for _, _, i in edges])

@@ -176,14 +176,16 @@ def _path_lines(plan) -> list[str]:
                              "than the tables)",
             "tables": "no joint (over the per-unit limit): each table rounded on its own",
             "tree": "the tree of the chosen 2-way tables (MST): tables that add up, no joint formed",
-            "junction": "the junction tree of the chosen tables (AIM-style): tables that add up, no joint formed"}
+            "junction": "the junction tree of the chosen tables (AIM-style): tables that add up, no joint formed",
+            "model": "a graphical model of the chosen tables (AIM; they may close cycles), fitted per unit: tables "
+                     "that add up, no joint formed"}
     for q in plan.spec.queries:
         if isinstance(q, MarginalsQuery):
             units = plan.table(next(t.name for t in plan.tables if t.query == q.name)).dims[0].size if q.within else 1
             path = marginals_path(plan, q)
             lines.append(f"Marginals {q.name}: {what[path]}; {joint_size(plan, q) // units:,} joint cells per unit"
                          + (f", {joint_size(plan, q):,} in all, fitted a chunk of units at a time"
-                            if path not in ("tables", "tree", "junction") else ""))
+                            if path not in ("tables", "tree", "junction", "model") else ""))
             if not q.selects:
                 lines.append(_strategy_line(plan, q))
             elif q.name in plan.spec.auto_selections:
@@ -491,8 +493,10 @@ def synthesize(release_dir: str, out: Path | None, overwrite: bool, max_records:
                   f"{printable(written.path)}", soft_wrap=True)
     console.print(f"Tabulating them reproduces exactly: {', '.join(synthetic.reproduced) or 'none'}")
     if synthetic.not_reproduced:
-        console.print("Not reproduced (tables of other queries, or a hierarchy whose integers differ from those of "
-                      f"the records' source; see the utility report): {', '.join(synthetic.not_reproduced)}")
+        console.print("Not reproduced (tables of other queries, a hierarchy whose integers differ from those of "
+                      "the records' source, or the tables of a `select: aim` model that close cycles, which the "
+                      "records follow up to the model's fit; see the utility report): "
+                      f"{', '.join(synthetic.not_reproduced)}")
     if synthetic.utility:
         worst = max(synthetic.utility, key=lambda row: row["l1_to_measurements_per_record"])
         console.print(f"Utility (L1 of the records' tabulation to the noisy measurements, per record): largest "

@@ -25,7 +25,7 @@ from .plan import SelectionPlan, Plan, TablePlan
 from .debiased import local_section
 from .postprocessing import EstimateVariances, estimate_variances, steps_applied
 
-MANIFEST_VERSION = 7
+MANIFEST_VERSION = 8
 """2: one global least-squares estimate behind the count tables, its per-cell variance in the tables and
 the manifest. 3: the ledger block states what the release cost (`charged`, also for a free re-run) beside
 what the run added (`charged_by_this_run`) and every budget period charged; invariants state which
@@ -37,9 +37,14 @@ is structured and allow-listed (`invocation`), no command line. 7: a published m
 approx budget is measured by its workload-optimal split (`transforms.strategy`) unless its spec says `strategy:
 direct`; releases of versions 1 to 6 are re-planned with every such query measured directly, as they were. verify
 still checks versions 1 to 6 against the rules of their time. Any change to the optimisation (its iterations,
-loss, thresholds or grid) changes plans: it needs a new version, and the old behaviour kept for the old ones."""
+loss, thresholds or grid) changes plans: it needs a new version, and the old behaviour kept for the old ones.
+8: a `select: aim` query within `transforms.aim_model.uses_cycles` (candidates x attributes^2, units) chooses among every table
+that keeps its graphical model within the cap, tables that close cycles included, for twice as many rounds, and its
+tables are post-processed as the margins of that model (`marginals_model`); releases of versions 5 to 7 are
+re-planned with the junction tree grown one attribute a round, as they were."""
 SELECTION_LOSS_VERSION = 6
 OPTIMAL_MARGINALS_VERSION = 7
+AIM_CYCLES_VERSION = 8
 DEPENDENCIES = ["numpy", "pyarrow", "pydantic", "PyYAML", "cryptography", "click", "rich"]
 NEIGHBOURING_NOTE = {
     "add_remove": "neighbouring inputs differ by adding or removing one privacy unit with all its records",
@@ -342,11 +347,26 @@ def selection_record(selection: SelectionPlan, version: int = MANIFEST_VERSION) 
     return record
 
 
+AIM_MODEL_SCORE = ("L1 distance between the candidate's bounded counts and the model's estimate of its table: the "
+                   "graphical model of every table released so far (the 1-way tables and the tables chosen in "
+                   "earlier rounds, weighted by their public noise variances), its junction tree fitted by "
+                   "200 iterations of entropic mirror descent warm from the round before's model, the candidate's "
+                   "table read from it and rounded to integers per cell; less round(sqrt(2/pi) * sigma * cells), "
+                   "AIM's Gaussian approximation of the expected L1 error of measuring it (sigma: the chosen tables' "
+                   "noise standard deviation; a public constant per candidate)")
+AIM_MODEL_CANDIDATES = ("every table of 2 to degree + 1 attributes not chosen yet whose addition keeps the model (the "
+                        "junction tree of the 1-way tables, the chosen tables and it) within 65,536 cells per unit "
+                        "and 33,554,432 over all units (a candidate over the cap is not offered again); tables among "
+                        "attributes the model holds close cycles; a round left without a candidate ends the "
+                        "selection, the rounds left unused still accounted")
+
+
 def _aim_record(selection: SelectionPlan) -> dict:
-    """A `select: aim` selection as the manifest states it (version 5 on)."""
+    """A `select: aim` selection as the manifest states it (version 5 on; over a capped model, version 8 on)."""
     record = {
         "name": selection.name, "query": selection.query, "method": "aim", "degree": selection.degree,
-        "score": AIM_SCORE, "candidates_rule": AIM_CANDIDATES,
+        "score": AIM_MODEL_SCORE if selection.cycles else AIM_SCORE,
+        "candidates_rule": AIM_MODEL_CANDIDATES if selection.cycles else AIM_CANDIDATES,
         "rounds": selection.rounds, "candidates": len(selection.candidates),
         **measurement_record(selection.event),
         "chosen": None if selection.chosen is None else [list(clique) for clique in selection.chosen],

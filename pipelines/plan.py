@@ -25,6 +25,7 @@ from dprelease.accounting.sensitivity import (ContributionBounds, Sensitivity, c
                                               unit_count_sensitivity)
 from dprelease.transforms.aggregate import TableLayout
 from dprelease.transforms.aim import attribute_weights, junction_steps, largest_weight
+from dprelease.transforms.aim_model import all_candidates, check_chosen, cycle_rounds, uses_cycles
 from dprelease.transforms.mst import Components, workload_weights
 from dprelease.transforms.domains import (NATION, CategoricalDomain, Dimension, Domain, GeographyDomain,
                                           IntegerDomain, MeasureDomain, dimension, measure_key)
@@ -126,19 +127,23 @@ Clique = tuple[str, ...]
 class SelectionPlan:
     """The adaptive part of a `select: mst` or `select: aim` marginals query.
 
-    `rounds` = attributes - 1 exponential-mechanism selections, calibrated to `event`'s score sensitivity, each
-    chosen table then measured like any table with `pair_event`'s mechanism (every chosen table the same share).
+    `rounds` exponential-mechanism selections (attributes - 1; a selection over a capped model,
+    `transforms.aim_model.cycle_rounds`), calibrated to `event`'s score sensitivity, each chosen table then
+    measured like any table with `pair_event`'s mechanism (every chosen table the same share).
     mst (MST, McKenna, Miklau and Sheldon 2021): each round among the candidate pairs that join two components of
     the tree chosen so far, scored against the estimate from the measured 1-way tables (`transforms.mst`).
-    aim (AIM-style, McKenna et al. 2022): each round among the tables of a new attribute and a separator of up to
-    `degree` attributes inside a table already chosen, scored against the model of the measurements so far, the
-    chosen table measured before the next round (`transforms.aim`). `candidates`: every table a round could
-    choose. `chosen` is None until the run selects (the plan before data is read).
+    aim (McKenna et al. 2022): with `cycles`, each round among every table of 2 to `degree` + 1 attributes not
+    chosen yet that keeps the graphical model of the measurements within its cap, tables that close cycles
+    included (`transforms.aim_model`); without (manifest version 7 or earlier, too many candidates or units), among the
+    tables of a new attribute and a separator of up to `degree` attributes inside a table already chosen
+    (`transforms.aim`); each scored against the model of the measurements so far, the chosen table measured
+    before the next round. `candidates`: every table a round could choose. `chosen` is None until the run
+    selects (the plan before data is read).
 
     Privacy: the selections compose with the measurements (`Plan.events`): `event` accounts all `rounds`
     (pure: rounds * epsilon; zCDP: rounds * epsilon^2 / 8, bounded range) and the chosen tables' measurements
-    are accounted at their planned share whichever tables are chosen, so the total is known before any data is
-    read.
+    are accounted at their planned share whichever tables are chosen, a round left without a candidate's
+    included (`unused_rounds`), so the total is known before any data is read.
     """
 
     query: str
@@ -155,6 +160,9 @@ class SelectionPlan:
     attribute_weights: tuple[tuple[str, int], ...] | None = None
     """aim: each attribute's workload weight (`transforms.aim.attribute_weights`), a clique weighing their sum;
     None without a workload (every clique 1)."""
+    cycles: bool = False
+    """aim: the rounds choose among every candidate that keeps the model within its cap, tables that close cycles
+    included (`transforms.aim_model`, manifest version 8 on); False: a junction tree grown one attribute a round."""
 
     @property
     def name(self) -> str:
@@ -162,8 +170,13 @@ class SelectionPlan:
 
     def events(self) -> list[MeasurementEvent]:
         """The selection and, while the tables are still to be chosen, their measurements (once each)."""
-        pending = [self.pair_event] * self.rounds if self.chosen is None else []
-        return [self.event, *pending]
+        return [self.event, *[self.pair_event] * self.unused_rounds]
+
+    @property
+    def unused_rounds(self) -> int:
+        """Rounds whose table is not chosen (yet): every round before the selection; after it, the rounds a
+        selection over a capped model left without a candidate (`transforms.aim_model`), accounted all the same."""
+        return self.rounds - len(self.chosen or ())
 
 
 @dataclass(frozen=True)
@@ -180,6 +193,10 @@ class Plan:
     optimal_marginals: bool = True
     """Published marginals queries measured by their workload-optimal split (`measured_strategy`); False
     re-plans a release of manifest version 6 or earlier, when every query was measured directly."""
+    aim_cycles: bool = True
+    """`select: aim` queries choose tables that close cycles (`transforms.aim_model`) where they have at most
+    `aim_model.uses_cycles` (candidates x attributes^2, units); False re-plans a release of manifest version 7 or earlier, whose
+    rounds grew a junction tree one attribute a round."""
 
     def events(self) -> list[MeasurementEvent]:
         """Every measurement the release composes: its measured tables, its selections, and the tables still
@@ -381,13 +398,14 @@ def direct_reason(query: MarginalsQuery, spec: ReleaseSpec, enabled: bool = True
 
 
 def _marginal_weights(query: MarginalsQuery, spec: ReleaseSpec, domains, chosen: tuple[Pair, ...] | None,
-                      optimal: bool) -> list[tuple[tuple[str, ...], Fraction]]:
+                      optimal: bool, rounds: int | None) -> list[tuple[tuple[str, ...], Fraction]]:
     """Every table of a marginals query with its budget weight: a selected query's 1-way tables and chosen
-    tables (fixed shares); a published query's strategy (`measured_strategy`), or its t-way tables alike."""
+    tables (fixed shares: each chosen table one of `rounds`); a published query's strategy (`measured_strategy`),
+    or its t-way tables alike."""
     if query.selects:
         r = len(query.attributes)
         return [((a,), ONE_WAY_SHARE / r) for a in query.attributes] + \
-            [(tuple(c), PAIR_SHARE / (r - 1)) for c in chosen or []]
+            [(tuple(c), PAIR_SHARE / rounds) for c in chosen or []]
     strategy = measured_strategy(query, spec, domains, optimal)
     if strategy is None:
         return [(combo, Fraction(1)) for combo in _workload(query)]
@@ -423,8 +441,9 @@ def _compact_parts(parts: dict[str, Fraction], sensitivity: Sensitivity) -> dict
 
 
 def _query_tables(query, spec: ReleaseSpec, domains, chosen: tuple[Pair, ...] | None = None,
-                  optimal: bool = True) -> list[TableShape]:
-    """Every table a query asks for (a `select: mst` or `aim` query: its 1-way tables and the `chosen` tables)."""
+                  optimal: bool = True, rounds: int | None = None) -> list[TableShape]:
+    """Every table a query asks for (a `select: mst` or `aim` query: its 1-way tables and the `chosen` tables,
+    each one of the selection's `rounds`)."""
     if isinstance(query, HistogramQuery):
         return [TableShape(query.name, _dims(query.by, domains))]
     if isinstance(query, CountUnitsQuery):
@@ -440,7 +459,7 @@ def _query_tables(query, spec: ReleaseSpec, domains, chosen: tuple[Pair, ...] | 
     if isinstance(query, MarginalsQuery):
         prefix = _dims([query.within], domains) if query.within else []
         return [TableShape(table_name(query.name, combo), prefix + _dims(list(combo), domains), weight=weight)
-                for combo, weight in _marginal_weights(query, spec, domains, chosen, optimal)]
+                for combo, weight in _marginal_weights(query, spec, domains, chosen, optimal, rounds)]
     assert isinstance(query, HierarchyQuery)
     tables = []
     by = _dims(query.by, domains)
@@ -522,15 +541,20 @@ def check_junction_tree(query: MarginalsQuery, cliques) -> tuple[Clique, ...]:
 
 
 def _selection(query: MarginalsQuery, share: Fraction, bounds: ContributionBounds, definition: str,
-               chosen) -> SelectionPlan:
+               chosen, domains, cycles_allowed: bool) -> SelectionPlan:
     """The selection of a `select: mst` or `aim` query: its exponential mechanism and the chosen tables'
-    mechanism, each calibrated to its exact share of the query's budget."""
+    mechanism, each calibrated to its exact share of the query's budget (every round's, chosen or not)."""
     r = len(query.attributes)
+    rounds = r - 1
+    cycles = False
     workload = None if query.workload is None else [(tuple(m.attributes), m.weight) for m in query.workload]
     weights = per_attribute = None
     if query.select == "aim":
         degree = query.aim_degree
-        candidates = tuple(c for size in range(2, degree + 2) for c in itertools.combinations(query.attributes, size))
+        candidates = all_candidates(query.attributes, degree)
+        cycles = cycles_allowed and uses_cycles(query.attributes, candidates, selection_shape(query, domains)[1])
+        if cycles:
+            rounds = cycle_rounds(query.attributes, candidates)
         if workload is not None:
             per_attribute = tuple(attribute_weights(list(query.attributes), workload).items())
         score = mst_score_sensitivity(bounds, largest_weight(dict(per_attribute or ()), degree), "aim")
@@ -541,36 +565,58 @@ def _selection(query: MarginalsQuery, share: Fraction, bounds: ContributionBound
         score = mst_score_sensitivity(bounds, max(weights) if weights else 1)
     selection_share = share * SELECTION_SHARE
     selection = MeasurementEvent(f"{query.name}.selection",
-                                 calibrate_selection(selection_share, r - 1, definition, f"selection {query.name}"),
+                                 calibrate_selection(selection_share, rounds, definition, f"selection {query.name}"),
                                  score, selection_share)
-    pair_share = share * PAIR_SHARE / (r - 1)
+    pair_share = share * PAIR_SHARE / rounds
     counts = count_sensitivity(bounds)
     where = f"{'chosen' if query.select == 'aim' else '2-way'} tables of {query.name}"
     mechanism = calibrate_laplace(pair_share, counts, where) if definition == "pure" else \
         calibrate_gaussian(pair_share, counts, where)
     if chosen is None:
         tables = None
+    elif cycles:
+        tables = check_cycle_selection(query, candidates, chosen, rounds, domains)
     else:
         tables = check_junction_tree(query, chosen) if query.select == "aim" else check_spanning_tree(query, chosen)
     measured = f"{query.name}.{'clique' if query.select == 'aim' else 'pair'}"
-    return SelectionPlan(query.name, candidates, r - 1, selection, MeasurementEvent(measured, mechanism, counts, pair_share),
-                         tables, weights, query.select, degree, per_attribute)
+    return SelectionPlan(query.name, candidates, rounds, selection, MeasurementEvent(measured, mechanism, counts, pair_share),
+                         tables, weights, query.select, degree, per_attribute, cycles)
+
+
+def selection_shape(query: MarginalsQuery, domains) -> tuple[dict[str, int], int]:
+    """(Each attribute's domain size, the units of the query's `within` level, 1 without one): public."""
+    units = _dims([query.within], domains)[0].size if query.within else 1
+    return _attribute_sizes(query, domains), units
+
+
+def check_cycle_selection(query: MarginalsQuery, candidates, chosen, rounds: int, domains) -> tuple[Clique, ...]:
+    """The chosen tables as a tuple when a selection over a capped model could have chosen them
+    (`transforms.aim_model.check_chosen`); SelectionError (naming the problem) otherwise."""
+    cliques = tuple(tuple(c) for c in chosen)
+    sizes, units = selection_shape(query, domains)
+    try:
+        check_chosen(list(query.attributes), candidates, list(cliques), rounds, sizes, units)
+    except ValueError as error:
+        raise SelectionError(f"selection of {query.name!r}: {error}") from None
+    return cliques
 
 
 def build_plan(spec: ReleaseSpec, base_dir: Path, reader: DomainReader | None = None,
-               chosen: dict[str, tuple[Clique, ...]] | None = None, optimal_marginals: bool = True) -> Plan:
+               chosen: dict[str, tuple[Clique, ...]] | None = None, optimal_marginals: bool = True,
+               aim_cycles: bool = True) -> Plan:
     """Plan a release from its spec. Privacy: sensitivity comes from `count_sensitivity` of the
     declared bounds; each table's mechanism is calibrated to its exact share of the budget. Domain files
     are read by `reader` (default: relative to `base_dir`). `chosen`: the tables each `select: mst` or `aim`
     query chose (from a run or a manifest); without them the plan is the one before data is read.
-    `optimal_marginals`: False for a release of manifest version 6 or earlier (`Plan.optimal_marginals`)."""
-    return plan_over(spec, build_domains(spec, base_dir, reader), chosen, optimal_marginals)
+    `optimal_marginals`: False for a release of manifest version 6 or earlier (`Plan.optimal_marginals`);
+    `aim_cycles`: False for one of version 7 or earlier (`Plan.aim_cycles`)."""
+    return plan_over(spec, build_domains(spec, base_dir, reader), chosen, optimal_marginals, aim_cycles)
 
 
 def with_selections(plan: Plan, chosen: dict[str, tuple[Clique, ...]]) -> Plan:
     """The plan once its selections are made: the chosen tables in place of the pending ones (the same budget,
     mechanisms and totals)."""
-    return plan_over(plan.spec, plan.domains, chosen, plan.optimal_marginals)
+    return plan_over(plan.spec, plan.domains, chosen, plan.optimal_marginals, plan.aim_cycles)
 
 
 def candidate_tables(plan: Plan, selection: SelectionPlan, cliques=None, released: bool = False) -> list[TablePlan]:
@@ -626,9 +672,10 @@ def candidate_cells(plan: Plan, selection: SelectionPlan) -> list[int]:
 def selection_passes(plan: Plan) -> int:
     """An upper bound on the passes over the input a run's selections make (public: from the plan). mst: one.
     aim: per round, at most 2 ceil(cells / AIM_ROUND_CELLS) + 1 passes (`selection._passes` packs candidates in
-    order, so two consecutive passes hold more than AIM_ROUND_CELLS), the round's cells bounded by every
-    candidate's together and by its count of candidates times the largest: the separators of at most `degree`
-    of the attributes held (every attribute of the first round's pairs) with every attribute not held."""
+    order, so two consecutive passes hold more than AIM_ROUND_CELLS), the round's cells every candidate's
+    together over a capped model (`SelectionPlan.cycles`), else bounded by those and by its count of candidates
+    times the largest: the separators of at most `degree` of the attributes held (every attribute of the first
+    round's pairs) with every attribute not held."""
     passes = 0
     for s in plan.selections:
         if s.chosen is not None:
@@ -637,6 +684,9 @@ def selection_passes(plan: Plan) -> int:
             passes += 1
             continue
         sizes = candidate_cells(plan, s)
+        if s.cycles:  # every round weighs at most every candidate
+            passes += s.rounds * (2 * -(-sum(sizes) // AIM_ROUND_CELLS) + 1)
+            continue
         attributes = s.rounds + 1
         for round_ in range(s.rounds):
             held = round_ + 1
@@ -664,7 +714,7 @@ def selection_cells(plan: Plan) -> int:
 
 
 def plan_over(spec: ReleaseSpec, domains: dict[str, Domain], chosen: dict[str, tuple[Clique, ...]] | None,
-              optimal_marginals: bool = True) -> Plan:
+              optimal_marginals: bool = True, aim_cycles: bool = True) -> Plan:
     """`build_plan` over domains already built."""
     chosen = chosen or {}
     unknown = sorted(set(chosen) - {q.name for q in spec.queries if getattr(q, "selects", False)})
@@ -681,8 +731,10 @@ def plan_over(spec: ReleaseSpec, domains: dict[str, Domain], chosen: dict[str, t
     for query, share in zip(spec.queries, query_shares):
         selected = isinstance(query, MarginalsQuery) and query.selects
         if selected:
-            selections.append(_selection(query, share, bounds, definition, chosen.get(query.name)))
-        shapes = _query_tables(query, spec, domains, selections[-1].chosen if selected else None, optimal_marginals)
+            selections.append(_selection(query, share, bounds, definition, chosen.get(query.name), domains,
+                                         aim_cycles))
+        shapes = _query_tables(query, spec, domains, selections[-1].chosen if selected else None, optimal_marginals,
+                               selections[-1].rounds if selected else None)
         noisy = [shape for shape in shapes if shape.name not in spec.invariants]
         if selected:  # fixed shares (1-way, pairs, selection: a third each), the same before and after choosing
             parts = {shape.name: share * shape.weight for shape in noisy}
@@ -718,7 +770,7 @@ def plan_over(spec: ReleaseSpec, domains: dict[str, Domain], chosen: dict[str, t
         raise ArithmeticError("the allocation does not sum to the budget")
     totals = compose(events, spec.budget.definition, getattr(spec.budget, "delta", None))
     return Plan(spec, domains, bounds, sensitivity, total, tuple(tables), totals, tuple(means), tuple(selections),
-                optimal_marginals)
+                optimal_marginals, aim_cycles)
 
 
 __all__ = ["Plan", "TablePlan", "SelectionPlan", "Pair", "with_selections", "candidate_tables", "HierarchyLink", "MeanOutput", "Measure", "build_plan", "build_domains", "NATION"]

@@ -49,12 +49,13 @@ table-by-table path. Public: from the plan."""
 
 
 def marginals_path(plan: Plan, query: MarginalsQuery) -> str:
-    """'joint', 'fitted_tables', 'tables', 'tree' (`select: mst`) or 'junction' (`select: aim`): how a marginals
-    query's integer tables are made (public)."""
+    """'joint', 'fitted_tables', 'tables', 'tree' (`select: mst`), 'model' (`select: aim` over a capped model, its
+    tables may close cycles) or 'junction' (`select: aim` of manifest version 7 or earlier, or with too many
+    candidates): how a marginals query's integer tables are made (public)."""
     if query.select == "mst":
         return "tree"
     if query.select == "aim":
-        return "junction"
+        return "model" if next(s for s in plan.selections if s.query == query.name).cycles else "junction"
     tables = [t for t in plan.tables if t.query == query.name]
     units = tables[0].dims[0].size if query.within else 1
     per_unit = joint_size(plan, query) // units
@@ -108,6 +109,13 @@ STEPS = {
                           "estimate (James-Stein factor from the public noise variance) and fitted to the "
                           "separator's count by least squares and controlled rounding: nonnegative integer tables "
                           "that add up exactly and that `synthesize`'s records reproduce",
+    "marginals_model": ESTIMATE + "; per unit, the graphical model of the query's 1-way tables and chosen tables "
+                       "(AIM; the tables may close cycles): the junction tree of their attributes' chordal "
+                       "completion, fitted to their estimates by weighted least squares over the marginal polytope "
+                       "(entropic mirror descent on the cliques' log-potentials, Private-PGM's estimator; 1000 "
+                       "iterations, the unit total fixed), its maximal cliques' tables made nonnegative integers "
+                       "dealt attribute by attribute from the unit total and each parent's separator counts; "
+                       "published tables are their margins (every shared margin and total agrees exactly)",
     "histogram": ESTIMATE + "; rounded to the nearest integer, negative values set to 0",
     "count_units": "negative noisy unit counts set to 0",
     "sum_nonnegative": "negative noisy sums set to 0 (the clamp's lower bound is >= 0)",

@@ -5,8 +5,10 @@ Runs after the budget is reserved and the key bound, before the measurements. ms
 candidate pair (bounded exactly as the release's own tables are), the query's 1-way tables are released with
 the noise the measurement stage will draw for them again (noise is a pure function of key, table and cell),
 and `transforms.mst` chooses the tree. aim: round by round, the engine counts the round's candidates, the
-tables measured so far are released (the same noise again) and fitted (`transforms.aim.JunctionModel`), and
-one candidate is chosen; its table is released in the next round. The run then continues with the plan of the
+tables measured so far are released (the same noise again) and fitted (a graphical model,
+`transforms.aim_model`; or, for a release of manifest version 7 or earlier or a query with too many candidates or units,
+the junction tree of `transforms.aim.JunctionModel`), and one candidate is chosen; its table is released in the
+next round. The run then continues with the plan of the
 chosen tables.
 Privacy: accounted in the plan before any data is read (`plan.SelectionPlan`); only the chosen tables leave
 this stage, and they are published in the manifest.
@@ -18,13 +20,15 @@ import logging
 import numpy as np
 
 from dprelease.accounting.errors import SpecError
+from dprelease.transforms import aim_model
 from dprelease.transforms.aim import JunctionModel, clique_of, clique_weight, round_candidates
+from dprelease.transforms.units.graphical import Measurement, Model
 from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.mst import CliqueEstimate, draw_round, independent_estimates, noise_penalty, select_tree
 
 from .engines.base import Engine, ProgressHook, no_progress
-from .plan import (AIM_ROUND_CELLS, Clique, Plan, SelectionPlan, TablePlan, candidate_tables, table_name,
-                   with_selections)
+from .plan import (AIM_ROUND_CELLS, Clique, Plan, SelectionPlan, TablePlan, candidate_tables, selection_shape,
+                   table_name, with_selections)
 from .source import InputSource
 
 LOG = logging.getLogger("dprelease")
@@ -48,7 +52,8 @@ def select_tables(plan: Plan, engine: Engine, source: InputSource, key: ReleaseK
     chosen = _select_trees(plan, trees, engine, source, key, progress) if trees else {}
     for selection in plan.selections:
         if selection.method == "aim":
-            chosen[selection.query] = _grow(plan, selection, engine, source, key, progress)
+            grow = _grow_model if selection.cycles else _grow
+            chosen[selection.query] = grow(plan, selection, engine, source, key, progress)
         LOG.info("selection %s: chose %d tables", selection.name, len(chosen[selection.query]))
     return with_selections(plan, chosen)
 
@@ -125,30 +130,102 @@ def _grow(plan: Plan, selection: SelectionPlan, engine: Engine, source: InputSou
         tables = candidate_tables(plan, selection, members)
         # the table the round before chose is released (counted, its noise drawn) with this round's first pass
         newest = candidate_tables(plan, selection, cliques[-1:], released=True)
-        scores: dict[str, int] = {}
         model: list[JunctionModel] = []  # fitted once a round, on its first pass (when the newest table is released)
-        for batch in _passes(list(range(len(steps))), tables):
-            def estimates(noisy: dict[str, np.ndarray], batch=batch) -> dict[str, CliqueEstimate]:
-                released.update(noisy)
-                if not model:
-                    model.append(JunctionModel.fit(
-                        attributes, {a: released[t.name].reshape(units, -1) for a, t in zip(attributes, one_way)},
-                        cliques, [released[table_name(query.name, c)].reshape(units, *[sizes[a] for a in c])
-                                  for c in cliques], variance))
-                found = model[0].estimates(attributes, [steps[i] for i in batch], sizes)
-                return {tables[i].name: estimate for i, estimate in zip(batch, found)}
 
-            counting = list(plan.tables) + newest + [tables[i] for i in batch]
-            scores.update(engine.score_candidates(plan, counting, one_way + newest, estimates, source, key, progress))
-            newest = [t for t in newest if t.name not in released]
-        penalised = [clique_weight(weights, clique) * (scores[t.name] - noise_penalty(t.n_cells, variance))
-                     for clique, t in zip(members, tables)]
-        pick = draw_round(key, selection.name, round_, penalised, selection.event.mechanism.epsilon,
-                          selection.event.sensitivity.l1)
-        cliques.append(members[pick])
-        LOG.info("selection %s: round %d of %d chose %s among %d candidates", selection.name, round_ + 1,
-                 selection.rounds, "-".join(members[pick]), len(members))
+        def estimates(noisy: dict[str, np.ndarray], batch: list[int]) -> dict[str, CliqueEstimate]:
+            released.update(noisy)
+            if not model:
+                model.append(JunctionModel.fit(
+                    attributes, {a: released[t.name].reshape(units, -1) for a, t in zip(attributes, one_way)},
+                    cliques, [released[table_name(query.name, c)].reshape(units, *[sizes[a] for a in c])
+                              for c in cliques], variance))
+            found = model[0].estimates(attributes, [steps[i] for i in batch], sizes)
+            return {tables[i].name: estimate for i, estimate in zip(batch, found)}
+
+        scores = _score_passes(plan, engine, source, key, progress, one_way, newest, tables, estimates)
+        cliques.append(_draw(selection, round_, members, tables, scores, weights, key))
     return tuple(cliques)
+
+
+def _grow_model(plan: Plan, selection: SelectionPlan, engine: Engine, source: InputSource, key: ReleaseKey,
+                progress: ProgressHook) -> tuple[Clique, ...]:
+    """A `select: aim` query's tables over a capped graphical model (`transforms.aim_model`), round by round:
+    the round's candidates (any table not chosen that keeps the model within its cap, cycles included) counted
+    in passes of at most `AIM_ROUND_CELLS` cells, each scored against the model fitted to every table released
+    so far (the 1-way tables and the tables chosen in earlier rounds), less the expected L1 error of measuring it
+    (`noise_penalty`, public) and times its workload weight (public); then one exponential-mechanism draw. A
+    round left without a candidate ends the selection (its share stays accounted)."""
+    query = plan.query(selection.query)
+    attributes = list(query.attributes)
+    one_way = _one_way_tables(plan, selection)
+    sizes, units = selection_shape(query, plan.domains)
+    variance = selection.pair_event.mechanism.variance()
+    weights = dict(selection.attribute_weights or ())
+    cliques: list[Clique] = []
+    refused: set[Clique] = set()
+    released: dict[str, np.ndarray] = {}  # the noisy values of every table released so far (public)
+    previous: list[Model] = []  # the model of the round before (a warm start)
+    for round_ in range(selection.rounds):
+        members = aim_model.round_candidates(attributes, selection.candidates, cliques, sizes, units, refused)
+        if not members:
+            LOG.info("selection %s: round %d of %d has no candidate within the model's cap; %d rounds unused",
+                     selection.name, round_ + 1, selection.rounds, selection.rounds - round_)
+            break
+        tables = candidate_tables(plan, selection, members)
+        newest = candidate_tables(plan, selection, cliques[-1:], released=True)
+        model: list[tuple[Model, list[np.ndarray]]] = []  # fitted once a round, on its first pass
+
+        def measurements() -> list[Measurement]:
+            out = [Measurement((a,), released[t.name].reshape(units, -1), float(t.noise_variance()))
+                   for a, t in zip(attributes, one_way)]
+            return out + [Measurement(c, released[table_name(query.name, c)].reshape(units, *[sizes[a] for a in c]),
+                                      float(variance)) for c in cliques]
+
+        def estimates(noisy: dict[str, np.ndarray], batch: list[int]) -> dict[str, aim_model.TableEstimate]:
+            released.update(noisy)
+            if not model:
+                fitted = aim_model.round_model(attributes, sizes, measurements(), previous[-1] if previous else None)
+                model.append((fitted, fitted.marginals()))
+                previous[:] = [fitted]
+            fitted, marginals = model[0]
+            found = aim_model.TableEstimate.of(fitted, [members[i] for i in batch], marginals)
+            return {tables[i].name: estimate for i, estimate in zip(batch, found)}
+
+        scores = _score_passes(plan, engine, source, key, progress, one_way, newest, tables, estimates)
+        cliques.append(_draw(selection, round_, members, tables, scores, weights, key))
+    return tuple(cliques)
+
+
+def _score_passes(plan: Plan, engine: Engine, source: InputSource, key: ReleaseKey, progress: ProgressHook,
+                  one_way: list[TablePlan], newest: list[TablePlan], tables: list[TablePlan],
+                  estimates) -> dict[str, int]:
+    """Every candidate's score, the candidates counted in passes of at most `AIM_ROUND_CELLS` cells (the release's
+    own tables counted beside them: the same records bounded and kept); the 1-way tables and `newest` (the table
+    the round before chose) are released with the first pass, and `estimates(noisy, batch)` gives each pass's
+    candidates' estimates from the tables released so far."""
+    scores: dict[str, int] = {}
+    for batch in _passes(list(range(len(tables))), tables):
+        counting = list(plan.tables) + newest + [tables[i] for i in batch]
+        scores.update(engine.score_candidates(plan, counting, one_way + newest,
+                                              lambda noisy, batch=batch: estimates(noisy, batch), source, key,
+                                              progress))
+        newest = []  # released by the first pass
+    return scores
+
+
+def _draw(selection: SelectionPlan, round_: int, members: list[Clique], tables: list[TablePlan],
+          scores: dict[str, int], weights: dict[str, int], key: ReleaseKey) -> Clique:
+    """One aim round's table: the exponential mechanism on the candidates' scores, each less the expected L1 error
+    of measuring it (`noise_penalty`, public) and times its workload weight (public; the plan's sensitivity is the
+    unweighted one times the largest weight)."""
+    variance = selection.pair_event.mechanism.variance()
+    penalised = [clique_weight(weights, clique) * (scores[t.name] - noise_penalty(t.n_cells, variance))
+                 for clique, t in zip(members, tables)]
+    pick = draw_round(key, selection.name, round_, penalised, selection.event.mechanism.epsilon,
+                      selection.event.sensitivity.l1)
+    LOG.info("selection %s: round %d of %d chose %s among %d candidates", selection.name, round_ + 1,
+             selection.rounds, "-".join(members[pick]), len(members))
+    return members[pick]
 
 
 def _passes(indices: list[int], tables: list[TablePlan]) -> list[list[int]]:

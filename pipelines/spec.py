@@ -327,11 +327,14 @@ class MarginalsQuery(QueryBase):
                            "mechanism (MST, McKenna et al. 2021; each pair scored less the expected error of measuring it, as in AIM) "
                            "and measure those; the query's budget splits 45% 1-way "
                            "tables, 10% selection, 45% 2-way tables, and the chosen tables are recorded in the "
-                           "manifest. 'aim' (way 2 only): AIM-style adaptive rounds (McKenna et al. 2022): after the "
-                           "1-way tables, each round chooses with the exponential mechanism one table of a new "
-                           "attribute and up to `degree` attributes of a table already measured, scored against the "
-                           "model fitted to the measurements so far, and measures it before the next round (the same "
-                           "budget split).")
+                           "manifest. 'aim' (way 2 only): AIM's adaptive rounds (McKenna et al. 2022): after the "
+                           "1-way tables, 2 x (attributes - 1) rounds, each choosing with the exponential mechanism "
+                           "one table of 2 to `degree` + 1 attributes not chosen yet (tables that close cycles "
+                           "included) that keeps the graphical model of the measurements within its cap, scored "
+                           "against that model fitted to the measurements so far, and measuring it before the next "
+                           "round (the same budget split); a query with more such tables than 2^20 / attributes^2, or "
+                           "within more than 16 units, "
+                           "grows a junction tree instead, one new attribute a round, attributes - 1 rounds.")
     strategy: Literal["optimal", "direct"] = Field(
         "optimal", description="Defaulted (optimal), for published tables (select: all) under a zcdp or approx budget: "
                                "'optimal' measures the t-way tables and their lower-way tables with the budget split "
@@ -340,8 +343,8 @@ class MarginalsQuery(QueryBase):
                                "error against 'direct'; 'direct' measures each t-way table alone, with equal shares.")
     degree: int | None = Field(
         None, ge=1, le=MAX_AIM_DEGREE, strict=True,
-        description=f"Optional, with select: aim only (default 2): the most attributes a new attribute's table joins "
-                    f"it to (1 to {MAX_AIM_DEGREE}; 1 grows a tree of 2-way tables, 2 measures 3-way tables).")
+        description=f"Optional, with select: aim only (default 2): a chosen table has up to degree + 1 attributes "
+                    f"(1 to {MAX_AIM_DEGREE}; 1 chooses 2-way tables, 2 also 3-way tables).")
     workload: list[WorkloadMarginal] | None = Field(
         None, min_length=1, max_length=MAX_WORKLOAD_MARGINALS, description="Optional, with select: mst or aim only (default: every table of the attributes, "
                                         "alike). The marginals the synthetic data should serve, weighted: each "

@@ -214,6 +214,8 @@ def _tree_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQuery |
     attributes = list(query.attributes)
     units = 1 if query.within is None else plan.domains[query.within.partition(".")[0]].level_size(level)
     if query.select == "aim":
+        if next(s for s in plan.selections if s.query == query.name).cycles:
+            return _aim_model_records(plan, query, hierarchy, level, units, published, max_records)
         return _junction_records(plan, query, hierarchy, level, units, published, max_records)
     if query.select == "mst":
         pairs = list(next(s for s in plan.selections if s.query == query.name).chosen)
@@ -336,6 +338,31 @@ def _junction_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQue
     root = published[table_name(query.name, (cliques[0][0],))].reshape(units, -1)
     totals = _record_totals(hierarchy, level, units, root, published, max_records)
     unit, codes = sample_junction(totals, cliques[0][0], root, steps, _public_seed(plan))
+    return unit, [codes[a] for a in attributes]
+
+
+def _aim_model_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQuery | None, level: str, units: int,
+                       published: dict, max_records: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Records from the graphical model of a `select: aim` query's published tables (its 1-way tables and chosen
+    tables, which may close cycles; they add up exactly, so the fit has no conflict to weigh): their junction tree
+    fitted to them (`graphical.FIT_ITERATIONS` from `graphical.measured_start`), its tables made integers adding up to the records' totals and the
+    records drawn along it (`transforms.units.graphical.records`). The records tabulate exactly to the model's
+    integer tables, which match the published tables up to the fit's residual (the published tables are the
+    margins of the release's own fit, from the unpublished estimates). Post-processing of published tables and a
+    public seed."""
+    from dprelease.transforms.units import graphical
+
+    attributes = list(query.attributes)
+    cliques = [(a,) for a in attributes] + list(next(s for s in plan.selections if s.query == query.name).chosen)
+    sizes = {a: plan.table(table_name(query.name, (a,))).dims[-1].size for a in attributes}
+    tables = {c: published[table_name(query.name, c)].reshape(units, *[sizes[a] for a in c]) for c in cliques}
+    totals = _record_totals(hierarchy, level, units, tables[(attributes[0],)], published, max_records)
+    tree = graphical.junction_tree(attributes, cliques, sizes)
+    measurements = [graphical.Measurement(c, t, 1.0) for c, t in tables.items()]
+    model = graphical.fit(tree, sizes, measurements, totals, graphical.FIT_ITERATIONS,
+                          start=graphical.measured_start(tree, sizes, totals, measurements))
+    unit, codes = graphical.records(tree, sizes, graphical.integer_tables(tree, sizes, model.marginals(), totals),
+                                    _public_seed(plan))
     return unit, [codes[a] for a in attributes]
 
 

@@ -357,7 +357,7 @@ def _check_marginals(plan: Plan, query: MarginalsQuery, readers: dict[str, Table
         (reader for (g, lvl), reader in totals.items() if lvl == NATION), None)
     if source is not None and not _unit_rows(source, units):
         source = None
-    joint = marginals_path(plan, query) in ("joint", "tree", "junction")  # each publishes tables that add up exactly
+    joint = marginals_path(plan, query) in ("joint", "tree", "junction", "model")  # each publishes tables that add up
     labels = {t.name: [d.label for d in t.dims[offset:]] for t in tables}
     first = tables[0].name
     found: set[str] = set()
@@ -377,7 +377,7 @@ def _check_marginals(plan: Plan, query: MarginalsQuery, readers: dict[str, Table
             if shared and not np.array_equal(_margin(arrays[x.name], labels[x.name], shared),
                                              _margin(arrays[y.name], labels[y.name], shared)):
                 found.add(f"{TABLES_DIR}/{x.name} and {y.name}: their shared margin over {shared} differs "
-                          "(the joint, tree and junction paths publish tables that add up)")
+                          "(the joint, tree, junction and model paths publish tables that add up)")
     problems.extend(sorted(found))
 
 

@@ -4,6 +4,7 @@ and checked by verify, post-processed into tables that add up, drawn from by `sy
 Spark and Beam."""
 from __future__ import annotations
 
+import itertools
 import json
 from fractions import Fraction
 
@@ -53,6 +54,40 @@ def test_round_candidates_grow_a_junction_tree_one_attribute_at_a_time():
             junction_steps(attributes, wrong, 2)
 
 
+def test_cycle_rounds_offer_every_table_within_the_models_cap(monkeypatch):
+    """Over a capped model every table not chosen is a candidate while the model of the tables so far and it stays
+    within the cap: (b, d) closes the cycle a-b-c-d-a at no more cells than the 3-way cliques its triangulation
+    needs; past the cap a candidate is refused and not offered again; a table inside one of the model's cliques
+    always fits (the model stays the same)."""
+    from dprelease.transforms import aim_model
+
+    attributes = ["a", "b", "c", "d"]
+    sizes = dict.fromkeys(attributes, 3)
+    candidates = aim_model.all_candidates(attributes, 2)
+    assert len(candidates) == 6 + 4 and aim_model.cycle_rounds(attributes, candidates) == 6
+    assert aim_model.cycle_rounds(["a", "b"], aim_model.all_candidates(["a", "b"], 1)) == 1  # at most the candidates
+    chosen = [("a", "b"), ("b", "c"), ("c", "d")]
+    refused: set = set()
+    offered = aim_model.round_candidates(attributes, candidates, chosen, sizes, 1, refused)
+    assert ("a", "d") in offered and ("a", "b", "c", "d") not in offered and not refused  # 2 triangles: 54 cells
+    with monkeypatch.context() as patched:
+        patched.setattr(aim_model, "MODEL_CELLS", 40)  # one triangle and a pair: 36 cells; two triangles: 54
+        offered = aim_model.round_candidates(attributes, candidates, chosen, sizes, 1, refused)
+        assert offered == [("a", "c"), ("b", "d"), ("a", "b", "c"), ("b", "c", "d")]
+        assert refused == {("a", "d"), ("a", "b", "d"), ("a", "c", "d")}  # closing the 4-cycle takes two triangles
+        patched.setattr(aim_model, "MODEL_CELLS", 10_000)
+        again = aim_model.round_candidates(attributes, candidates, chosen, sizes, 1, refused)
+        assert again == offered  # refused once: not offered again
+        with pytest.raises(ValueError, match="is chosen twice"):
+            aim_model.check_chosen(attributes, candidates, chosen + [("a", "b")], 6, sizes, 1)
+        with pytest.raises(ValueError, match="is not a candidate"):
+            aim_model.check_chosen(attributes, candidates, [("b", "a")], 6, sizes, 1)
+        with pytest.raises(ValueError, match="over the cap"):
+            aim_model.check_chosen(attributes, candidates, chosen + [("a", "c")], 6, sizes, 2_000_000)
+    with pytest.raises(ValueError, match="4 tables chosen; the selection has 3 rounds"):
+        aim_model.check_chosen(attributes, candidates, chosen + [("a", "c")], 3, sizes, 1)
+
+
 def test_workload_weights_are_aims_per_attribute_and_the_largest_candidate_bounds_them():
     attributes = ["a", "b", "c", "d"]
     assert attribute_weights(attributes, None) == {} and clique_weight({}, ("a", "b", "c")) == 1
@@ -68,20 +103,33 @@ def test_workload_weights_are_aims_per_attribute_and_the_largest_candidate_bound
 def test_the_plan_accounts_every_round_before_any_data_is_read(tmp_path, definition, neighbouring):
     budget = {"definition": "pure", "epsilon": 2} if definition == "pure" else \
         {"definition": "zcdp", "rho": "1/2", "delta": 1e-9}
-    plan = build_plan(*load_spec(aim_case(tmp_path / "c", budget, neighbouring)))
+    spec, base = load_spec(aim_case(tmp_path / "c", budget, neighbouring))
+    share = Fraction(1, 2) * build_plan(spec, base).allocation_budget
+    # manifest version 7 or earlier: a junction tree grown one attribute a round, attributes - 1 rounds
+    plan = build_plan(spec, base, aim_cycles=False)
     [selection] = plan.selections
-    assert selection.method == "aim" and selection.degree == 2 and selection.rounds == 3
+    assert selection.method == "aim" and selection.degree == 2 and selection.rounds == 3 and not selection.cycles
     assert len(selection.candidates) == 6 + 4 and plan.pending  # every pair and triple a round could choose
-    share = Fraction(1, 2) * plan.allocation_budget
     assert selection.event.allocated == share / 10 and selection.pair_event.allocated == share * Fraction(9, 20) / 3
     assert selection.event.sensitivity.l1 == (2 if neighbouring == "replace" else 1)
     chosen = with_selections(plan, {"m": (("edu", "inc"), ("sex", "edu", "inc"), ("age", "sex"))})
     assert not chosen.pending and (chosen.totals.pure_epsilon, chosen.totals.rho) == (plan.totals.pure_epsilon,
                                                                                        plan.totals.rho)
     assert chosen.table("m.sex-edu-inc").event.mechanism == selection.pair_event.mechanism
+    # version 8: over a capped model, twice the rounds (cycles allowed), each chosen table a sixth of the share
+    plan = build_plan(spec, base)
+    [selection] = plan.selections
+    assert selection.cycles and selection.rounds == 6 and selection.unused_rounds == 6
+    assert selection.pair_event.allocated == share * Fraction(9, 20) / 6
+    cyclic = (("edu", "inc"), ("sex", "edu"), ("sex", "inc"), ("age", "sex", "edu"))  # edu-inc-sex closes a cycle
+    chosen = with_selections(plan, {"m": cyclic})
+    [made] = chosen.selections
+    assert made.unused_rounds == 2 and chosen.table("m.sex-inc").event.mechanism == selection.pair_event.mechanism
+    assert (chosen.totals.pure_epsilon, chosen.totals.rho) == (plan.totals.pure_epsilon, plan.totals.rho)
+    assert sum(e.allocated for e in chosen.events()) == plan.allocation_budget  # the unused rounds still accounted
     done = cli("plan", str(tmp_path / "c" / "spec.yaml"), "--json")
     records = {r["table"]: r for r in json.loads(done.stdout)["tables"]}
-    assert records["m.selection"]["statistic"] == "aim selection" and "m.<3 tables chosen>" in records
+    assert records["m.selection"]["statistic"] == "aim selection" and "m.<6 tables chosen>" in records
 
 
 def test_an_aim_release_runs_verifies_adds_up_and_synthesizes(tmp_path):
@@ -89,8 +137,10 @@ def test_an_aim_release_runs_verifies_adds_up_and_synthesizes(tmp_path):
     [record] = manifest["selections"]
     assert manifest["manifest_version"] == MANIFEST_VERSION and record["method"] == "aim" and record["degree"] == 2
     assert record["chosen"][0] == ["edu", "inc"]  # by far the most dependent pair
-    junction_steps(ATTRIBUTES, [tuple(c) for c in record["chosen"]], 2)
-    assert any(len(c) == 3 for c in record["chosen"])  # at rho = 25 a triple beats its noise
+    assert len(record["chosen"]) == record["rounds"] == 6
+    with pytest.raises(ValueError):  # the tables close cycles: no junction tree grown one attribute a round
+        junction_steps(ATTRIBUTES, [tuple(c) for c in record["chosen"]], 2)
+    assert "close cycles" in record["candidates_rule"]
     names = [f"m.{'-'.join(c)}" for c in record["chosen"]]
     assert set(names) | {f"m.{a}" for a in ATTRIBUTES} <= {t["name"] for t in manifest["tables"]}
     for args in ([], ["--recompute"], ["--ledger", str(ledger)]):
@@ -107,14 +157,53 @@ def test_an_aim_release_runs_verifies_adds_up_and_synthesizes(tmp_path):
     out = tmp_path / "synthetic.parquet"
     synthesized = cli("synthesize", str(root), "--out", str(out))
     assert synthesized.returncode == 0, synthesized.stderr
-    assert "Not reproduced" not in " ".join(synthesized.stdout.split())
+    said = " ".join(synthesized.stdout.split())
+    assert "pop." not in said.partition("Not reproduced")[2].partition("Utility")[0]  # the hierarchy is exact
+    records = pq.read_table(out).to_pandas()
+    state = pq.read_table(root / "tables" / "pop.state.parquet").to_pandas()
+    assert len(records) == int(state["count"].sum())
+    for clique, name in zip(record["chosen"], names):  # the records follow every chosen table (the model's fit)
+        tabulated = records.groupby(["state", *clique]).size()
+        published = tables[name].set_index(["state", *clique])["count"]
+        misfit = np.abs(tabulated.reindex(published.index, fill_value=0).to_numpy() - published.to_numpy()).sum()
+        assert misfit <= 0.02 * published.sum(), (clique, misfit)
+
+
+def test_a_version_7_aim_release_grows_a_junction_tree_and_still_verifies(tmp_path, monkeypatch):
+    """A query past `aim_model.CYCLE_WORK` (here: every query) grows its junction tree
+    one attribute a round, as every `select: aim` release of manifest version 7 or earlier did: its tables add up
+    and the records reproduce them exactly; relabelled version 7 it verifies with the version-8 rules off (a
+    version-8 release with cycles claiming 7 does not)."""
+    from dprelease.pipelines import run as run_module
+    from dprelease.pipelines.verify import verify_release
+    from dprelease.transforms import aim_model
+
+    path = aim_case(tmp_path / "c")
+    with monkeypatch.context() as patched:
+        patched.setattr(aim_model, "CYCLE_WORK", 0)
+        run_module.run_release(path, key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / "junction")
+    root = tmp_path / "junction" / "test-release"
+    manifest = json.loads((root / "manifest.json").read_text())
+    [record] = manifest["selections"]
+    junction_steps(ATTRIBUTES, [tuple(c) for c in record["chosen"]], 2)
+    assert record["rounds"] == 3 and any(len(c) == 3 for c in record["chosen"])  # at rho = 25 a triple beats its noise
+    assert verify_release(root).problems  # a version-8 plan of this spec has 6 rounds over a capped model
+    manifest["manifest_version"] = 7
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    assert verify_release(root).problems == []
+    manifest["manifest_version"] = 4
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    assert any("which manifests state from version 5 on" in p for p in verify_release(root).problems)
+    manifest["manifest_version"] = 7
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    names = [f"m.{'-'.join(c)}" for c in record["chosen"]]
+    out = tmp_path / "synthetic.parquet"
+    assert cli("synthesize", str(root), "--out", str(out)).returncode == 0
     records = pq.read_table(out).to_pandas()
     for clique, name in zip(record["chosen"], names):  # the records reproduce every chosen table
         tabulated = records.groupby(["state", *clique]).size()
-        published = tables[name].set_index(["state", *clique])["count"]
+        published = pq.read_table(root / "tables" / f"{name}.parquet").to_pandas().set_index(["state", *clique])["count"]
         assert tabulated.reindex(published.index, fill_value=0).tolist() == published.tolist()
-    state = pq.read_table(root / "tables" / "pop.state.parquet").to_pandas()
-    assert len(records) == int(state["count"].sum())
 
 
 def test_verify_refuses_an_edited_aim_selection(tmp_path):
@@ -123,8 +212,10 @@ def test_verify_refuses_an_edited_aim_selection(tmp_path):
     root = path.parent / "out" / "test-release"
     original = (root / "manifest.json").read_text()
     edits = (
-        (lambda r: r.update(chosen=[["edu", "inc"], ["age", "sex"], ["sex", "edu"]]), "must add one new attribute"),
-        (lambda r: r.update(chosen=[["edu", "inc"], ["sex", "edu", "inc"]]), "has 3"),
+        (lambda r: r.update(chosen=[["edu", "inc"], ["age", "sex"], ["edu", "inc"]]), "is chosen twice"),
+        (lambda r: r.update(chosen=[["edu", "inc"], ["inc", "sex"]]), "is not a candidate"),
+        (lambda r: r.update(chosen=[list(c) for c in itertools.combinations(ATTRIBUTES, 2)] + [["age", "sex", "edu"]]),
+         "7 tables chosen; the selection has 6 rounds"),
         (lambda r: r.update(chosen=[["edu", "inc"], ["age", "sex", "edu", "inc"], ["age", "sex"]]),
          "not a list of attribute tables"),
         (lambda r: r.update(degree=1), "selections"),
@@ -141,7 +232,8 @@ def test_verify_refuses_an_edited_aim_selection(tmp_path):
     manifest["manifest_version"] = 4
     (root / "manifest.json").write_text(json.dumps(manifest))
     checked = cli("verify", str(root))
-    assert checked.returncode == 1 and "which manifests state from version 5 on" in " ".join(checked.stderr.split())
+    # re-planned by version 4's rules (no cycles): its 6 tables are no junction tree, and aim came with version 5
+    assert checked.returncode == 1 and "a junction tree of 4 attributes" in " ".join(checked.stderr.split())
     manifest["manifest_version"] = 5.0  # equal to 5 in Python, but not the integer dprelease writes
     (root / "manifest.json").write_text(json.dumps(manifest))
     checked = cli("verify", str(root))

@@ -157,11 +157,14 @@ def test_units_are_fitted_independently():
     assert all(np.isfinite(t).all() for t in together)
 
 
-def test_tables_across_cliques_are_the_models_margins():
+@pytest.mark.parametrize("cliques", [
+    [("a", "b"), ("b", "c"), ("c", "d"), ("a", "d"), ("d", "e"), ("e", "f"), ("b", "f")],
+    [("a", "b"), ("b", "c"), ("a", "c"), ("c", "d"), ("e",), ("f",)],  # parts no table joins: triples across them
+])
+def test_tables_across_cliques_are_the_models_margins(cliques):
     rng = np.random.default_rng(3)
     attributes = tuple("abcdef")
     sizes = dict(zip(attributes, [2, 3, 2, 3, 2, 2]))
-    cliques = [("a", "b"), ("b", "c"), ("c", "d"), ("a", "d"), ("d", "e"), ("e", "f"), ("b", "f")]
     measurements = [g.Measurement(c, rng.uniform(10, 100, size=(2,) + tuple(sizes[a] for a in c)), 4.0)
                     for c in cliques]
     tree = g.junction_tree(attributes, cliques, sizes)
@@ -174,10 +177,11 @@ def test_tables_across_cliques_are_the_models_margins():
             separator = tree.separator(i)
             joint = joint / g._expand(g._sum_to(marginals[i], clique, separator), separator, attributes, sizes)
     np.testing.assert_allclose(joint.reshape(2, -1).sum(axis=1), model.totals)
-    for size in (1, 2, 3):
-        for clique in itertools.combinations(attributes, size):
-            np.testing.assert_allclose(model.table(clique, marginals), g._sum_to(joint, attributes, clique),
-                                       rtol=1e-9, atol=1e-9)
+    every = [c for size in (1, 2, 3) for c in itertools.combinations(attributes, size)]
+    for clique, many in zip(every, model.tables(every, marginals)):  # one attribute with a clique, or spanning
+        dense = g._sum_to(joint, attributes, clique)
+        np.testing.assert_allclose(model.table(clique, marginals), dense, rtol=1e-9, atol=1e-9)
+        np.testing.assert_allclose(many, dense, rtol=1e-9, atol=1e-9)
 
 
 def test_integer_tables_add_up_and_records_tabulate_to_them():
@@ -239,6 +243,26 @@ def test_tree_start_is_the_tree_distribution():
         model = g.tree_start(tree, SIZES, root.sum(axis=1), "a", root, edges, floor=1e-12)
         for (parent, child, table) in edges:
             np.testing.assert_allclose(model.table((parent, child)), table, rtol=1e-9)
+
+
+def test_forest_start_holds_the_forest_of_the_first_pairs_that_join_parts():
+    """Pairs taken in order while they join two parts: (a, b), (c, d) and (a, c) make the forest, (b, c) would close
+    a cycle and is left to the fit; (e) joins nothing and starts independent. The started model holds every
+    forest pair's table and e's distribution, in a model where (b, c) closes a cycle."""
+    rng = np.random.default_rng(4)
+    attributes = tuple("abcde")
+    sizes = dict(zip(attributes, [2, 3, 2, 3, 4]))
+    units = 2
+    joint = rng.dirichlet(np.ones(math.prod(sizes.values())), size=units).reshape((units,) + tuple(sizes.values()))
+    joint = joint * 1000
+    table = {c: g._sum_to(joint, attributes, c) for c in [("a", "b"), ("c", "d"), ("a", "c"), ("b", "c"), ("e",)]}
+    one_way = {a: g._sum_to(joint, attributes, (a,)) for a in attributes}
+    pairs = [(c, table[c]) for c in [("a", "b"), ("c", "d"), ("a", "c"), ("b", "c")]]
+    tree = g.junction_tree(attributes, [c for c, _ in pairs] + [("e",)], sizes)
+    model = g.forest_start(tree, sizes, joint.reshape(units, -1).sum(axis=1), one_way, pairs, floor=1e-12)
+    for clique in [("a", "b"), ("c", "d"), ("a", "c"), ("e",)]:
+        np.testing.assert_allclose(model.table(clique), table[clique], rtol=1e-9)
+    assert np.abs(model.table(("b", "c")) - table[("b", "c")]).max() > 1  # (b, c) given only through a
 
 
 def test_integer_tables_deal_a_large_clique_attribute_by_attribute():

@@ -1,5 +1,8 @@
 """An AIM-style adaptive selection (McKenna et al. 2022), engine-neutral: which tables a `select: aim` marginals
-query measures, round by round, each chosen against the model fitted to the measurements made so far.
+query measures, round by round, each chosen against the model fitted to the measurements made so far, where the
+model is a junction tree grown one attribute a round: every `select: aim` release of manifest version 7 or
+earlier, and from version 8 a query past `aim_model.uses_cycles` (candidates x attributes^2, units; the others choose
+over a graphical model, tables that close cycles included: `transforms.aim_model`).
 
 Every attribute's 1-way table is measured first. The model grows as a junction tree: the first round picks a
 pair of attributes, every later round a clique made of one attribute the model does not hold yet and a

@@ -359,6 +359,54 @@ def _junction_path(shape: JointShape, totals: np.ndarray, estimates: list[np.nda
     return out
 
 
+def _model_tree(shape: JointShape):
+    """(The attribute names, their sizes, the junction tree of every table's attributes): a capped model's."""
+    from .graphical import junction_tree
+
+    names = tuple(str(a) for a in range(len(shape.sizes)))
+    sizes = {n: int(size) for n, size in zip(names, shape.sizes)}
+    return names, sizes, junction_tree(names, [tuple(names[a] for a in t.axes) for t in shape.tables], sizes)
+
+
+def _model_path(shape: JointShape, totals: np.ndarray, estimates: list[np.ndarray]) -> list[np.ndarray]:
+    """The 'model' path: a `select: aim` query's 1-way tables and its chosen tables (which may close cycles) as
+    the margins of one graphical model per unit (`graphical`): its junction tree fitted by weighted least squares
+    to their estimates (`graphical.fit`, FIT_ITERATIONS from `graphical.measured_start`, the unit totals fixed),
+    its maximal cliques' tables made
+    nonnegative integers adding up exactly (`graphical.integer_tables`) and each published table summed from the
+    first clique holding it: every shared margin and total agrees exactly."""
+    from . import graphical
+
+    names, sizes, tree = _model_tree(shape)
+    units = totals.size
+    measurements = [graphical.Measurement(tuple(names[a] for a in t.axes),
+                                          estimate.reshape((units,) + tuple(int(shape.sizes[a]) for a in t.axes)),
+                                          t.variance)
+                    for t, estimate in zip(shape.tables, estimates)]
+    measurements = [_in_order(m, names) for m in measurements]
+    start = graphical.measured_start(tree, sizes, totals.astype(np.float64), measurements)
+    model = graphical.fit(tree, sizes, measurements, totals.astype(np.float64), start=start)
+    integers = graphical.integer_tables(tree, sizes, model.marginals(), totals)
+    out = []
+    for t in shape.tables:
+        clique = tuple(names[a] for a in sorted(t.axes))
+        home = tree.home(clique)
+        margin = graphical.margin_of(integers[home], tree.cliques[home], clique)
+        order = [sorted(t.axes).index(a) for a in t.axes]  # the table's own dimension order
+        out.append(np.ascontiguousarray(np.transpose(margin, [0] + [1 + i for i in order])).reshape(units, -1))
+    return out
+
+
+def _in_order(measurement, names: tuple[str, ...]):
+    """A measurement whose table's dimensions follow the attributes' order (the model's)."""
+    from .graphical import Measurement
+
+    clique = measurement.clique
+    ordered = tuple(sorted(clique, key=names.index))
+    values = np.transpose(measurement.values, [0] + [1 + clique.index(a) for a in ordered])
+    return Measurement(ordered, values, measurement.variance)
+
+
 def marginal_tables(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarray], estimates: list[np.ndarray],
                     iterations: int, path: str, joints: list | None = None) -> list[np.ndarray]:
     """The published integer tables of every unit (per table, units x table cells), a chunk of units at a time
@@ -367,16 +415,23 @@ def marginal_tables(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarra
       'fitted_tables'  each table, a margin of the fitted joint, rounded to the unit total on its own;
       'tables'         no joint: each table's estimate made nonnegative and rounded to the unit total;
       'tree'           a `select: mst` query (1-way tables and a spanning tree of pairs): `_tree_path`;
-      'junction'       a `select: aim` query (1-way tables and a junction tree grown by rounds): `_junction_path`.
+      'junction'       a `select: aim` query (1-way tables and a junction tree grown by rounds): `_junction_path`;
+      'model'          a `select: aim` query whose tables may close cycles: `_model_path`.
     `joints`, when given, receives each chunk's rounded joint (path 'joint')."""
     totals = np.asarray(totals, dtype=np.int64)
     out = [np.empty((totals.size, shape.table_cells(t)), dtype=np.int64) for t in shape.tables]
-    width = chunk_units(sum(shape.table_cells(t) for t in shape.tables) if path in ("tree", "junction") else shape.cells)
+    if path == "model":  # the fit holds about ten arrays of the model's cells
+        _, sizes, tree = _model_tree(shape)
+        width = chunk_units(10 * tree.cells(sizes))
+    elif path in ("tree", "junction"):
+        width = chunk_units(sum(shape.table_cells(t) for t in shape.tables))
+    else:
+        width = chunk_units(shape.cells)
     for start in range(0, totals.size, width):
         rows = slice(start, min(start + width, totals.size))
         unit_totals = totals[rows]
-        if path in ("tree", "junction"):
-            kernel = _tree_path if path == "tree" else _junction_path
+        if path in ("tree", "junction", "model"):
+            kernel = {"tree": _tree_path, "junction": _junction_path, "model": _model_path}[path]
             for i, table in enumerate(kernel(shape, unit_totals, [e[rows] for e in estimates])):
                 out[i][rows] = table
             continue

@@ -366,9 +366,10 @@ class ReleaseIdentity:
         pairs = (("dataset", row.dataset_id, self.dataset_id), ("release", row.release_id, self.release_id),
                  ("spec", row.spec_sha256, self.spec_sha256),
                  ("input", row.input_fingerprint, self.input_fingerprint),
-                 ("plan (domain files, calibration, noise version, or a published marginals query's "
-                  "split: optimal by default since manifest version 7; `strategy: direct` re-plans an older "
-                  "release)", row.plan_sha256, self.plan_sha256))
+                 ("plan (domain files, calibration, noise version, a published marginals query's split: "
+                  "optimal by default since manifest version 7, `strategy: direct` re-plans an older release; or a "
+                  "`select: aim` query's rounds: over a capped model since version 8, so an older aim release "
+                  "cannot be re-run free)", row.plan_sha256, self.plan_sha256))
         return [name for name, theirs, ours in pairs if theirs != ours or ours is None]
 
 

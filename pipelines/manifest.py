@@ -356,9 +356,8 @@ AIM_MODEL_SCORE = ("L1 distance between the candidate's bounded counts and the m
                    "noise standard deviation; a public constant per candidate)")
 AIM_MODEL_CANDIDATES = ("every table of 2 to degree + 1 attributes not chosen yet whose addition keeps the model (the "
                         "junction tree of the 1-way tables, the chosen tables and it) within 65,536 cells per unit "
-                        "and 33,554,432 over all units (a candidate over the cap is not offered again); tables among "
-                        "attributes the model holds close cycles; a round left without a candidate ends the "
-                        "selection, the rounds left unused still accounted")
+                        "and 33,554,432 over all units; tables among attributes the model holds close cycles; a "
+                        "round left without a candidate ends the selection, the rounds left unused still accounted")
 
 
 def _aim_record(selection: SelectionPlan) -> dict:

@@ -162,11 +162,10 @@ def _grow_model(plan: Plan, selection: SelectionPlan, engine: Engine, source: In
     variance = selection.pair_event.mechanism.variance()
     weights = dict(selection.attribute_weights or ())
     cliques: list[Clique] = []
-    refused: set[Clique] = set()
     released: dict[str, np.ndarray] = {}  # the noisy values of every table released so far (public)
     previous: list[Model] = []  # the model of the round before (a warm start)
     for round_ in range(selection.rounds):
-        members = aim_model.round_candidates(attributes, selection.candidates, cliques, sizes, units, refused)
+        members = aim_model.round_candidates(attributes, selection.candidates, cliques, sizes, units)
         if not members:
             LOG.info("selection %s: round %d of %d has no candidate within the model's cap; %d rounds unused",
                      selection.name, round_ + 1, selection.rounds, selection.rounds - round_)

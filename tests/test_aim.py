@@ -56,9 +56,8 @@ def test_round_candidates_grow_a_junction_tree_one_attribute_at_a_time():
 
 def test_cycle_rounds_offer_every_table_within_the_models_cap(monkeypatch):
     """Over a capped model every table not chosen is a candidate while the model of the tables so far and it stays
-    within the cap: (b, d) closes the cycle a-b-c-d-a at no more cells than the 3-way cliques its triangulation
-    needs; past the cap a candidate is refused and not offered again; a table inside one of the model's cliques
-    always fits (the model stays the same)."""
+    within the cap (tried every round, by the model the round's fit would triangulate); verify accepts a recorded
+    selection only if the rounds could have made it."""
     from dprelease.transforms import aim_model
 
     attributes = ["a", "b", "c", "d"]
@@ -67,23 +66,22 @@ def test_cycle_rounds_offer_every_table_within_the_models_cap(monkeypatch):
     assert len(candidates) == 6 + 4 and aim_model.cycle_rounds(attributes, candidates) == 6
     assert aim_model.cycle_rounds(["a", "b"], aim_model.all_candidates(["a", "b"], 1)) == 1  # at most the candidates
     chosen = [("a", "b"), ("b", "c"), ("c", "d")]
-    refused: set = set()
-    offered = aim_model.round_candidates(attributes, candidates, chosen, sizes, 1, refused)
-    assert ("a", "d") in offered and ("a", "b", "c", "d") not in offered and not refused  # 2 triangles: 54 cells
+    offered = aim_model.round_candidates(attributes, candidates, chosen, sizes, 1)
+    assert ("a", "d") in offered and len(offered) == 7  # (a, d) closes the 4-cycle: two triangles, 54 cells
     with monkeypatch.context() as patched:
         patched.setattr(aim_model, "MODEL_CELLS", 40)  # one triangle and a pair: 36 cells; two triangles: 54
-        offered = aim_model.round_candidates(attributes, candidates, chosen, sizes, 1, refused)
+        offered = aim_model.round_candidates(attributes, candidates, chosen, sizes, 1)
         assert offered == [("a", "c"), ("b", "d"), ("a", "b", "c"), ("b", "c", "d")]
-        assert refused == {("a", "d"), ("a", "b", "d"), ("a", "c", "d")}  # closing the 4-cycle takes two triangles
-        patched.setattr(aim_model, "MODEL_CELLS", 10_000)
-        again = aim_model.round_candidates(attributes, candidates, chosen, sizes, 1, refused)
-        assert again == offered  # refused once: not offered again
+        # after (a, c) and (a, b, c) nothing else fits: the selection may end after 5 of its 6 rounds
+        aim_model.check_chosen(attributes, candidates, chosen + [("a", "c"), ("a", "b", "c")], 6, sizes, 1)
+        with pytest.raises(ValueError, match=r"4 tables chosen of 6 rounds, but 1 candidates \(such as \['a', 'b', "):
+            aim_model.check_chosen(attributes, candidates, chosen + [("a", "c")], 6, sizes, 1)  # (a, b, c) was left
         with pytest.raises(ValueError, match="is chosen twice"):
             aim_model.check_chosen(attributes, candidates, chosen + [("a", "b")], 6, sizes, 1)
         with pytest.raises(ValueError, match="is not a candidate"):
             aim_model.check_chosen(attributes, candidates, [("b", "a")], 6, sizes, 1)
         with pytest.raises(ValueError, match="over the cap"):
-            aim_model.check_chosen(attributes, candidates, chosen + [("a", "c")], 6, sizes, 2_000_000)
+            aim_model.check_chosen(attributes, candidates, chosen + [("a", "d")], 6, sizes, 1)
     with pytest.raises(ValueError, match="4 tables chosen; the selection has 3 rounds"):
         aim_model.check_chosen(attributes, candidates, chosen + [("a", "c")], 3, sizes, 1)
 
@@ -100,7 +98,11 @@ def test_workload_weights_are_aims_per_attribute_and_the_largest_candidate_bound
 
 @pytest.mark.parametrize("definition", ["pure", "zcdp"])
 @pytest.mark.parametrize("neighbouring", ["add_remove", "replace"])
-def test_the_plan_accounts_every_round_before_any_data_is_read(tmp_path, definition, neighbouring):
+def test_the_plan_accounts_every_round_before_any_data_is_read(tmp_path, definition, neighbouring, monkeypatch):
+    from dprelease.pipelines.plan import SelectionError, selection_shape
+    from dprelease.transforms import aim_model
+    from dprelease.transforms.units.graphical import model_cells
+
     budget = {"definition": "pure", "epsilon": 2} if definition == "pure" else \
         {"definition": "zcdp", "rho": "1/2", "delta": 1e-9}
     spec, base = load_spec(aim_case(tmp_path / "c", budget, neighbouring))
@@ -121,12 +123,20 @@ def test_the_plan_accounts_every_round_before_any_data_is_read(tmp_path, definit
     [selection] = plan.selections
     assert selection.cycles and selection.rounds == 6 and selection.unused_rounds == 6
     assert selection.pair_event.allocated == share * Fraction(9, 20) / 6
-    cyclic = (("edu", "inc"), ("sex", "edu"), ("sex", "inc"), ("age", "sex", "edu"))  # edu-inc-sex closes a cycle
-    chosen = with_selections(plan, {"m": cyclic})
-    [made] = chosen.selections
-    assert made.unused_rounds == 2 and chosen.table("m.sex-inc").event.mechanism == selection.pair_event.mechanism
+    cyclic = (("edu", "inc"), ("sex", "edu"), ("sex", "inc"), ("age", "sex", "edu"), ("age", "edu"), ("age", "sex"))
+    chosen = with_selections(plan, {"m": cyclic})  # edu-inc-sex closes a cycle
+    assert chosen.table("m.sex-inc").event.mechanism == selection.pair_event.mechanism
     assert (chosen.totals.pure_epsilon, chosen.totals.rho) == (plan.totals.pure_epsilon, plan.totals.rho)
-    assert sum(e.allocated for e in chosen.events()) == plan.allocation_budget  # the unused rounds still accounted
+    with pytest.raises(SelectionError, match="4 tables chosen of 6 rounds, but 6 candidates"):
+        with_selections(plan, {"m": cyclic[:4]})  # a selection ends early only when no candidate is left
+    sizes, units = selection_shape(plan.query("m"), plan.domains)
+    with monkeypatch.context() as patched:  # a cap only (sex, inc), the smallest table, fits: nothing after it
+        patched.setattr(aim_model, "MODEL_CELLS", model_cells(ATTRIBUTES, [(a,) for a in ATTRIBUTES] + [("sex", "inc")],
+                                                              sizes))
+        early = with_selections(plan, {"m": (("sex", "inc"),)})
+    [made] = early.selections
+    assert made.unused_rounds == 5 and sum(e.allocated for e in early.events()) == plan.allocation_budget
+    assert (early.totals.pure_epsilon, early.totals.rho) == (plan.totals.pure_epsilon, plan.totals.rho)
     done = cli("plan", str(tmp_path / "c" / "spec.yaml"), "--json")
     records = {r["table"]: r for r in json.loads(done.stdout)["tables"]}
     assert records["m.selection"]["statistic"] == "aim selection" and "m.<6 tables chosen>" in records

@@ -160,6 +160,8 @@ def test_units_are_fitted_independently():
 @pytest.mark.parametrize("cliques", [
     [("a", "b"), ("b", "c"), ("c", "d"), ("a", "d"), ("d", "e"), ("e", "f"), ("b", "f")],
     [("a", "b"), ("b", "c"), ("a", "c"), ("c", "d"), ("e",), ("f",)],  # parts no table joins: triples across them
+    # (d, e, f): no two share a clique, and f's clique hangs off the path from d's to e's
+    [("a", "b", "c"), ("a", "b", "d"), ("a", "c", "f"), ("e",)],
 ])
 def test_tables_across_cliques_are_the_models_margins(cliques):
     rng = np.random.default_rng(3)

@@ -5,7 +5,7 @@ Every attribute's 1-way table is measured first. Then `cycle_rounds` rounds (twi
 most the candidates), each choosing one table among the candidates (every 2- to degree+1-way table of the
 query's attributes) not chosen yet whose addition keeps the model within its cap (`round_candidates`): the
 junction tree of the 1-way tables, the tables chosen so far and the candidate (`units.graphical`) of at most
-MODEL_CELLS cells per unit and `graphical.MODEL_CELLS_CAP` over all units. A table among attributes the model
+MODEL_CELLS cells per unit and `graphical.MODEL_CELLS_CAP` over all units (every candidate tried every round). A table among attributes the model
 already holds closes a cycle (the reference AIM's candidates; the junction path of `transforms.aim` adds one
 attribute a round and cannot). A candidate's estimate is the model's table of it (`units.graphical.Model.table`)
 fitted to every table released so far (`round_model`: ROUND_ITERATIONS of mirror descent, warm from the round
@@ -75,31 +75,23 @@ def within_cap(cells: int, units: int) -> bool:
     return cells <= MODEL_CELLS and cells * units <= graphical.MODEL_CELLS_CAP
 
 
-def round_candidates(attributes, candidates, chosen, sizes: dict[str, int], units: int,
-                     refused: set[Clique]) -> list[Clique]:
-    """The candidates of the next round, in the plan's order: those not chosen and not in `refused` whose
-    addition keeps the model within the cap (one inside a clique of the model keeps it as it is; any other is
-    tried by the cells of the model with it, `graphical.model_cells`). A candidate over the cap is added to
-    `refused` and not tried again (the model only grows). Public: the plan and earlier rounds' choices."""
+def round_candidates(attributes, candidates, chosen, sizes: dict[str, int], units: int) -> list[Clique]:
+    """The candidates of the next round, in the plan's order: those not chosen whose addition keeps the model
+    within the cap, each tried by the cells of the model with it (`graphical.model_cells` of the same cliques the
+    round's fit triangulates, so the fitted model never exceeds the cap; a table inside one of the model's cliques
+    is tried too: making its fill-in edges real can change the triangulation). Public: the plan and earlier
+    rounds' choices."""
     attributes = tuple(attributes)
     cliques = model_cliques(attributes, chosen)
-    held = [set(c) for c in graphical.junction_tree(attributes, cliques, sizes).cliques]
     taken = set(map(tuple, chosen))
-    out = []
-    for candidate in candidates:
-        if candidate in taken or candidate in refused:
-            continue
-        if any(set(candidate) <= h for h in held) or \
-                within_cap(graphical.model_cells(attributes, cliques + [candidate], sizes), units):
-            out.append(candidate)
-        else:
-            refused.add(candidate)
-    return out
+    return [c for c in candidates if c not in taken
+            and within_cap(graphical.model_cells(attributes, cliques + [c], sizes), units)]
 
 
 def check_chosen(attributes, candidates, chosen, rounds: int, sizes: dict[str, int], units: int) -> None:
-    """A recorded selection: at most `rounds` tables, each a candidate (in the query's order), none twice, the
-    model within the cap after each. ValueError naming the problem otherwise."""
+    """A recorded selection as the rounds make one: at most `rounds` tables, each a candidate (in the query's
+    order), none twice, the model within the cap after each, and fewer than `rounds` only when no candidate was
+    left. ValueError naming the problem otherwise."""
     if len(chosen) > rounds:
         raise ValueError(f"{len(chosen)} tables chosen; the selection has {rounds} rounds")
     allowed = set(candidates)
@@ -116,6 +108,11 @@ def check_chosen(attributes, candidates, chosen, rounds: int, sizes: dict[str, i
         if not within_cap(cells, units):
             raise ValueError(f"table {list(clique)} makes the model {cells:,} cells per unit over {units:,} units, "
                              f"over the cap ({MODEL_CELLS:,} per unit, {graphical.MODEL_CELLS_CAP:,} in all)")
+    if len(chosen) < rounds:
+        left = round_candidates(attributes, candidates, chosen, sizes, units)
+        if left:
+            raise ValueError(f"{len(chosen)} tables chosen of {rounds} rounds, but {len(left)} candidates (such as "
+                             f"{list(left[0])}) were left within the cap")
 
 
 def round_model(attributes, sizes: dict[str, int], measurements: list[Measurement],

@@ -27,8 +27,7 @@ CANDIDATES = round_candidates(ATTRIBUTES, [("a", "b")], 2)
 WEIGHTS = {"a": 1, "b": 2, "c": 3}
 """Attribute weights (`transforms.aim.attribute_weights` gives such integers): the triple weighs 6, the most."""
 CHOSEN = [("a", "b"), ("a", "c")]
-CYCLE_CANDIDATES = aim_model.round_candidates(ATTRIBUTES, aim_model.all_candidates(ATTRIBUTES, 2), CHOSEN, SIZES, 1,
-                                              set())
+CYCLE_CANDIDATES = aim_model.round_candidates(ATTRIBUTES, aim_model.all_candidates(ATTRIBUTES, 2), CHOSEN, SIZES, 1)
 """The third round over a graphical model after (a, b) and (a, c) were measured: (b, c), which closes the cycle
 a-b-c, and (a, b, c)."""
 

@@ -282,8 +282,9 @@ class Model:
         """The model's tables of many attribute sets (`table` of each, the same distribution): a set inside one
         maximal clique is its margin; a set of one attribute `a` and others inside one clique k is the margin of
         the model's table of k's attributes with `a` (`_JointsWith`, each clique's made once per `a` and kept
-        across the sets); a set of x, y and a z in no clique with either, the margin of the table of z's clique
-        with x and y (carried out from y's clique with x); any other set `_spanning_table`'s."""
+        across the sets); a set of x, y and z no two of which share a clique, the margin of the table of z's
+        clique with x and y, carried out from the clique on the paths between their cliques (`_pair_from`); any
+        other set `_spanning_table`'s."""
         tree = self.tree
         tables = self.marginals() if marginals is None else marginals
         members = [set(c) for c in tree.cliques]
@@ -292,7 +293,7 @@ class Model:
         def with_one(a: str) -> _JointsWith:
             if a not in joints:
                 home = tree.home((a,))
-                joints[a] = _JointsWith(tree, self.sizes, tables, (a,), home, tree.cliques[home], tables[home])
+                joints[a] = _JointsWith(tree, self.sizes, tables, (a,), home, [(tree.cliques[home], tables[home])])
             return joints[a]
 
         out = []
@@ -311,28 +312,57 @@ class Model:
             else:
                 if len(clique) == 3:
                     x, y, z = clique
-                    if pair is None or pair.carried != {x, y}:  # sets in the plan's order: (x, y, z) follow
-                        start = tree.home((y,))
-                        held = _ordered(tree.attributes, set(tree.cliques[start]) | {x})
-                        pair = _JointsWith(tree, self.sizes, tables, (x, y), start, held,
-                                           with_one(x).margin(start, held))
-                    out.append(pair.margin(tree.home((z,)), clique))
+                    homes = [tree.home((a,)) for a in clique]
+                    middle = _median(tree, *homes)
+                    if pair is None or (pair.carried, pair.start) != ({x, y}, middle):  # (x, y, z) follow in order
+                        pair = self._pair_from(middle, x, y, with_one(x), with_one(y), tables)
+                    out.append(pair.margin(homes[2], clique))
                 else:
                     out.append(_spanning_table(tree, self.sizes, tables, clique))
         return out
 
 
+    def _pair_from(self, middle: int, x: str, y: str, joint_x: "_JointsWith", joint_y: "_JointsWith",
+                   tables: list[np.ndarray]) -> "_JointsWith":
+        """x and y carried out from the clique `middle` on the paths between their cliques and a third's: there
+        x and y lie on different sides (or inside it), independent given its attributes, so its table with both
+        is its table with x times its table with y over its own (kept as those three factors)."""
+        members = self.tree.cliques[middle]
+        with_x = _ordered(self.tree.attributes, set(members) | {x})
+        with_y = _ordered(self.tree.attributes, set(members) | {y})
+        own = tables[middle]
+        factors: Factors = [(with_x, joint_x.margin(middle, with_x)), (with_y, joint_y.margin(middle, with_y)),
+                            (members, np.where(own > 0, 1.0 / np.where(own > 0, own, 1.0), 0.0))]
+        return _JointsWith(self.tree, self.sizes, tables, (x, y), middle, factors)
+
+
+def _path(tree: JunctionTree, a: int, b: int) -> list[int]:
+    """The cliques on the tree's path from clique a to clique b (both included)."""
+    up_a, up_b = [a], [b]
+    while up_a[-1] >= 0:
+        up_a.append(tree.parents[up_a[-1]])
+    while up_b[-1] >= 0:
+        up_b.append(tree.parents[up_b[-1]])
+    common = next(i for i in up_a if i in set(up_b))
+    return up_a[:up_a.index(common) + 1] + list(reversed(up_b[:up_b.index(common)]))
+
+
+def _median(tree: JunctionTree, a: int, b: int, c: int) -> int:
+    """The clique on every path between cliques a, b and c (a tree has exactly one)."""
+    return next(i for i in _path(tree, a, b) if i in set(_path(tree, a, c)) and i in set(_path(tree, b, c)))
+
+
 class _JointsWith:
     """The model's table of each maximal clique's attributes with the attributes `carried`, clique by clique out
-    from clique `start` (whose table with them is given): clique k, reached from its neighbour p toward `start`
-    across their separator S, is k's table times the carried attributes k lacks given S (p's table summed to S
-    and them, over S's table): in a junction tree the attributes on p's side are independent of k's other
-    attributes given S. Each clique's table is kept as those two factors (`Factors`), made when first asked for;
+    from clique `start` (whose table with them is given as factors), every carried attribute's cliques at `start`
+    or on its side of each clique reached: clique k, reached from its neighbour p toward `start` across their
+    separator S, is k's table times the carried attributes k lacks given S (p's table summed to S and them, over
+    S's table): in a junction tree the attributes on p's side are independent of k's other attributes given S. Each clique's table is kept as those two factors (`Factors`), made when first asked for;
     margins are taken from the factors without forming their product (`_contract`)."""
 
     def __init__(self, tree: JunctionTree, sizes: dict[str, int], tables: list[np.ndarray], carried: Clique,
-                 start: int, start_members: Clique, start_table: np.ndarray):
-        self.tree, self.sizes, self.tables, self.carried = tree, sizes, tables, set(carried)
+                 start: int, start_factors: "Factors"):
+        self.tree, self.sizes, self.tables, self.carried, self.start = tree, sizes, tables, set(carried), start
         self.toward: dict[int, int] = {start: -1}  # each clique's neighbour on its path to `start`
         order = [start]
         for i in order:
@@ -340,7 +370,7 @@ class _JointsWith:
                 if j not in self.toward:
                     self.toward[j] = i
                     order.append(j)
-        self.made: dict[int, Factors] = {start: [(start_members, start_table)]}
+        self.made: dict[int, Factors] = {start: start_factors}
 
     def of(self, k: int) -> "Factors":
         """Clique k's table with the carried attributes, as factors whose product it is."""

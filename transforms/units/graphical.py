@@ -321,7 +321,6 @@ class Model:
                     out.append(_spanning_table(tree, self.sizes, tables, clique))
         return out
 
-
     def _pair_from(self, middle: int, x: str, y: str, joint_x: "_JointsWith", joint_y: "_JointsWith",
                    tables: list[np.ndarray]) -> "_JointsWith":
         """x and y carried out from the clique `middle` on the paths between their cliques and a third's: there

@@ -158,6 +158,12 @@ class SelectionRecord(Strict):
     chosen: list[list[str]] | None
     pair_tables: PairTables | None = Field(None, description="mst: the mechanism of every chosen pair's table.")
     chosen_tables: PairTables | None = Field(None, description="aim: the mechanism of every chosen table.")
+    annealing: str | None = Field(None, description="aim (version 9 on, over a capped model): how the rounds spend "
+                                  "the budget's units.")
+    units: list[int] | None = Field(None, description="aim with annealing: each chosen table's round's budget units, "
+                                    "in order (null in a plan made before the data was read).")
+    unused_units: int | None = Field(None, description="aim with annealing: the budget units no round spent (still "
+                                     "accounted).")
     workload_weights: list[WorkloadWeight] | None = Field(
         None, description="mst: each candidate pair's workload weight (only with a workload in the spec).")
     attribute_weights: list[AttributeWeight] | None = Field(
@@ -339,7 +345,7 @@ class Manifest(Strict):
     """A published release's manifest: no true counts, no row counts, no key. `dprelease verify` recomputes
     every field from the embedded spec or checks it for consistency, except those described as descriptive."""
 
-    manifest_version: Literal[1, 2, 3, 4, 5, 6, 7, 8]
+    manifest_version: Literal[1, 2, 3, 4, 5, 6, 7, 8, 9]
     release_id: str
     dataset_id: str
     software: Software

@@ -77,7 +77,7 @@ def memory_statement(plan: Plan, engine: str, group_work: int) -> str:
                 f"{human_bytes(group_work * BYTES_PER_CELL)} per group at a time); the driver holds no cells")
     where = "driver" if engine in WORKER_ENGINES else "process"
     chosen = sum(s.rounds for s in plan.selections if s.chosen is None)
-    candidates = f" (and the {selection_cells(plan):,} candidate cells it counts at once to choose {chosen} tables, " \
+    candidates = f" (and the {selection_cells(plan):,} candidate cells it counts at once to choose up to {chosen} tables, " \
                  f"in at most {selection_passes(plan):,} passes over the input)" if chosen else ""
     return f"a run needs about {human_bytes(estimated_memory_bytes(plan))} of {where} memory for them{candidates}"
 

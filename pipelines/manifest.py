@@ -25,7 +25,7 @@ from .plan import SelectionPlan, Plan, TablePlan
 from .debiased import local_section
 from .postprocessing import EstimateVariances, estimate_variances, steps_applied
 
-MANIFEST_VERSION = 8
+MANIFEST_VERSION = 9
 """2: one global least-squares estimate behind the count tables, its per-cell variance in the tables and
 the manifest. 3: the ledger block states what the release cost (`charged`, also for a free re-run) beside
 what the run added (`charged_by_this_run`) and every budget period charged; invariants state which
@@ -41,10 +41,13 @@ loss, thresholds or grid) changes plans: it needs a new version, and the old beh
 8: a `select: aim` query within `transforms.aim_model.uses_cycles` (candidates x attributes^2, units) chooses among every table
 that keeps its graphical model within the cap, tables that close cycles included, for twice as many rounds, and its
 tables are post-processed as the margins of that model (`marginals_model`); releases of versions 5 to 7 are
-re-planned with the junction tree grown one attribute a round, as they were."""
+re-planned with the junction tree grown one attribute a round, as they were.
+9: such a query's rounds anneal their budgets (AIM's: a round gets the units `transforms.aim_model.next_units`
+gives, recorded per chosen table in `units`); releases of version 8 are re-planned with equal rounds."""
 SELECTION_LOSS_VERSION = 6
 OPTIMAL_MARGINALS_VERSION = 7
 AIM_CYCLES_VERSION = 8
+AIM_ANNEALING_VERSION = 9
 DEPENDENCIES = ["numpy", "pyarrow", "pydantic", "PyYAML", "cryptography", "click", "rich"]
 NEIGHBOURING_NOTE = {
     "add_remove": "neighbouring inputs differ by adding or removing one privacy unit with all its records",
@@ -114,11 +117,13 @@ def implied_loss(plan: Plan, version: int = MANIFEST_VERSION) -> dict:
     for selection in plan.selections:
         attributes, levels = _selection_reads(plan, selection)
         attributes = list(dict.fromkeys([*attributes, *drops]))
-        every_round = selection.rounds * selection.pair_event.loss
+        chosen_loss = sum((plan.table(name).event.loss for name in _chosen_tables(plan, selection)), Fraction(0))
+        every_round = chosen_loss + selection.unused_rounds * selection.pair_event.loss
+        drawn = selection.selection_loss()
         for totals, worst, names in ((by_attribute, worst_attribute, attributes), (by_level, worst_level, levels)):
             for name in names:
-                totals[name] = totals.get(name, Fraction(0)) + selection.event.loss
-                worst[name] = worst.get(name, Fraction(0)) + selection.event.loss + every_round
+                totals[name] = totals.get(name, Fraction(0)) + drawn
+                worst[name] = worst.get(name, Fraction(0)) + drawn + every_round
     return {"by_attribute": _rendered(plan, by_attribute, unit), "by_geography_level": _rendered(plan, by_level, unit),
             "worst_case_over_selections": {"by_attribute": _rendered(plan, worst_attribute, unit),
                                            "by_geography_level": _rendered(plan, worst_level, unit)}}
@@ -360,6 +365,17 @@ AIM_MODEL_CANDIDATES = ("every table of 2 to degree + 1 attributes not chosen ye
                         "round left without a candidate ends the selection, the rounds left unused still accounted")
 
 
+AIM_ANNEALING = ("`rounds` is the selection's budget in units of one equal round (the mechanism above is one unit's "
+                 "draw, `chosen_tables` one unit's measurement); round 1 spends 1 unit; a round spends the units of "
+                 "the round before, times {growth} when the model's table of the table chosen the round before moved "
+                 "by at most sqrt(2/pi) * sigma * cells (its L1 change once measured; AIM's annealing), and every unit "
+                 "left when fewer than twice that would be left; a round of u units draws with the exponential "
+                 "mechanism calibrated to u units of the selection's share and measures its table with u units of the "
+                 "chosen tables' share (each chosen table's mechanism in `tables`); the rounds end when the units are "
+                 "spent or no candidate is left (`unused_units` still accounted). `units`: each chosen table's "
+                 "round's units, in order")
+
+
 def _aim_record(selection: SelectionPlan) -> dict:
     """A `select: aim` selection as the manifest states it (version 5 on; over a capped model, version 8 on)."""
     record = {
@@ -371,6 +387,10 @@ def _aim_record(selection: SelectionPlan) -> dict:
         "chosen": None if selection.chosen is None else [list(clique) for clique in selection.chosen],
         "chosen_tables": measurement_record(selection.pair_event),
     }
+    if selection.annealing:
+        record["annealing"] = AIM_ANNEALING.format(growth=selection.growth)
+        record["units"] = None if selection.chosen is None else list(selection.round_units())
+        record["unused_units"] = None if selection.chosen is None else selection.unused_rounds
     if selection.attribute_weights is not None:
         record["score"] += AIM_WEIGHT
         record["attribute_weights"] = [{"attribute": a, "weight": w} for a, w in selection.attribute_weights]
@@ -401,7 +421,8 @@ def plan_fingerprint(plan: Plan) -> str:
 def selection_fingerprint(plan: Plan) -> str:
     """SHA-256 of what a plan's selections chose (each query's tables, in the order chosen): recorded in the
     ledger by a release's first run and demanded of a free re-run (`accounting.ledger.check_selection`)."""
-    document = [[s.query, [list(c) for c in s.chosen or ()]] for s in plan.selections]
+    document = [[s.query, [list(c) for c in s.chosen or ()]] + ([list(s.units or ())] if s.annealing else [])
+                for s in plan.selections]
     return hashlib.sha256(json.dumps(document, separators=(",", ":")).encode()).hexdigest()
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Callable
@@ -25,7 +25,8 @@ from dprelease.accounting.sensitivity import (ContributionBounds, Sensitivity, c
                                               unit_count_sensitivity)
 from dprelease.transforms.aggregate import TableLayout
 from dprelease.transforms.aim import attribute_weights, junction_steps, largest_weight
-from dprelease.transforms.aim_model import all_candidates, check_chosen, cycle_rounds, uses_cycles
+from dprelease.transforms.aim_model import (ANNEAL_GROWTH, all_candidates, check_chosen, check_units, cycle_rounds,
+                                            uses_cycles)
 from dprelease.transforms.mst import Components, workload_weights
 from dprelease.transforms.domains import (NATION, CategoricalDomain, Dimension, Domain, GeographyDomain,
                                           IntegerDomain, MeasureDomain, dimension, measure_key)
@@ -129,7 +130,9 @@ class SelectionPlan:
 
     `rounds` exponential-mechanism selections (attributes - 1; a selection over a capped model,
     `transforms.aim_model.cycle_rounds`), calibrated to `event`'s score sensitivity, each chosen table then
-    measured like any table with `pair_event`'s mechanism (every chosen table the same share).
+    measured like any table with `pair_event`'s mechanism (every chosen table the same share); with `annealing`,
+    `rounds` is a budget of that many such rounds, and each round spends the units `units` records (its draw
+    `round_selection`, its table `round_measurement`).
     mst (MST, McKenna, Miklau and Sheldon 2021): each round among the candidate pairs that join two components of
     the tree chosen so far, scored against the estimate from the measured 1-way tables (`transforms.mst`).
     aim (McKenna et al. 2022): with `cycles`, each round among every table of 2 to `degree` + 1 attributes not
@@ -143,7 +146,9 @@ class SelectionPlan:
     Privacy: the selections compose with the measurements (`Plan.events`): `event` accounts all `rounds`
     (pure: rounds * epsilon; zCDP: rounds * epsilon^2 / 8, bounded range) and the chosen tables' measurements
     are accounted at their planned share whichever tables are chosen, a round left without a candidate's
-    included (`unused_rounds`), so the total is known before any data is read.
+    included (`unused_rounds`), so the total is known before any data is read. Annealed rounds are a privacy
+    filter: their units sum to at most `rounds` whatever the released values decide, and each round's mechanisms
+    lose at most its units' share (`Plan.ledger_spend` charges the allocation, the filter's bound).
     """
 
     query: str
@@ -163,20 +168,64 @@ class SelectionPlan:
     cycles: bool = False
     """aim: the rounds choose among every candidate that keeps the model within its cap, tables that close cycles
     included (`transforms.aim_model`, manifest version 8 on); False: a junction tree grown one attribute a round."""
+    annealing: bool = False
+    """aim with `cycles` (manifest version 9 on): `rounds` is the selection's budget in units of one equal round,
+    and each round spends the units `transforms.aim_model.next_units` gives it (AIM's annealing)."""
+    units: tuple[int, ...] | None = None
+    """With `annealing`, each chosen table's round's budget units, in order (None until the run selects)."""
 
     @property
     def name(self) -> str:
         return self.event.table
 
+    @property
+    def growth(self) -> int:
+        """How many times the units of an annealed round grow (`transforms.aim_model.ANNEAL_GROWTH`)."""
+        return ANNEAL_GROWTH[self.event.mechanism.accounted_as]
+
+    def round_units(self) -> tuple[int, ...]:
+        """Each chosen table's budget units (1 each without annealing)."""
+        return self.units if self.annealing and self.units is not None else (1,) * len(self.chosen or ())
+
+    def round_selection(self, units: int) -> MeasurementEvent:
+        """The exponential mechanism of a round of `units` budget units: calibrated to that many rounds' share of
+        the selection's budget (a round of 1 unit: the plan's `event`, once)."""
+        share = self.event.allocated * units / self.rounds
+        definition = "pure" if self.event.mechanism.accounted_as == "epsilon" else "rho"
+        return MeasurementEvent(self.name, calibrate_selection(share, 1, definition, f"selection {self.query}"),
+                                self.event.sensitivity, share)
+
+    def round_measurement(self, units: int, table: str) -> MeasurementEvent:
+        """The mechanism of the table a round of `units` budget units chooses: calibrated to that many rounds'
+        share of the chosen tables' budget (1 unit: `pair_event`'s)."""
+        share = self.pair_event.allocated * units
+        if units == 1:
+            return MeasurementEvent(table, self.pair_event.mechanism, self.pair_event.sensitivity, share)
+        calibrate = calibrate_laplace if self.event.mechanism.accounted_as == "epsilon" else calibrate_gaussian
+        return MeasurementEvent(table, calibrate(share, self.pair_event.sensitivity, f"table {table}"),
+                                self.pair_event.sensitivity, share)
+
     def events(self) -> list[MeasurementEvent]:
-        """The selection and, while the tables are still to be chosen, their measurements (once each)."""
-        return [self.event, *[self.pair_event] * self.unused_rounds]
+        """The selection and, while the tables are still to be chosen, their measurements (once each). Annealed
+        rounds: each round's selection at its units, then the units left unused (both parts, at 1 unit each)."""
+        if not self.annealing or self.chosen is None:
+            return [self.event, *[self.pair_event] * self.unused_rounds]
+        unused = self.unused_rounds
+        left = [MeasurementEvent(self.name, replace(self.event.mechanism, selections=unused), self.event.sensitivity,
+                                 self.event.allocated * unused / self.rounds)] if unused else []
+        return [self.round_selection(u) for u in self.round_units()] + left + [self.pair_event] * unused
+
+    def selection_loss(self) -> Fraction:
+        """The loss of the selection's draws (every round's, and the units left unused)."""
+        return self.event.loss if not self.annealing or self.chosen is None else \
+            sum((e.loss for e in self.events() if e.table == self.name), Fraction(0))
 
     @property
     def unused_rounds(self) -> int:
-        """Rounds whose table is not chosen (yet): every round before the selection; after it, the rounds a
-        selection over a capped model left without a candidate (`transforms.aim_model`), accounted all the same."""
-        return self.rounds - len(self.chosen or ())
+        """Budget units (rounds) whose table is not chosen (yet): every unit before the selection; after it, the
+        units a selection over a capped model left without a candidate (`transforms.aim_model`), accounted all
+        the same."""
+        return self.rounds - sum(self.round_units())
 
 
 @dataclass(frozen=True)
@@ -197,6 +246,9 @@ class Plan:
     """`select: aim` queries choose tables that close cycles (`transforms.aim_model`) where they have at most
     `aim_model.uses_cycles` (candidates x attributes^2, units); False re-plans a release of manifest version 7 or earlier, whose
     rounds grew a junction tree one attribute a round."""
+    aim_annealing: bool = True
+    """`select: aim` queries over a capped model anneal their rounds' budgets (`SelectionPlan.annealing`); False
+    re-plans a release of manifest version 8 or earlier, whose rounds had equal shares."""
 
     def events(self) -> list[MeasurementEvent]:
         """Every measurement the release composes: its measured tables, its selections, and the tables still
@@ -226,9 +278,16 @@ class Plan:
         return sum(t.layout.n_measured for t in self.tables)
 
     def ledger_spend(self) -> tuple[str, Fraction]:
-        """(unit, amount) the ledger charges for this release: epsilon under pure DP, else rho."""
-        totals = self.totals
-        return ("epsilon", totals.pure_epsilon) if self.definition == "pure" else ("rho", totals.rho)
+        """(unit, amount) the ledger charges for this release: epsilon under pure DP, else rho; the same before and
+        after its selections. Privacy: a selection whose rounds anneal is charged its allocation, the bound its
+        rounds keep whichever units they spend (each round's mechanisms calibrated to lose at most their units'
+        share; rounded, so the rounds' own losses can sum to more than the rounded plan's, never more than this)."""
+        unit, spend = ("epsilon", self.totals.pure_epsilon) if self.definition == "pure" else ("rho", self.totals.rho)
+        for selection in self.selections:
+            if selection.annealing:
+                chosen = [self.table(table_name(selection.query, c)).event for c in selection.chosen or ()]
+                spend += sum((e.allocated - e.loss for e in selection.events() + chosen), Fraction(0))
+        return unit, spend
 
     def table(self, name: str) -> TablePlan:
         return next(t for t in self.tables if t.name == name)
@@ -398,14 +457,16 @@ def direct_reason(query: MarginalsQuery, spec: ReleaseSpec, enabled: bool = True
 
 
 def _marginal_weights(query: MarginalsQuery, spec: ReleaseSpec, domains, chosen: tuple[Pair, ...] | None,
-                      optimal: bool, rounds: int | None) -> list[tuple[tuple[str, ...], Fraction]]:
+                      optimal: bool, rounds: int | None,
+                      units: tuple[int, ...] | None = None) -> list[tuple[tuple[str, ...], Fraction]]:
     """Every table of a marginals query with its budget weight: a selected query's 1-way tables and chosen
-    tables (fixed shares: each chosen table one of `rounds`); a published query's strategy (`measured_strategy`),
-    or its t-way tables alike."""
+    tables (fixed shares: each chosen table `units` of `rounds`, 1 each without annealing); a published query's
+    strategy (`measured_strategy`), or its t-way tables alike."""
     if query.selects:
         r = len(query.attributes)
+        chosen = list(chosen or [])
         return [((a,), ONE_WAY_SHARE / r) for a in query.attributes] + \
-            [(tuple(c), PAIR_SHARE / rounds) for c in chosen or []]
+            [(tuple(c), PAIR_SHARE * u / rounds) for c, u in zip(chosen, units or [1] * len(chosen))]
     strategy = measured_strategy(query, spec, domains, optimal)
     if strategy is None:
         return [(combo, Fraction(1)) for combo in _workload(query)]
@@ -441,9 +502,10 @@ def _compact_parts(parts: dict[str, Fraction], sensitivity: Sensitivity) -> dict
 
 
 def _query_tables(query, spec: ReleaseSpec, domains, chosen: tuple[Pair, ...] | None = None,
-                  optimal: bool = True, rounds: int | None = None) -> list[TableShape]:
+                  optimal: bool = True, rounds: int | None = None,
+                  units: tuple[int, ...] | None = None) -> list[TableShape]:
     """Every table a query asks for (a `select: mst` or `aim` query: its 1-way tables and the `chosen` tables,
-    each one of the selection's `rounds`)."""
+    each `units` of the selection's `rounds`)."""
     if isinstance(query, HistogramQuery):
         return [TableShape(query.name, _dims(query.by, domains))]
     if isinstance(query, CountUnitsQuery):
@@ -459,7 +521,7 @@ def _query_tables(query, spec: ReleaseSpec, domains, chosen: tuple[Pair, ...] | 
     if isinstance(query, MarginalsQuery):
         prefix = _dims([query.within], domains) if query.within else []
         return [TableShape(table_name(query.name, combo), prefix + _dims(list(combo), domains), weight=weight)
-                for combo, weight in _marginal_weights(query, spec, domains, chosen, optimal, rounds)]
+                for combo, weight in _marginal_weights(query, spec, domains, chosen, optimal, rounds, units)]
     assert isinstance(query, HierarchyQuery)
     tables = []
     by = _dims(query.by, domains)
@@ -541,9 +603,11 @@ def check_junction_tree(query: MarginalsQuery, cliques) -> tuple[Clique, ...]:
 
 
 def _selection(query: MarginalsQuery, share: Fraction, bounds: ContributionBounds, definition: str,
-               chosen, domains, cycles_allowed: bool) -> SelectionPlan:
+               chosen, domains, cycles_allowed: bool, annealing_allowed: bool = False,
+               units: tuple[int, ...] | None = None) -> SelectionPlan:
     """The selection of a `select: mst` or `aim` query: its exponential mechanism and the chosen tables'
-    mechanism, each calibrated to its exact share of the query's budget (every round's, chosen or not)."""
+    mechanism, each calibrated to its exact share of the query's budget (every round's, chosen or not); with
+    annealing, `units` are the chosen tables' rounds' budget units (checked: `aim_model.check_units`)."""
     r = len(query.attributes)
     rounds = r - 1
     cycles = False
@@ -574,13 +638,36 @@ def _selection(query: MarginalsQuery, share: Fraction, bounds: ContributionBound
         calibrate_gaussian(pair_share, counts, where)
     if chosen is None:
         tables = None
+    elif cycles and annealing_allowed:  # the rounds end when the budget is spent or no candidate is left
+        units = _checked_units(query, units, len(chosen), rounds, definition)
+        tables = check_cycle_selection(query, candidates, chosen, rounds, domains, sum(units) < rounds)
     elif cycles:
         tables = check_cycle_selection(query, candidates, chosen, rounds, domains)
     else:
         tables = check_junction_tree(query, chosen) if query.select == "aim" else check_spanning_tree(query, chosen)
+    annealing = cycles and annealing_allowed
+    if units is not None and not (annealing and tables is not None):
+        raise SelectionError(f"selection of {query.name!r}: budget units are recorded, but its rounds are not "
+                             f"annealed (only `select: aim` over a capped model, manifest version 9 on)")
     measured = f"{query.name}.{'clique' if query.select == 'aim' else 'pair'}"
     return SelectionPlan(query.name, candidates, rounds, selection, MeasurementEvent(measured, mechanism, counts, pair_share),
-                         tables, weights, query.select, degree, per_attribute, cycles)
+                         tables, weights, query.select, degree, per_attribute, cycles, annealing,
+                         units if tables is not None and annealing else None)
+
+
+def _checked_units(query: MarginalsQuery, units, chosen: int, rounds: int, definition: str) -> tuple[int, ...]:
+    """The budget units of an annealed selection's rounds, one per chosen table, as its rounds could spend them;
+    SelectionError (naming the problem) otherwise."""
+    if chosen > rounds:
+        raise SelectionError(f"selection of {query.name!r}: {chosen} tables chosen; the selection has {rounds} rounds")
+    if not isinstance(units, (list, tuple)) or len(units) != chosen:
+        raise SelectionError(f"selection of {query.name!r}: {chosen} tables chosen, but the rounds' budget units "
+                             f"are {units!r} (one positive integer per chosen table)")
+    try:
+        check_units(list(units), rounds, ANNEAL_GROWTH["epsilon" if definition == "pure" else "rho"])
+    except ValueError as error:
+        raise SelectionError(f"selection of {query.name!r}: {error}") from None
+    return tuple(units)
 
 
 def selection_shape(query: MarginalsQuery, domains) -> tuple[dict[str, int], int]:
@@ -589,13 +676,15 @@ def selection_shape(query: MarginalsQuery, domains) -> tuple[dict[str, int], int
     return _attribute_sizes(query, domains), units
 
 
-def check_cycle_selection(query: MarginalsQuery, candidates, chosen, rounds: int, domains) -> tuple[Clique, ...]:
+def check_cycle_selection(query: MarginalsQuery, candidates, chosen, rounds: int, domains,
+                          unspent: bool | None = None) -> tuple[Clique, ...]:
     """The chosen tables as a tuple when a selection over a capped model could have chosen them
-    (`transforms.aim_model.check_chosen`); SelectionError (naming the problem) otherwise."""
+    (`transforms.aim_model.check_chosen`; `unspent`: whether its budget was left unspent); SelectionError (naming
+    the problem) otherwise."""
     cliques = tuple(tuple(c) for c in chosen)
     sizes, units = selection_shape(query, domains)
     try:
-        check_chosen(list(query.attributes), candidates, list(cliques), rounds, sizes, units)
+        check_chosen(list(query.attributes), candidates, list(cliques), rounds, sizes, units, unspent)
     except ValueError as error:
         raise SelectionError(f"selection of {query.name!r}: {error}") from None
     return cliques
@@ -603,20 +692,25 @@ def check_cycle_selection(query: MarginalsQuery, candidates, chosen, rounds: int
 
 def build_plan(spec: ReleaseSpec, base_dir: Path, reader: DomainReader | None = None,
                chosen: dict[str, tuple[Clique, ...]] | None = None, optimal_marginals: bool = True,
-               aim_cycles: bool = True) -> Plan:
+               aim_cycles: bool = True, units: dict[str, tuple[int, ...]] | None = None,
+               aim_annealing: bool = True) -> Plan:
     """Plan a release from its spec. Privacy: sensitivity comes from `count_sensitivity` of the
     declared bounds; each table's mechanism is calibrated to its exact share of the budget. Domain files
     are read by `reader` (default: relative to `base_dir`). `chosen`: the tables each `select: mst` or `aim`
     query chose (from a run or a manifest); without them the plan is the one before data is read.
     `optimal_marginals`: False for a release of manifest version 6 or earlier (`Plan.optimal_marginals`);
-    `aim_cycles`: False for one of version 7 or earlier (`Plan.aim_cycles`)."""
-    return plan_over(spec, build_domains(spec, base_dir, reader), chosen, optimal_marginals, aim_cycles)
+    `aim_cycles`: False for one of version 7 or earlier (`Plan.aim_cycles`); `units`: each annealed selection's
+    rounds' budget units (`SelectionPlan.units`); `aim_annealing`: False for one of version 8 or earlier."""
+    return plan_over(spec, build_domains(spec, base_dir, reader), chosen, optimal_marginals, aim_cycles, units,
+                     aim_annealing)
 
 
-def with_selections(plan: Plan, chosen: dict[str, tuple[Clique, ...]]) -> Plan:
+def with_selections(plan: Plan, chosen: dict[str, tuple[Clique, ...]],
+                    units: dict[str, tuple[int, ...]] | None = None) -> Plan:
     """The plan once its selections are made: the chosen tables in place of the pending ones (the same budget,
-    mechanisms and totals)."""
-    return plan_over(plan.spec, plan.domains, chosen, plan.optimal_marginals, plan.aim_cycles)
+    mechanisms and totals); `units`: each annealed selection's rounds' budget units."""
+    return plan_over(plan.spec, plan.domains, chosen, plan.optimal_marginals, plan.aim_cycles, units,
+                     plan.aim_annealing)
 
 
 def candidate_tables(plan: Plan, selection: SelectionPlan, cliques=None, released: bool = False) -> list[TablePlan]:
@@ -714,9 +808,11 @@ def selection_cells(plan: Plan) -> int:
 
 
 def plan_over(spec: ReleaseSpec, domains: dict[str, Domain], chosen: dict[str, tuple[Clique, ...]] | None,
-              optimal_marginals: bool = True, aim_cycles: bool = True) -> Plan:
+              optimal_marginals: bool = True, aim_cycles: bool = True, units: dict[str, tuple[int, ...]] | None = None,
+              aim_annealing: bool = True) -> Plan:
     """`build_plan` over domains already built."""
     chosen = chosen or {}
+    units = units or {}
     unknown = sorted(set(chosen) - {q.name for q in spec.queries if getattr(q, "selects", False)})
     if unknown:
         raise SpecError(f"selections: {unknown} name no `select: mst` or `select: aim` query")
@@ -732,9 +828,10 @@ def plan_over(spec: ReleaseSpec, domains: dict[str, Domain], chosen: dict[str, t
         selected = isinstance(query, MarginalsQuery) and query.selects
         if selected:
             selections.append(_selection(query, share, bounds, definition, chosen.get(query.name), domains,
-                                         aim_cycles))
+                                         aim_cycles, aim_annealing, units.get(query.name)))
         shapes = _query_tables(query, spec, domains, selections[-1].chosen if selected else None, optimal_marginals,
-                               selections[-1].rounds if selected else None)
+                               selections[-1].rounds if selected else None,
+                               selections[-1].round_units() if selected else None)
         noisy = [shape for shape in shapes if shape.name not in spec.invariants]
         if selected:  # fixed shares (1-way, pairs, selection: a third each), the same before and after choosing
             parts = {shape.name: share * shape.weight for shape in noisy}
@@ -770,7 +867,7 @@ def plan_over(spec: ReleaseSpec, domains: dict[str, Domain], chosen: dict[str, t
         raise ArithmeticError("the allocation does not sum to the budget")
     totals = compose(events, spec.budget.definition, getattr(spec.budget, "delta", None))
     return Plan(spec, domains, bounds, sensitivity, total, tuple(tables), totals, tuple(means), tuple(selections),
-                optimal_marginals, aim_cycles)
+                optimal_marginals, aim_cycles, aim_annealing)
 
 
 __all__ = ["Plan", "TablePlan", "SelectionPlan", "Pair", "with_selections", "candidate_tables", "HierarchyLink", "MeanOutput", "Measure", "build_plan", "build_domains", "NATION"]

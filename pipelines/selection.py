@@ -8,7 +8,8 @@ and `transforms.mst` chooses the tree. aim: round by round, the engine counts th
 tables measured so far are released (the same noise again) and fitted (a graphical model,
 `transforms.aim_model`; or, for a release of manifest version 7 or earlier or a query with too many candidates or units,
 the junction tree of `transforms.aim.JunctionModel`), and one candidate is chosen; its table is released in the
-next round. The run then continues with the plan of the
+next round. Over a capped model (manifest version 9 on) each round's budget units follow AIM's annealing
+(`aim_model.next_units`, decided from the released tables). The run then continues with the plan of the
 chosen tables.
 Privacy: accounted in the plan before any data is read (`plan.SelectionPlan`); only the chosen tables leave
 this stage, and they are published in the manifest.
@@ -16,6 +17,7 @@ this stage, and they are published in the manifest.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 
@@ -50,12 +52,16 @@ def select_tables(plan: Plan, engine: Engine, source: InputSource, key: ReleaseK
         return plan
     trees = [s for s in plan.selections if s.method == "mst"]
     chosen = _select_trees(plan, trees, engine, source, key, progress) if trees else {}
+    units: dict[str, tuple[int, ...]] = {}
     for selection in plan.selections:
-        if selection.method == "aim":
-            grow = _grow_model if selection.cycles else _grow
-            chosen[selection.query] = grow(plan, selection, engine, source, key, progress)
+        if selection.method == "aim" and selection.cycles:
+            chosen[selection.query], spent = _grow_model(plan, selection, engine, source, key, progress)
+            if selection.annealing:
+                units[selection.query] = spent
+        elif selection.method == "aim":
+            chosen[selection.query] = _grow(plan, selection, engine, source, key, progress)
         LOG.info("selection %s: chose %d tables", selection.name, len(chosen[selection.query]))
-    return with_selections(plan, chosen)
+    return with_selections(plan, chosen, units)
 
 
 def _select_trees(plan: Plan, selections: list[SelectionPlan], engine: Engine, source: InputSource, key: ReleaseKey,
@@ -143,42 +149,47 @@ def _grow(plan: Plan, selection: SelectionPlan, engine: Engine, source: InputSou
             return {tables[i].name: estimate for i, estimate in zip(batch, found)}
 
         scores = _score_passes(plan, engine, source, key, progress, one_way, newest, tables, estimates)
-        cliques.append(_draw(selection, round_, members, tables, scores, weights, key))
+        cliques.append(members[_draw(selection, round_, members, tables, scores, weights, key)])
     return tuple(cliques)
 
 
 def _grow_model(plan: Plan, selection: SelectionPlan, engine: Engine, source: InputSource, key: ReleaseKey,
-                progress: ProgressHook) -> tuple[Clique, ...]:
-    """A `select: aim` query's tables over a capped graphical model (`transforms.aim_model`), round by round:
-    the round's candidates (any table not chosen that keeps the model within its cap, cycles included) counted
-    in passes of at most `AIM_ROUND_CELLS` cells, each scored against the model fitted to every table released
-    so far (the 1-way tables and the tables chosen in earlier rounds), less the expected L1 error of measuring it
-    (`noise_penalty`, public) and times its workload weight (public); then one exponential-mechanism draw. A
-    round left without a candidate ends the selection (its share stays accounted)."""
+                progress: ProgressHook) -> tuple[tuple[Clique, ...], tuple[int, ...]]:
+    """A `select: aim` query's tables over a capped graphical model (`transforms.aim_model`) and each round's
+    budget units, round by round: the round's candidates (any table not chosen that keeps the model within its cap,
+    cycles included) counted in passes of at most `AIM_ROUND_CELLS` cells, each scored against the model fitted to
+    every table released so far (the 1-way tables and the tables chosen in earlier rounds), less the expected L1
+    error of measuring it at the round's noise (`noise_penalty`, public) and times its workload weight (public);
+    then one exponential-mechanism draw. With annealing, a round's units are `aim_model.next_units` of the units
+    so far and whether the table the round before chose moved the model by less than its noise
+    (`aim_model.anneals`: released values only); without, 1 each. The rounds end when the budget is spent or
+    no candidate is left (the units left stay accounted)."""
     query = plan.query(selection.query)
     attributes = list(query.attributes)
     one_way = _one_way_tables(plan, selection)
     sizes, units = selection_shape(query, plan.domains)
-    variance = selection.pair_event.mechanism.variance()
     weights = dict(selection.attribute_weights or ())
     cliques: list[Clique] = []
+    spent: list[int] = []  # each chosen table's round's budget units
+    before: list[np.ndarray] = []  # the estimate of the table the round before chose, when it was chosen
     released: dict[str, np.ndarray] = {}  # the noisy values of every table released so far (public)
     previous: list[Model] = []  # the model of the round before (a warm start)
-    for round_ in range(selection.rounds):
+    while True:
         members = aim_model.round_candidates(attributes, selection.candidates, cliques, sizes, units)
-        if not members:
-            LOG.info("selection %s: round %d of %d has no candidate within the model's cap; %d rounds unused",
-                     selection.name, round_ + 1, selection.rounds, selection.rounds - round_)
+        if not members or sum(spent) == selection.rounds:
+            if not members:
+                LOG.info("selection %s: round %d has no candidate within the model's cap; %d of %d budget units "
+                         "unused", selection.name, len(spent) + 1, selection.rounds - sum(spent), selection.rounds)
             break
         tables = candidate_tables(plan, selection, members)
-        newest = candidate_tables(plan, selection, cliques[-1:], released=True)
+        newest = _released(plan, selection, cliques[-1:], spent[-1:])
         model: list[tuple[Model, list[np.ndarray]]] = []  # fitted once a round, on its first pass
 
         def measurements() -> list[Measurement]:
             out = [Measurement((a,), released[t.name].reshape(units, -1), float(t.noise_variance()))
                    for a, t in zip(attributes, one_way)]
             return out + [Measurement(c, released[table_name(query.name, c)].reshape(units, *[sizes[a] for a in c]),
-                                      float(variance)) for c in cliques]
+                                      _variance(selection, u)) for c, u in zip(cliques, spent)]
 
         def estimates(noisy: dict[str, np.ndarray], batch: list[int]) -> dict[str, aim_model.TableEstimate]:
             released.update(noisy)
@@ -191,8 +202,33 @@ def _grow_model(plan: Plan, selection: SelectionPlan, engine: Engine, source: In
             return {tables[i].name: estimate for i, estimate in zip(batch, found)}
 
         scores = _score_passes(plan, engine, source, key, progress, one_way, newest, tables, estimates)
-        cliques.append(_draw(selection, round_, members, tables, scores, weights, key))
-    return tuple(cliques)
+        annealed = bool(spent) and selection.annealing and aim_model.anneals(
+            before[0], _estimate_of(model[0], cliques[-1]), _variance(selection, spent[-1]) ** 0.5)
+        round_units = aim_model.next_units(spent, selection.rounds, annealed, selection.growth) \
+            if selection.annealing else 1
+        pick = _draw(selection, len(spent), members, tables, scores, weights, key,
+                     round_units if selection.annealing else None)
+        cliques.append(members[pick])
+        spent.append(round_units)
+        before[:] = [_estimate_of(model[0], members[pick])]
+    return tuple(cliques), tuple(spent)
+
+
+def _released(plan: Plan, selection: SelectionPlan, cliques: list[Clique], units: list[int]) -> list[TablePlan]:
+    """The tables of `cliques` as released, each with the mechanism of its round's `units`."""
+    tables = candidate_tables(plan, selection, cliques)
+    return [replace(t, event=selection.round_measurement(u, t.name)) for t, u in zip(tables, units)]
+
+
+def _variance(selection: SelectionPlan, units: int) -> float:
+    """The noise variance of the table a round of `units` budget units chooses (public)."""
+    return float(selection.round_measurement(units, selection.pair_event.table).mechanism.variance())
+
+
+def _estimate_of(fitted: tuple[Model, list[np.ndarray]], clique: Clique) -> np.ndarray:
+    """The model's table of `clique`, flat (units, cells), as candidates are scored against it."""
+    model, marginals = fitted
+    return aim_model.TableEstimate.of(model, [clique], marginals)[0].values
 
 
 def _score_passes(plan: Plan, engine: Engine, source: InputSource, key: ReleaseKey, progress: ProgressHook,
@@ -213,18 +249,21 @@ def _score_passes(plan: Plan, engine: Engine, source: InputSource, key: ReleaseK
 
 
 def _draw(selection: SelectionPlan, round_: int, members: list[Clique], tables: list[TablePlan],
-          scores: dict[str, int], weights: dict[str, int], key: ReleaseKey) -> Clique:
-    """One aim round's table: the exponential mechanism on the candidates' scores, each less the expected L1 error
-    of measuring it (`noise_penalty`, public) and times its workload weight (public; the plan's sensitivity is the
-    unweighted one times the largest weight)."""
-    variance = selection.pair_event.mechanism.variance()
+          scores: dict[str, int], weights: dict[str, int], key: ReleaseKey, units: int | None = None) -> int:
+    """One aim round's table (its index in `members`): the exponential mechanism on the candidates' scores, each
+    less the expected L1 error of measuring it (`noise_penalty`, public) and times its workload weight (public;
+    the plan's sensitivity is the unweighted one times the largest weight). `units`: an annealed round's budget
+    units (its epsilon and the noise its table gets); None: the plan's one-round mechanism."""
+    epsilon = selection.event.mechanism.epsilon if units is None else \
+        selection.round_selection(units).mechanism.epsilon
+    variance = selection.pair_event.mechanism.variance() if units is None else _variance(selection, units)
     penalised = [clique_weight(weights, clique) * (scores[t.name] - noise_penalty(t.n_cells, variance))
                  for clique, t in zip(members, tables)]
-    pick = draw_round(key, selection.name, round_, penalised, selection.event.mechanism.epsilon,
-                      selection.event.sensitivity.l1)
-    LOG.info("selection %s: round %d of %d chose %s among %d candidates", selection.name, round_ + 1,
-             selection.rounds, "-".join(members[pick]), len(members))
-    return members[pick]
+    pick = draw_round(key, selection.name, round_, penalised, epsilon, selection.event.sensitivity.l1)
+    LOG.info("selection %s: round %d chose %s among %d candidates%s", selection.name, round_ + 1,
+             "-".join(members[pick]), len(members),
+             "" if units is None else f" ({units} budget units, {selection.rounds} in all)")
+    return pick
 
 
 def _passes(indices: list[int], tables: list[TablePlan]) -> list[list[int]]:

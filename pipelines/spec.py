@@ -328,11 +328,14 @@ class MarginalsQuery(QueryBase):
                            "and measure those; the query's budget splits 45% 1-way "
                            "tables, 10% selection, 45% 2-way tables, and the chosen tables are recorded in the "
                            "manifest. 'aim' (way 2 only): AIM's adaptive rounds (McKenna et al. 2022): after the "
-                           "1-way tables, 2 x (attributes - 1) rounds, each choosing with the exponential mechanism "
+                           "1-way tables, a budget of 2 x (attributes - 1) equal rounds, each round choosing with "
+                           "the exponential mechanism "
                            "one table of 2 to `degree` + 1 attributes not chosen yet (tables that close cycles "
                            "included) that keeps the graphical model of the measurements within its cap, scored "
                            "against that model fitted to the measurements so far, and measuring it before the next "
-                           "round (the same budget split); a query with more such tables than 2^20 / attributes^2, or "
+                           "round (the same budget split); a round spends more of the budget (AIM's annealing: 4 "
+                           "rounds' worth under zcdp, 2 under pure) once the table measured before it moved the model "
+                           "less than its noise; a query with more such tables than 2^20 / attributes^2, or "
                            "within more than 16 units, "
                            "grows a junction tree instead, one new attribute a round, attributes - 1 rounds.")
     strategy: Literal["optimal", "direct"] = Field(

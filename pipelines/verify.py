@@ -40,7 +40,7 @@ from dprelease.accounting.signing import (MAX_KEY_BYTES, SIGNATURE_FILE, check, 
                                           well_formed)
 
 from .limits import check_cell_limit
-from .manifest import (AIM_CYCLES_VERSION, AIM_VERSION, DESCRIPTIVE_FIELDS, MANIFEST_VERSION,
+from .manifest import (AIM_ANNEALING_VERSION, AIM_CYCLES_VERSION, AIM_VERSION, DESCRIPTIVE_FIELDS, MANIFEST_VERSION,
                        OPTIMAL_MARGINALS_VERSION, WORKLOAD_VERSION, derived_section, domain_file_name, domain_file_names)
 from .plan import MAX_DOMAIN_FILE_BYTES, Plan, SelectionError, build_plan
 from .postprocessing import EstimateVariances, estimate_variances, unit_tree
@@ -53,7 +53,7 @@ from .validation import manifest_record
 from .verify_tables import check_consistency, check_recomputed, check_table_files
 
 MANIFEST = "manifest.json"
-SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 HEX16 = re.compile(r"^[0-9a-f]{16}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_PROBLEMS = 1000
@@ -306,14 +306,16 @@ def _replan(root: Path, manifest: dict, report: VerifyReport):
         return None
     if original.model_dump(mode="json") != document:
         report.problems.append("spec: not in the canonical form dprelease writes (edited after publication?)")
-    chosen = _recorded_selections(manifest, original, report)
-    if chosen is None:
+    recorded = _recorded_selections(manifest, original, report)
+    if recorded is None:
         return None
+    chosen, units = recorded
     try:
         version = manifest.get("manifest_version")
         optimal = not (type(version) is int and version < OPTIMAL_MARGINALS_VERSION)  # noqa: E721
         cycles = not (type(version) is int and version < AIM_CYCLES_VERSION)  # noqa: E721
-        return build_plan(original, root, _release_reader(root), chosen, optimal, cycles), original
+        annealing = not (type(version) is int and version < AIM_ANNEALING_VERSION)  # noqa: E721
+        return build_plan(original, root, _release_reader(root), chosen, optimal, cycles, units, annealing), original
     except SelectionError as error:
         report.problems.append(f"selections: {brief(str(error), 2000)}")
         return None
@@ -322,17 +324,19 @@ def _replan(root: Path, manifest: dict, report: VerifyReport):
         return None
 
 
-def _recorded_selections(manifest: dict, spec, report: VerifyReport) -> dict | None:
+def _recorded_selections(manifest: dict, spec, report: VerifyReport) -> tuple[dict, dict] | None:
     """The tables each `select: mst` or `aim` query of the spec chose, as the manifest records them (checked by
-    the plan to be a spanning tree of the query's attributes, or a junction tree grown one attribute a round);
-    None, with the problem, when they are missing or malformed."""
+    the plan to be a spanning tree of the query's attributes, a junction tree grown one attribute a round, or
+    tables a capped model's rounds could choose), and each annealed selection's rounds' budget units (checked
+    by the plan to be units its rounds could spend, within its budget); None, with the problem, when they are
+    missing or malformed."""
     wanted = [q.name for q in spec.queries if getattr(q, "selects", False)]
     methods = {q.name: q.select for q in spec.queries if getattr(q, "selects", False)}
     records = manifest.get("selections", [])
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         report.problems.append("selections: not a list of mappings")
         return None
-    chosen = {}
+    chosen, units = {}, {}
     for record in records:
         query, pairs = record.get("query"), record.get("chosen")
         if query not in wanted or query in chosen:
@@ -346,11 +350,13 @@ def _recorded_selections(manifest: dict, spec, report: VerifyReport) -> dict | N
                                    f"{'pairs' if methods[query] == 'mst' else 'tables'}")
             return None
         chosen[query] = tuple(tuple(p) for p in pairs)
+        if record.get("units") is not None:  # the plan refuses units where its rounds are not annealed
+            units[query] = record["units"]
     missing = [q for q in wanted if q not in chosen]
     if missing:
         report.problems.append(f"selections: the tables chosen by {missing} are missing")
         return None
-    return chosen
+    return chosen, units
 
 
 def _check_budget(plan: Plan, report: VerifyReport) -> None:

@@ -74,7 +74,8 @@ def test_cycle_rounds_offer_every_table_within_the_models_cap(monkeypatch):
         assert offered == [("a", "c"), ("b", "d"), ("a", "b", "c"), ("b", "c", "d")]
         # after (a, c) and (a, b, c) nothing else fits: the selection may end after 5 of its 6 rounds
         aim_model.check_chosen(attributes, candidates, chosen + [("a", "c"), ("a", "b", "c")], 6, sizes, 1)
-        with pytest.raises(ValueError, match=r"4 tables chosen of 6 rounds, but 1 candidates \(such as \['a', 'b', "):
+        with pytest.raises(ValueError, match=r"4 tables chosen and the rounds' budget \(6\) not spent, but 1 "
+                                             r"candidates \(such as \['a', 'b', "):
             aim_model.check_chosen(attributes, candidates, chosen + [("a", "c")], 6, sizes, 1)  # (a, b, c) was left
         with pytest.raises(ValueError, match="is chosen twice"):
             aim_model.check_chosen(attributes, candidates, chosen + [("a", "b")], 6, sizes, 1)
@@ -119,15 +120,15 @@ def test_the_plan_accounts_every_round_before_any_data_is_read(tmp_path, definit
                                                                                        plan.totals.rho)
     assert chosen.table("m.sex-edu-inc").event.mechanism == selection.pair_event.mechanism
     # version 8: over a capped model, twice the rounds (cycles allowed), each chosen table a sixth of the share
-    plan = build_plan(spec, base)
+    plan = build_plan(spec, base, aim_annealing=False)
     [selection] = plan.selections
-    assert selection.cycles and selection.rounds == 6 and selection.unused_rounds == 6
+    assert selection.cycles and selection.rounds == 6 and selection.unused_rounds == 6 and not selection.annealing
     assert selection.pair_event.allocated == share * Fraction(9, 20) / 6
     cyclic = (("edu", "inc"), ("sex", "edu"), ("sex", "inc"), ("age", "sex", "edu"), ("age", "edu"), ("age", "sex"))
     chosen = with_selections(plan, {"m": cyclic})  # edu-inc-sex closes a cycle
     assert chosen.table("m.sex-inc").event.mechanism == selection.pair_event.mechanism
     assert (chosen.totals.pure_epsilon, chosen.totals.rho) == (plan.totals.pure_epsilon, plan.totals.rho)
-    with pytest.raises(SelectionError, match="4 tables chosen of 6 rounds, but 6 candidates"):
+    with pytest.raises(SelectionError, match=r"4 tables chosen and the rounds' budget \(6\) not spent, but 6 cand"):
         with_selections(plan, {"m": cyclic[:4]})  # a selection ends early only when no candidate is left
     sizes, units = selection_shape(plan.query("m"), plan.domains)
     with monkeypatch.context() as patched:  # a cap only (sex, inc), the smallest table, fits: nothing after it
@@ -140,6 +141,84 @@ def test_the_plan_accounts_every_round_before_any_data_is_read(tmp_path, definit
     done = cli("plan", str(tmp_path / "c" / "spec.yaml"), "--json")
     records = {r["table"]: r for r in json.loads(done.stdout)["tables"]}
     assert records["m.selection"]["statistic"] == "aim selection" and "m.<6 tables chosen>" in records
+    # version 9: the same plan before data, its 6 rounds budget units a round may spend several of (annealing)
+    plan = build_plan(spec, base)
+    [selection] = plan.selections
+    assert selection.annealing and selection.rounds == 6 and selection.growth == (2 if definition == "pure" else 4)
+    assert plan.totals == build_plan(spec, base, aim_annealing=False).totals
+    annealed = with_selections(plan, {"m": cyclic[:5]}, {"m": (1, 1, 1, 1, 2)})  # the last round: both units left
+    [made] = annealed.selections
+    assert made.units == (1, 1, 1, 1, 2) and made.unused_rounds == 0
+    last = annealed.table("m.age-edu").event
+    assert last.allocated == 2 * selection.pair_event.allocated and \
+        last.mechanism.variance() < selection.pair_event.mechanism.variance() / 1.99
+    assert made.round_selection(2).mechanism.epsilon >= selection.event.mechanism.epsilon * \
+        Fraction(2 if definition == "pure" else 141, 1 if definition == "pure" else 100)  # 2 or about sqrt(2) times
+    # each round's mechanisms lose at most their units' share (rounded: the rounds' losses can sum to more than the
+    # rounded plan's); the ledger charges the selection's allocation, the same before and after it
+    assert annealed.ledger_spend() == plan.ledger_spend() and annealed.totals.allocated_sum == plan.allocation_budget
+    assert annealed.ledger_spend()[1] >= (annealed.totals.pure_epsilon or annealed.totals.rho)
+    assert sum(e.allocated for e in annealed.events()) == plan.allocation_budget
+    for units, expected in (((1, 1, 1, 1, 3), r"round 5 has 3 budget units; after \[1, 1, 1, 1\] of 6 the rounds "
+                                                r"allow \[1, 2\]"),
+                            ((2, 1, 1, 1, 1), r"round 1 has 2 budget units"),
+                            ((1, 1, 1, 1), r"5 tables chosen, but the rounds' budget units are \(1, 1, 1, 1\)"),
+                            ((1, 1, 1, 1, 0), "are not all positive integers")):
+        with pytest.raises(SelectionError, match=expected):
+            with_selections(plan, {"m": cyclic[:5]}, {"m": units})
+    with pytest.raises(SelectionError, match=r"4 tables chosen and the rounds' budget \(6\) not spent, but 6 cand"):
+        with_selections(plan, {"m": cyclic[:4]}, {"m": (1, 1, 1, 1)})  # 2 units left: only when nothing fits
+    with pytest.raises(SelectionError, match="budget units are recorded, but its rounds are not annealed"):
+        build_plan(spec, base, chosen={"m": cyclic}, units={"m": (1,) * 6}, aim_annealing=False)
+
+
+@pytest.mark.parametrize("definition", ["pure", "zcdp"])
+def test_annealed_rounds_never_spend_more_than_the_plan_whatever_they_decide(tmp_path, definition):
+    """The privacy filter of AIM's annealing: every sequence of anneal decisions (an adversary's choice: the
+    decisions are functions of released values the data shapes) gives rounds whose units sum to the budget at
+    most, each accepted by verify's check; every plan of such rounds composes to at most the plan's loss, and the
+    selection's draws and measurements are calibrated to their units' shares."""
+    from dprelease.transforms import aim_model
+
+    for growth in (2, 4):
+        for budget in range(1, 13):
+            for decisions in itertools.product((False, True), repeat=budget):
+                spent: list[int] = []
+                for annealed in decisions:
+                    units = aim_model.next_units(spent, budget, annealed, growth)
+                    if units == 0:
+                        break
+                    spent.append(units)
+                assert sum(spent) == budget and all(u >= 1 for u in spent)
+                aim_model.check_units(spent, budget, growth)
+                with pytest.raises(ValueError):
+                    aim_model.check_units(spent + [1], budget, growth)  # nothing after the budget is spent
+    budget = {"definition": "pure", "epsilon": 2} if definition == "pure" else \
+        {"definition": "zcdp", "rho": "1/2", "delta": 1e-9}
+    spec, base = load_spec(aim_case(tmp_path / "c", budget))
+    plan = build_plan(spec, base)
+    [selection] = plan.selections
+    cyclic = (("edu", "inc"), ("sex", "edu"), ("sex", "inc"), ("age", "sex", "edu"), ("age", "edu"), ("age", "sex"))
+    seen = set()
+    for decisions in itertools.product((False, True), repeat=selection.rounds):
+        spent: list[int] = []
+        for annealed in decisions:
+            units = aim_model.next_units(spent, selection.rounds, annealed, selection.growth)
+            if units == 0:
+                break
+            spent.append(units)
+        if tuple(spent) in seen:
+            continue
+        seen.add(tuple(spent))
+        made = with_selections(plan, {"m": cyclic[:len(spent)]}, {"m": tuple(spent)})
+        loss = made.totals.pure_epsilon if definition == "pure" else made.totals.rho
+        assert loss <= made.ledger_spend()[1] == plan.ledger_spend()[1] <= plan.allocation_budget
+        assert sum(e.allocated for e in made.events()) == plan.allocation_budget
+        for clique, units in zip(cyclic, spent):  # the noise the rounds drew is the noise the release accounts
+            event = made.table(f"m.{'-'.join(clique)}").event
+            assert event.allocated == units * selection.pair_event.allocated and event.loss <= event.allocated
+            assert selection.round_measurement(units, event.table) == event
+    assert len(seen) > 3
 
 
 def test_an_aim_release_runs_verifies_adds_up_and_synthesizes(tmp_path):
@@ -147,7 +226,8 @@ def test_an_aim_release_runs_verifies_adds_up_and_synthesizes(tmp_path):
     [record] = manifest["selections"]
     assert manifest["manifest_version"] == MANIFEST_VERSION and record["method"] == "aim" and record["degree"] == 2
     assert record["chosen"][0] == ["edu", "inc"]  # by far the most dependent pair
-    assert len(record["chosen"]) == record["rounds"] == 6
+    assert len(record["chosen"]) == len(record["units"]) and record["rounds"] == 6
+    assert sum(record["units"]) + record["unused_units"] == 6 and record["units"][0] == 1
     with pytest.raises(ValueError):  # the tables close cycles: no junction tree grown one attribute a round
         junction_steps(ATTRIBUTES, [tuple(c) for c in record["chosen"]], 2)
     assert "close cycles" in record["candidates_rule"]
@@ -216,16 +296,45 @@ def test_a_version_7_aim_release_grows_a_junction_tree_and_still_verifies(tmp_pa
         assert tabulated.reindex(published.index, fill_value=0).tolist() == published.tolist()
 
 
+def test_a_version_8_aim_release_of_equal_rounds_still_verifies(tmp_path, monkeypatch):
+    """Releases of manifest version 8 gave every round one unit: one whose rounds never annealed, relabelled 8
+    without its units, verifies with the version-9 rules off (its totals are the same rounds' losses)."""
+    from dprelease.pipelines import run as run_module
+    from dprelease.pipelines.verify import verify_release
+    from dprelease.transforms import aim_model
+
+    with monkeypatch.context() as patched:
+        patched.setattr(aim_model, "anneals", lambda before, after, sigma: False)
+        run_module.run_release(aim_case(tmp_path / "c"), key_file=tmp_path / "k.key", ledger=None,
+                               out_dir=tmp_path / "equal")
+    root = tmp_path / "equal" / "test-release"
+    manifest = json.loads((root / "manifest.json").read_text())
+    [record] = manifest["selections"]
+    assert record["units"] == [1] * 6 and record["unused_units"] == 0 and verify_release(root).problems == []
+    manifest["manifest_version"] = 8
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    assert any("rounds are not annealed" in p for p in verify_release(root).problems)
+    for name in ("annealing", "units", "unused_units"):
+        del record[name]
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    assert verify_release(root).problems == []
+
+
 def test_verify_refuses_an_edited_aim_selection(tmp_path):
     path = aim_case(tmp_path / "c")
     assert cli("run", str(path), "--key-file", str(tmp_path / "k.key"), "--no-ledger").returncode == 0
     root = path.parent / "out" / "test-release"
     original = (root / "manifest.json").read_text()
     edits = (
-        (lambda r: r.update(chosen=[["edu", "inc"], ["age", "sex"], ["edu", "inc"]]), "is chosen twice"),
-        (lambda r: r.update(chosen=[["edu", "inc"], ["inc", "sex"]]), "is not a candidate"),
-        (lambda r: r.update(chosen=[list(c) for c in itertools.combinations(ATTRIBUTES, 2)] + [["age", "sex", "edu"]]),
-         "7 tables chosen; the selection has 6 rounds"),
+        (lambda r: r.update(chosen=[["edu", "inc"], ["age", "sex"], ["edu", "inc"]], units=[1, 1, 1]),
+         "is chosen twice"),
+        (lambda r: r.update(chosen=[["edu", "inc"], ["inc", "sex"]], units=[1, 1]), "is not a candidate"),
+        (lambda r: r.update(chosen=[list(c) for c in itertools.combinations(ATTRIBUTES, 2)] + [["age", "sex", "edu"]],
+                            units=[1] * 7), "7 tables chosen; the selection has 6 rounds"),
+        (lambda r: r.update(units=[2] + r["units"][1:]), "round 1 has 2 budget units"),
+        (lambda r: r.update(units=None), "one positive integer per chosen table"),
+        (lambda r: r.update(units=r["units"][:-1]), "one positive integer per chosen table"),
+        (lambda r: r.update(unused_units=(r["unused_units"] or 0) + 1), "selections"),
         (lambda r: r.update(chosen=[["edu", "inc"], ["age", "sex", "edu", "inc"], ["age", "sex"]]),
          "not a list of attribute tables"),
         (lambda r: r.update(degree=1), "selections"),
@@ -238,6 +347,11 @@ def test_verify_refuses_an_edited_aim_selection(tmp_path):
         checked = cli("verify", str(root))
         assert checked.returncode == 1 and expected in " ".join((checked.stdout + checked.stderr).split()), \
             checked.stdout + checked.stderr
+    manifest = json.loads(original)
+    manifest["manifest_version"] = 8  # re-planned with equal rounds: the recorded units are refused
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    checked = cli("verify", str(root))
+    assert checked.returncode == 1 and "rounds are not annealed" in " ".join(checked.stderr.split())
     manifest = json.loads(original)
     manifest["manifest_version"] = 4
     (root / "manifest.json").write_text(json.dumps(manifest))

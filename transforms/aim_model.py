@@ -1,8 +1,10 @@
 """AIM's selection over a graphical model (McKenna et al. 2022), engine-neutral: which tables a `select: aim`
 query measures from manifest version 8 on, tables that close cycles included.
 
-Every attribute's 1-way table is measured first. Then `cycle_rounds` rounds (twice the attributes less one, at
-most the candidates), each choosing one table among the candidates (every 2- to degree+1-way table of the
+Every attribute's 1-way table is measured first. Then rounds spend a budget of `cycle_rounds` equal rounds' units
+(twice the attributes less one, at most the candidates; from manifest version 9 annealed, `next_units`: a round
+spends more units once the table measured before it taught the model less than its noise), each choosing one table
+among the candidates (every 2- to degree+1-way table of the
 query's attributes) not chosen yet whose addition keeps the model within its cap (`round_candidates`): the
 junction tree of the 1-way tables, the tables chosen so far and the candidate (`units.graphical`) of at most
 MODEL_CELLS cells per unit and `graphical.MODEL_CELLS_CAP` over all units (every candidate tried every round). A table among attributes the model
@@ -16,7 +18,9 @@ weight.
 Privacy: as `transforms.aim`: the candidates and estimates of a round are functions of earlier rounds' choices
 and released tables only (public), each round one exact exponential-mechanism draw with the plan's score
 sensitivity (one unit moves the L1 distance to a fixed estimate by at most its records' change, times the
-largest weight), so the rounds and measurements compose adaptively. A round left with no candidate draws
+largest weight), so the rounds and measurements compose adaptively. A round's budget units are a function of
+earlier rounds' units and released values (`anneals`), and `next_units` never lets them sum past the budget, so
+the adaptively chosen rounds form a privacy filter whose total is the plan's. A round left with no candidate draws
 nothing and measures nothing; the plan charged its share before any data was read (more than was spent: safe).
 """
 from __future__ import annotations
@@ -41,8 +45,9 @@ ROUND_ITERATIONS = 200
 
 CYCLE_WORK = 1 << 20
 """Largest candidates x attributes^2 of a query whose rounds weigh tables that close cycles (each round triangulates
-the model with every candidate not already inside one of its cliques, at a cost growing with the attributes
-squared; about 0.12 s a round for Adult's 455 candidates of 14 attributes at degree 2, 89,180): 22 attributes at
+the model with every candidate not chosen, at a cost growing with the attributes squared; about 0.12 s a round
+for Adult's 455 candidates of 14 attributes at degree 2, 89,180, measured before every candidate was tried): 22
+attributes at
 degree 2, 38 at degree 1 fit. A larger query grows its junction tree one attribute a round (`transforms.aim`)."""
 
 
@@ -63,6 +68,45 @@ def cycle_rounds(attributes, candidates) -> int:
     lasts; at a fixed per-round share, measured on Adult: 26 rounds 0.082 against 13 rounds 0.091 workload
     error), at most its candidates."""
     return min(2 * (len(attributes) - 1), len(candidates))
+
+
+ANNEAL_GROWTH = {"rho": 4, "epsilon": 2}
+"""How much a round's budget grows when AIM anneals (McKenna et al. 2022, Algorithm 2: the noise's sigma halved and
+the selection's epsilon doubled): zCDP losses grow with their square (4 units), pure-DP losses linearly (2)."""
+
+
+def anneals(before: np.ndarray, after: np.ndarray, sigma: float) -> bool:
+    """AIM's test on a table just measured: the model's estimate of it moved by at most the expected L1 error of the
+    measurement (sqrt(2/pi) * sigma per cell), so measurements this noisy teach the model little and the next
+    rounds get more budget each. `before` and `after`: the model's table of it before and after it was measured.
+    Post-processing of released values only."""
+    return float(np.abs(after - before).sum()) <= float(np.sqrt(2 / np.pi)) * sigma * before.size
+
+
+def next_units(spent: list[int], budget: int, annealed: bool, growth: int) -> int:
+    """The budget units of a selection's next round (0: the budget is spent): the last round's units, times
+    `growth` after an `annealed` round, and every unit left when fewer than twice that would be left (AIM's last
+    round). Public: a function of the earlier rounds' units and `anneals` decisions (released values only), so
+    the rounds form a privacy filter (Rogers, Roth, Ullman and Vadhan 2016; for zCDP Whitehouse et al. 2023):
+    whatever the decisions, the units sum to at most `budget`."""
+    left = budget - sum(spent)
+    units = (spent[-1] * (growth if annealed else 1)) if spent else 1
+    return left if left < 2 * units else units
+
+
+def check_units(units: list[int], budget: int, growth: int) -> None:
+    """A recorded annealing as `next_units` makes one: the first round 1 unit, each next the same or `growth`
+    times as many, or, last, every unit left when fewer than twice that were left; at most `budget` in all.
+    ValueError naming the problem otherwise."""
+    if any(type(u) is not int or u < 1 for u in units):  # noqa: E721
+        raise ValueError(f"round units {units} are not all positive integers")
+    for i, u in enumerate(units):
+        options = {next_units(units[:i], budget, annealed, growth) for annealed in (False, True)}
+        if u not in options:
+            raise ValueError(f"round {i + 1} has {u} budget units; after {units[:i]} of {budget} the rounds allow "
+                             f"{sorted(options)}")
+    if sum(units) > budget:  # unreachable through next_units: checked anyway (the filter's bound)
+        raise ValueError(f"round units sum to {sum(units)}, over the selection's {budget}")
 
 
 def model_cliques(attributes, chosen) -> list[Clique]:
@@ -88,10 +132,11 @@ def round_candidates(attributes, candidates, chosen, sizes: dict[str, int], unit
             and within_cap(graphical.model_cells(attributes, cliques + [c], sizes), units)]
 
 
-def check_chosen(attributes, candidates, chosen, rounds: int, sizes: dict[str, int], units: int) -> None:
+def check_chosen(attributes, candidates, chosen, rounds: int, sizes: dict[str, int], units: int,
+                 unspent: bool | None = None) -> None:
     """A recorded selection as the rounds make one: at most `rounds` tables, each a candidate (in the query's
-    order), none twice, the model within the cap after each, and fewer than `rounds` only when no candidate was
-    left. ValueError naming the problem otherwise."""
+    order), none twice, the model within the cap after each, and ended with budget `unspent` (default: fewer than
+    `rounds` tables) only when no candidate was left. ValueError naming the problem otherwise."""
     if len(chosen) > rounds:
         raise ValueError(f"{len(chosen)} tables chosen; the selection has {rounds} rounds")
     allowed = set(candidates)
@@ -108,11 +153,11 @@ def check_chosen(attributes, candidates, chosen, rounds: int, sizes: dict[str, i
         if not within_cap(cells, units):
             raise ValueError(f"table {list(clique)} makes the model {cells:,} cells per unit over {units:,} units, "
                              f"over the cap ({MODEL_CELLS:,} per unit, {graphical.MODEL_CELLS_CAP:,} in all)")
-    if len(chosen) < rounds:
+    if len(chosen) < rounds if unspent is None else unspent:
         left = round_candidates(attributes, candidates, chosen, sizes, units)
         if left:
-            raise ValueError(f"{len(chosen)} tables chosen of {rounds} rounds, but {len(left)} candidates (such as "
-                             f"{list(left[0])}) were left within the cap")
+            raise ValueError(f"{len(chosen)} tables chosen and the rounds' budget ({rounds}) not spent, but "
+                             f"{len(left)} candidates (such as {list(left[0])}) were left within the cap")
 
 
 def round_model(attributes, sizes: dict[str, int], measurements: list[Measurement],

@@ -365,6 +365,9 @@ AIM_MODEL_CANDIDATES = ("every table of 2 to degree + 1 attributes not chosen ye
                         "round left without a candidate ends the selection, the rounds left unused still accounted")
 
 
+AIM_READ_RULE = ("; from version 9 also only tables the model of the tables chosen before it reads with arrays of at "
+                 "most 4,194,304 cells per unit and 67,108,864 over all units (a carried table: a separator with the "
+                 "attributes it lacks)")
 AIM_ANNEALING = ("`rounds` is the selection's budget in units of one equal round (the mechanism above is one unit's "
                  "draw, `chosen_tables` one unit's measurement); round 1 spends 1 unit; a round spends the units of "
                  "the round before, times {growth} when the model's table of the table chosen the round before moved "
@@ -381,7 +384,8 @@ def _aim_record(selection: SelectionPlan) -> dict:
     record = {
         "name": selection.name, "query": selection.query, "method": "aim", "degree": selection.degree,
         "score": AIM_MODEL_SCORE if selection.cycles else AIM_SCORE,
-        "candidates_rule": AIM_MODEL_CANDIDATES if selection.cycles else AIM_CANDIDATES,
+        "candidates_rule": (AIM_MODEL_CANDIDATES + AIM_READ_RULE if selection.annealing else AIM_MODEL_CANDIDATES)
+        if selection.cycles else AIM_CANDIDATES,
         "rounds": selection.rounds, "candidates": len(selection.candidates),
         **measurement_record(selection.event),
         "chosen": None if selection.chosen is None else [list(clique) for clique in selection.chosen],

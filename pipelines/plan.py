@@ -640,7 +640,7 @@ def _selection(query: MarginalsQuery, share: Fraction, bounds: ContributionBound
         tables = None
     elif cycles and annealing_allowed:  # the rounds end when the budget is spent or no candidate is left
         units = _checked_units(query, units, len(chosen), rounds, definition)
-        tables = check_cycle_selection(query, candidates, chosen, rounds, domains, sum(units) < rounds)
+        tables = check_cycle_selection(query, candidates, chosen, rounds, domains, sum(units) < rounds, True)
     elif cycles:
         tables = check_cycle_selection(query, candidates, chosen, rounds, domains)
     else:
@@ -677,14 +677,15 @@ def selection_shape(query: MarginalsQuery, domains) -> tuple[dict[str, int], int
 
 
 def check_cycle_selection(query: MarginalsQuery, candidates, chosen, rounds: int, domains,
-                          unspent: bool | None = None) -> tuple[Clique, ...]:
+                          unspent: bool | None = None, bounded_reads: bool = False) -> tuple[Clique, ...]:
     """The chosen tables as a tuple when a selection over a capped model could have chosen them
-    (`transforms.aim_model.check_chosen`; `unspent`: whether its budget was left unspent); SelectionError (naming
-    the problem) otherwise."""
+    (`transforms.aim_model.check_chosen`; `unspent`: whether its budget was left unspent; `bounded_reads`: the
+    rounds' candidates read within `aim_model.READ_CELLS`, manifest version 9 on); SelectionError (naming the
+    problem) otherwise."""
     cliques = tuple(tuple(c) for c in chosen)
     sizes, units = selection_shape(query, domains)
     try:
-        check_chosen(list(query.attributes), candidates, list(cliques), rounds, sizes, units, unspent)
+        check_chosen(list(query.attributes), candidates, list(cliques), rounds, sizes, units, unspent, bounded_reads)
     except ValueError as error:
         raise SelectionError(f"selection of {query.name!r}: {error}") from None
     return cliques

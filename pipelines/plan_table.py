@@ -64,7 +64,8 @@ def _selection_records(selection) -> list[dict[str, Any]]:
     pending = dict.fromkeys(PLAN_COLUMNS)
     noise = _noise_text(pair.mechanism)
     chosen = "pairs" if selection.method == "mst" else "tables"
-    pending.update(table=f"{selection.query}.<{selection.rounds} {chosen} chosen>", statistic="count", l1=pair.sensitivity.l1,
+    upto = "up to " if selection.annealing else ""  # an annealed round may spend several rounds' units
+    pending.update(table=f"{selection.query}.<{upto}{selection.rounds} {chosen} chosen>", statistic="count", l1=pair.sensitivity.l1,
                    l2=pair.sensitivity.l2_squared ** 0.5, budget=float(pair.allocated * selection.rounds),
                    mechanism=pair.mechanism.kind, noise=noise, noise_std=pair.mechanism.variance() ** 0.5,
                    margin_95=pair.mechanism.margin_95())

@@ -175,7 +175,8 @@ def _grow_model(plan: Plan, selection: SelectionPlan, engine: Engine, source: In
     released: dict[str, np.ndarray] = {}  # the noisy values of every table released so far (public)
     previous: list[Model] = []  # the model of the round before (a warm start)
     while True:
-        members = aim_model.round_candidates(attributes, selection.candidates, cliques, sizes, units)
+        members = aim_model.round_candidates(attributes, selection.candidates, cliques, sizes, units,
+                                             bounded_reads=selection.annealing)
         if not members or sum(spent) == selection.rounds:
             if not members:
                 LOG.info("selection %s: round %d has no candidate within the model's cap; %d of %d budget units "

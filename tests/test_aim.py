@@ -85,6 +85,20 @@ def test_cycle_rounds_offer_every_table_within_the_models_cap(monkeypatch):
             aim_model.check_chosen(attributes, candidates, chosen + [("a", "d")], 6, sizes, 1)
     with pytest.raises(ValueError, match="4 tables chosen; the selection has 3 rounds"):
         aim_model.check_chosen(attributes, candidates, chosen + [("a", "c")], 3, sizes, 1)
+    # version 9: only tables the model so far reads within READ_CELLS (a carried a with the separators b, c: 9)
+    with monkeypatch.context() as patched:
+        patched.setattr(aim_model, "READ_CELLS", 9)
+        assert len(aim_model.round_candidates(attributes, candidates, chosen, sizes, 1, bounded_reads=True)) == 7
+        assert aim_model.round_candidates(attributes, candidates, chosen, sizes, 17, bounded_reads=True) == []
+        assert len(aim_model.round_candidates(attributes, candidates, chosen, sizes, 16, bounded_reads=True)) == 7
+        patched.setattr(aim_model, "READ_CELLS", 8)  # (c, d) after (a, b), (b, c): d carried across b, 9 cells
+        assert ("c", "d") in aim_model.round_candidates(attributes, candidates, chosen[:2], sizes, 1)
+        assert ("c", "d") not in aim_model.round_candidates(attributes, candidates, chosen[:2], sizes, 1,
+                                                            bounded_reads=True)
+        aim_model.check_chosen(attributes, candidates, chosen, 3, sizes, 1)
+        with pytest.raises(ValueError, match=r"table \['c', 'd'\] is read from the model of the tables before it "
+                                             r"with 9 cells per unit over 1 units, over the cap \(8 per unit"):
+            aim_model.check_chosen(attributes, candidates, chosen, 3, sizes, 1, bounded_reads=True)
 
 
 def test_workload_weights_are_aims_per_attribute_and_the_largest_candidate_bounds_them():
@@ -140,7 +154,7 @@ def test_the_plan_accounts_every_round_before_any_data_is_read(tmp_path, definit
     assert (early.totals.pure_epsilon, early.totals.rho) == (plan.totals.pure_epsilon, plan.totals.rho)
     done = cli("plan", str(tmp_path / "c" / "spec.yaml"), "--json")
     records = {r["table"]: r for r in json.loads(done.stdout)["tables"]}
-    assert records["m.selection"]["statistic"] == "aim selection" and "m.<6 tables chosen>" in records
+    assert records["m.selection"]["statistic"] == "aim selection" and "m.<up to 6 tables chosen>" in records
     # version 9: the same plan before data, its 6 rounds budget units a round may spend several of (annealing)
     plan = build_plan(spec, base)
     [selection] = plan.selections
@@ -300,6 +314,7 @@ def test_a_version_8_aim_release_of_equal_rounds_still_verifies(tmp_path, monkey
     """Releases of manifest version 8 gave every round one unit: one whose rounds never annealed, relabelled 8
     without its units, verifies with the version-9 rules off (its totals are the same rounds' losses)."""
     from dprelease.pipelines import run as run_module
+    from dprelease.pipelines.manifest import AIM_READ_RULE
     from dprelease.pipelines.verify import verify_release
     from dprelease.transforms import aim_model
 
@@ -316,6 +331,7 @@ def test_a_version_8_aim_release_of_equal_rounds_still_verifies(tmp_path, monkey
     assert any("rounds are not annealed" in p for p in verify_release(root).problems)
     for name in ("annealing", "units", "unused_units"):
         del record[name]
+    record["candidates_rule"] = record["candidates_rule"].replace(AIM_READ_RULE, "")  # version 8's rule
     (root / "manifest.json").write_text(json.dumps(manifest))
     assert verify_release(root).problems == []
 

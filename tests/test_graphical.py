@@ -63,14 +63,6 @@ def test_junction_tree_of_random_graphs_keeps_running_intersection():
         _check_tree(g.junction_tree(attributes, cliques, sizes), cliques)
 
 
-def test_check_size_refuses_past_the_cap_naming_the_clique():
-    sizes = {"a": 10, "b": 10, "c": 10}
-    tree = g.junction_tree("abc", [("a", "b"), ("b", "c"), ("a", "c")], sizes)
-    assert g.check_size(tree, sizes, units=3) == 3000
-    with pytest.raises(g.ModelTooLarge, match=r"3,000 cells \(3 units x 1,000; its largest clique a-b-c .*cap of 2,999"):
-        g.check_size(tree, sizes, units=3, cap=2999)
-
-
 ATTRIBUTES = ("a", "b", "c", "d")
 SIZES = {"a": 2, "b": 3, "c": 2, "d": 3}
 
@@ -184,6 +176,45 @@ def test_tables_across_cliques_are_the_models_margins(cliques):
         dense = g._sum_to(joint, attributes, clique)
         np.testing.assert_allclose(model.table(clique, marginals), dense, rtol=1e-9, atol=1e-9)
         np.testing.assert_allclose(many, dense, rtol=1e-9, atol=1e-9)
+
+
+def test_read_cells_bounds_every_array_a_table_read_makes(monkeypatch):
+    """`read_cells` (public: the model's shape) bounds every array `Model.tables` makes to read a set's table,
+    so AIM's rounds can refuse a candidate before reading it; dropping the kept carried tables (`KEPT_CELLS`)
+    changes no table."""
+    rng = np.random.default_rng(11)
+    attributes = tuple("abcdefg")
+    largest = [0]
+    contract = g._contract
+
+    def spy(factors, out):
+        made = contract(factors, out)
+        largest[0] = max([largest[0], made[0].size] + [v[0].size for _, v in factors])
+        return made
+
+    monkeypatch.setattr(g, "_contract", spy)
+    checked = 0
+    for _ in range(12):
+        sizes = {a: int(rng.choice([2, 3, 5, 7])) for a in attributes}
+        cliques = [tuple(sorted(rng.choice(7, size=2, replace=False).tolist())) for _ in range(6)]
+        cliques = [tuple(attributes[i] for i in c) for c in cliques]
+        tree = g.junction_tree(attributes, cliques, sizes)
+        model = g.Model(tree, sizes, np.array([500.0, 80.0]))
+        marginals = model.marginals()
+        own = max(math.prod(sizes[a] for a in c) for c in tree.cliques)
+        every = [c for size in (2, 3) for c in itertools.combinations(attributes, size)]
+        for clique in every:
+            largest[0] = 0
+            [table] = model.tables([clique], marginals)
+            bound = g.read_cells(tree, sizes, clique)
+            assert largest[0] <= max(bound, own, table[0].size), (clique, largest[0], bound, tree.cliques)
+            checked += bound > own
+        kept = model.tables(every, marginals)
+        monkeypatch.setattr(g, "KEPT_CELLS", 0)
+        for x, y in zip(kept, model.tables(every, marginals)):
+            np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12)
+        monkeypatch.setattr(g, "KEPT_CELLS", 1 << 22)
+    assert checked > 20  # reads whose carried tables outgrow the model's largest clique were met
 
 
 def test_integer_tables_add_up_and_records_tabulate_to_them():

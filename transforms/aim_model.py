@@ -119,24 +119,42 @@ def within_cap(cells: int, units: int) -> bool:
     return cells <= MODEL_CELLS and cells * units <= graphical.MODEL_CELLS_CAP
 
 
-def round_candidates(attributes, candidates, chosen, sizes: dict[str, int], units: int) -> list[Clique]:
+READ_CELLS = 1 << 22
+"""From manifest version 9: the largest array (cells per unit) reading a candidate's table from the model of the
+tables so far may make (`graphical.read_cells`: a carried table can reach a separator times two domains, far past
+the model's own cells), and READ_CELLS x 16 over all units. The cap is public (the model's shape), so no round can
+fail for memory after the budget is charged, whichever tables the data made the rounds choose."""
+
+
+def readable(tree: graphical.JunctionTree, sizes: dict[str, int], clique, units: int) -> bool:
+    """Whether the model of `tree` can read `clique`'s table within READ_CELLS."""
+    cells = graphical.read_cells(tree, sizes, clique)
+    return cells <= READ_CELLS and cells * units <= READ_CELLS * 16
+
+
+def round_candidates(attributes, candidates, chosen, sizes: dict[str, int], units: int,
+                     bounded_reads: bool = False) -> list[Clique]:
     """The candidates of the next round, in the plan's order: those not chosen whose addition keeps the model
     within the cap, each tried by the cells of the model with it (`graphical.model_cells` of the same cliques the
     round's fit triangulates, so the fitted model never exceeds the cap; a table inside one of the model's cliques
-    is tried too: making its fill-in edges real can change the triangulation). Public: the plan and earlier
-    rounds' choices."""
+    is tried too: making its fill-in edges real can change the triangulation), and with `bounded_reads`
+    (manifest version 9 on) whose table the model of the tables so far reads within READ_CELLS (`readable`).
+    Public: the plan and earlier rounds' choices."""
     attributes = tuple(attributes)
     cliques = model_cliques(attributes, chosen)
     taken = set(map(tuple, chosen))
+    tree = graphical.junction_tree(attributes, cliques, sizes) if bounded_reads else None
     return [c for c in candidates if c not in taken
-            and within_cap(graphical.model_cells(attributes, cliques + [c], sizes), units)]
+            and within_cap(graphical.model_cells(attributes, cliques + [c], sizes), units)
+            and (tree is None or readable(tree, sizes, c, units))]
 
 
 def check_chosen(attributes, candidates, chosen, rounds: int, sizes: dict[str, int], units: int,
-                 unspent: bool | None = None) -> None:
+                 unspent: bool | None = None, bounded_reads: bool = False) -> None:
     """A recorded selection as the rounds make one: at most `rounds` tables, each a candidate (in the query's
-    order), none twice, the model within the cap after each, and ended with budget `unspent` (default: fewer than
-    `rounds` tables) only when no candidate was left. ValueError naming the problem otherwise."""
+    order), none twice, the model within the cap after each (and with `bounded_reads` each read within READ_CELLS
+    from the model before it), and ended with budget `unspent` (default: fewer than `rounds` tables) only when no
+    candidate was left. ValueError naming the problem otherwise."""
     if len(chosen) > rounds:
         raise ValueError(f"{len(chosen)} tables chosen; the selection has {rounds} rounds")
     allowed = set(candidates)
@@ -149,12 +167,18 @@ def check_chosen(attributes, candidates, chosen, rounds: int, sizes: dict[str, i
         if clique in seen:
             raise ValueError(f"table {list(clique)} is chosen twice")
         seen.add(clique)
+        if bounded_reads:
+            tree = graphical.junction_tree(tuple(attributes), model_cliques(attributes, chosen[:i]), sizes)
+            if not readable(tree, sizes, clique, units):
+                raise ValueError(f"table {list(clique)} is read from the model of the tables before it with "
+                                 f"{graphical.read_cells(tree, sizes, clique):,} cells per unit over {units:,} units, "
+                                 f"over the cap ({READ_CELLS:,} per unit, {READ_CELLS * 16:,} in all)")
         cells = graphical.model_cells(tuple(attributes), model_cliques(attributes, chosen[:i + 1]), sizes)
         if not within_cap(cells, units):
             raise ValueError(f"table {list(clique)} makes the model {cells:,} cells per unit over {units:,} units, "
                              f"over the cap ({MODEL_CELLS:,} per unit, {graphical.MODEL_CELLS_CAP:,} in all)")
     if len(chosen) < rounds if unspent is None else unspent:
-        left = round_candidates(attributes, candidates, chosen, sizes, units)
+        left = round_candidates(attributes, candidates, chosen, sizes, units, bounded_reads)
         if left:
             raise ValueError(f"{len(chosen)} tables chosen and the rounds' budget ({rounds}) not spent, but "
                              f"{len(left)} candidates (such as {list(left[0])}) were left within the cap")

@@ -4,7 +4,8 @@ Private-PGM fits one (McKenna, Sheldon and Miklau 2019), in numpy and vectorised
     junction tree   the measured cliques' graph is made chordal (greedy minimum-fill elimination, ties by
                     the attributes' sizes, then the query's order) and its maximal cliques joined by a maximum
                     spanning tree on their overlaps: the model's cliques, each a table per unit, and the
-                    separators between them. Its size (cells per unit x units) is capped (`check_size`).
+                    separators between them. Its size (cells per unit x units) is capped by its callers
+                    (`transforms.aim_model.within_cap`).
     fit             the weighted least-squares fit of the measurements' tables, sum_m ||mu_m - y_m||^2 / v_m
                     (v_m the table's public noise variance), over the tables of every distribution with the
                     unit's estimated total: mirror descent on the maximal cliques' log-potentials (the entropic
@@ -49,6 +50,9 @@ Clique = tuple[str, ...]
 MODEL_CELLS_CAP = 1 << 25
 """The largest model (cells of its maximal cliques per unit, times units) a fit holds: 256 MiB per array of
 doubles; the fit keeps about ten such arrays."""
+
+KEPT_CELLS = 1 << 22
+"""Cells per unit of the carried tables `Model.tables` keeps across the sets it reads (made again past it)."""
 
 FIT_ITERATIONS = 1000
 """Mirror-descent iterations (Private-PGM's default for AIM)."""
@@ -169,22 +173,6 @@ def junction_tree(attributes, cliques, sizes: dict[str, int]) -> JunctionTree:
                         tuple(-1 if parents[i] < 0 else position[parents[i]] for i in order))
 
 
-class ModelTooLarge(ValueError):
-    """A model over the cap (`check_size`)."""
-
-
-def check_size(tree: JunctionTree, sizes: dict[str, int], units: int, cap: int = MODEL_CELLS_CAP) -> int:
-    """The model's cells (per unit times units); ModelTooLarge naming its largest clique and the cap when over it.
-    Public: from the plan."""
-    cells = tree.cells(sizes) * units
-    if cells > cap:
-        largest = max(tree.cliques, key=lambda c: math.prod(sizes[a] for a in c))
-        raise ModelTooLarge(f"the model of these tables holds {cells:,} cells ({units:,} units x "
-                            f"{tree.cells(sizes):,}; its largest clique {'-'.join(largest)} alone "
-                            f"{math.prod(sizes[a] for a in largest):,}), over the cap of {cap:,}")
-    return cells
-
-
 @dataclass(frozen=True)
 class Measurement:
     """One released table: its clique (in the query's order), its noisy values (units, sizes in the clique's
@@ -292,6 +280,8 @@ class Model:
 
         def with_one(a: str) -> _JointsWith:
             if a not in joints:
+                if sum(j.cells for j in joints.values()) > KEPT_CELLS * self.totals.size:
+                    joints.clear()  # made again when asked for: memory bounded, the same tables
                 home = tree.home((a,))
                 joints[a] = _JointsWith(tree, self.sizes, tables, (a,), home, [(tree.cliques[home], tables[home])])
             return joints[a]
@@ -300,25 +290,19 @@ class Model:
         pair: _JointsWith | None = None  # the last pair carried (kept while the sets share it)
         for clique in cliques:
             clique = _ordered(tree.attributes, clique)
-            home = next((i for i, c in enumerate(members) if set(clique) <= c), None)
-            if home is not None:
-                out.append(_sum_to(tables[home], tree.cliques[home], clique))
-                continue
-            for a in clique:
-                k = next((i for i, c in enumerate(members) if set(clique) - {a} <= c), None)
-                if k is not None:
-                    out.append(with_one(a).margin(k, clique))
-                    break
+            route = _route(tree, members, clique)
+            if route[0] == "margin":
+                out.append(_sum_to(tables[route[1]], tree.cliques[route[1]], clique))
+            elif route[0] == "one":
+                out.append(with_one(route[1]).margin(route[2], clique))
+            elif route[0] == "pair":
+                x, y, z = clique
+                homes, middle = route[1], route[2]
+                if pair is None or (pair.carried, pair.start) != ({x, y}, middle):  # (x, y, z) follow in order
+                    pair = self._pair_from(middle, x, y, with_one(x), with_one(y), tables)
+                out.append(pair.margin(homes[2], clique))
             else:
-                if len(clique) == 3:
-                    x, y, z = clique
-                    homes = [tree.home((a,)) for a in clique]
-                    middle = _median(tree, *homes)
-                    if pair is None or (pair.carried, pair.start) != ({x, y}, middle):  # (x, y, z) follow in order
-                        pair = self._pair_from(middle, x, y, with_one(x), with_one(y), tables)
-                    out.append(pair.margin(homes[2], clique))
-                else:
-                    out.append(_spanning_table(tree, self.sizes, tables, clique))
+                out.append(_spanning_table(tree, self.sizes, tables, clique))
         return out
 
     def _pair_from(self, middle: int, x: str, y: str, joint_x: "_JointsWith", joint_y: "_JointsWith",
@@ -333,6 +317,55 @@ class Model:
         factors: Factors = [(with_x, joint_x.margin(middle, with_x)), (with_y, joint_y.margin(middle, with_y)),
                             (members, np.where(own > 0, 1.0 / np.where(own > 0, own, 1.0), 0.0))]
         return _JointsWith(self.tree, self.sizes, tables, (x, y), middle, factors)
+
+
+def _route(tree: JunctionTree, members: list[set], clique: Clique) -> tuple:
+    """How `Model.tables` reads a set's table: ("margin", k) inside clique k; ("one", a, k) carrying a from its
+    clique to the clique k holding the others; ("pair", homes, middle) carrying x and y of a 3-way set no two of
+    which share a clique out from the clique on the paths between their homes; ("spanning",) otherwise."""
+    home = next((i for i, c in enumerate(members) if set(clique) <= c), None)
+    if home is not None:
+        return ("margin", home)
+    for a in clique:
+        k = next((i for i, c in enumerate(members) if set(clique) - {a} <= c), None)
+        if k is not None:
+            return ("one", a, k)
+    if len(clique) == 3:
+        homes = [tree.home((a,)) for a in clique]
+        return ("pair", homes, _median(tree, *homes))
+    return ("spanning",)
+
+
+def read_cells(tree: JunctionTree, sizes: dict[str, int], clique) -> int:
+    """Cells per unit of the largest array `Model.tables` makes to read `clique`'s table (0 inside a clique):
+    carried attributes' tables with each separator on their way (`_JointsWith.of`) and, for a pair, the table of
+    the clique they start from with each. Public: the model's shape."""
+    clique = _ordered(tree.attributes, clique)
+    route = _route(tree, [set(c) for c in tree.cliques], clique)
+    if route[0] == "margin":
+        return 0
+    if route[0] == "one":
+        return _carried_cells(tree, sizes, {route[1]}, tree.home((route[1],)), route[2])
+    if route[0] == "pair":
+        (hx, hy, hz), middle = route[1], route[2]
+        x, y, _ = clique
+        starts = [math.prod(sizes[a] for a in set(tree.cliques[middle]) | {b}) for b in (x, y)]
+        return max(*starts, _carried_cells(tree, sizes, {x}, hx, middle), _carried_cells(tree, sizes, {y}, hy, middle),
+                   _carried_cells(tree, sizes, {x, y}, middle, hz))
+    return math.prod(sizes[a] for a in tree.attributes)  # no bound below the joint's (not used by AIM's tables)
+
+
+def _carried_cells(tree: JunctionTree, sizes: dict[str, int], carried: set, start: int, end: int) -> int:
+    """The largest table `_JointsWith` makes carrying `carried` from clique `start` to clique `end`: each step's
+    separator with the carried attributes the clique reached lacks."""
+    path = _path(tree, start, end)
+    cells = 0
+    for p, k in zip(path, path[1:]):
+        separator = tree.separator(k) if tree.parents[k] == p else tree.separator(p)
+        lacking = carried - set(tree.cliques[k])
+        if lacking:
+            cells = max(cells, math.prod(sizes[a] for a in set(separator) | lacking))
+    return cells
 
 
 def _path(tree: JunctionTree, a: int, b: int) -> list[int]:
@@ -370,6 +403,7 @@ class _JointsWith:
                     self.toward[j] = i
                     order.append(j)
         self.made: dict[int, Factors] = {start: start_factors}
+        self.cells = 0  # cells (all units) of the factors made here
 
     def of(self, k: int) -> "Factors":
         """Clique k's table with the carried attributes, as factors whose product it is."""
@@ -385,6 +419,7 @@ class _JointsWith:
             joint = _contract(self.of(p), with_carried)
             below = _expand(_sum_to(self.tables[k], tree.cliques[k], separator), separator, with_carried, sizes)
             found.append((with_carried, joint / np.where(below > 0, below, 1.0)))
+            self.cells += joint.size
         self.made[k] = found
         return found
 

@@ -160,59 +160,99 @@ def _grow_model(plan: Plan, selection: SelectionPlan, engine: Engine, source: In
     cycles included) counted in passes of at most `AIM_ROUND_CELLS` cells, each scored against the model fitted to
     every table released so far (the 1-way tables and the tables chosen in earlier rounds), less the expected L1
     error of measuring it at the round's noise (`noise_penalty`, public) and times its workload weight (public);
-    then one exponential-mechanism draw. With annealing, a round's units are `aim_model.next_units` of the units
-    so far and whether the table the round before chose moved the model by less than its noise
-    (`aim_model.anneals`: released values only); without, 1 each. The rounds end when the budget is spent or
-    no candidate is left (the units left stay accounted)."""
-    query = plan.query(selection.query)
-    attributes = list(query.attributes)
-    one_way = _one_way_tables(plan, selection)
-    sizes, units = selection_shape(query, plan.domains)
+    then one exponential-mechanism draw. With annealing, a round's units are `_RoundModels.next_units`'s (released
+    values only); without, 1 each. The rounds end when the budget is spent or no candidate is left (the units
+    left stay accounted)."""
+    rounds = _RoundModels(plan, selection)
     weights = dict(selection.attribute_weights or ())
-    cliques: list[Clique] = []
-    spent: list[int] = []  # each chosen table's round's budget units
-    before: list[np.ndarray] = []  # the estimate of the table the round before chose, when it was chosen
-    released: dict[str, np.ndarray] = {}  # the noisy values of every table released so far (public)
-    previous: list[Model] = []  # the model of the round before (a warm start)
     while True:
-        members = aim_model.round_candidates(attributes, selection.candidates, cliques, sizes, units,
-                                             bounded_reads=selection.annealing)
-        if not members or sum(spent) == selection.rounds:
+        members = aim_model.round_candidates(rounds.attributes, selection.candidates, rounds.cliques, rounds.sizes,
+                                             rounds.units, bounded_reads=selection.annealing)
+        if not members or sum(rounds.spent) == selection.rounds:
             if not members:
                 LOG.info("selection %s: round %d has no candidate within the model's cap; %d of %d budget units "
-                         "unused", selection.name, len(spent) + 1, selection.rounds - sum(spent), selection.rounds)
+                         "unused", selection.name, len(rounds.spent) + 1, selection.rounds - sum(rounds.spent),
+                         selection.rounds)
             break
         tables = candidate_tables(plan, selection, members)
-        newest = _released(plan, selection, cliques[-1:], spent[-1:])
+        newest = _released(plan, selection, rounds.cliques[-1:], rounds.spent[-1:])
         model: list[tuple[Model, list[np.ndarray]]] = []  # fitted once a round, on its first pass
 
-        def measurements() -> list[Measurement]:
-            out = [Measurement((a,), released[t.name].reshape(units, -1), float(t.noise_variance()))
-                   for a, t in zip(attributes, one_way)]
-            return out + [Measurement(c, released[table_name(query.name, c)].reshape(units, *[sizes[a] for a in c]),
-                                      _variance(selection, u)) for c, u in zip(cliques, spent)]
-
         def estimates(noisy: dict[str, np.ndarray], batch: list[int]) -> dict[str, aim_model.TableEstimate]:
-            released.update(noisy)
+            rounds.released.update(noisy)
             if not model:
-                fitted = aim_model.round_model(attributes, sizes, measurements(), previous[-1] if previous else None)
-                model.append((fitted, fitted.marginals()))
-                previous[:] = [fitted]
+                model.append(rounds.fit())
             fitted, marginals = model[0]
             found = aim_model.TableEstimate.of(fitted, [members[i] for i in batch], marginals)
             return {tables[i].name: estimate for i, estimate in zip(batch, found)}
 
-        scores = _score_passes(plan, engine, source, key, progress, one_way, newest, tables, estimates)
-        annealed = bool(spent) and selection.annealing and aim_model.anneals(
-            before[0], _estimate_of(model[0], cliques[-1]), _variance(selection, spent[-1]) ** 0.5)
-        round_units = aim_model.next_units(spent, selection.rounds, annealed, selection.growth) \
-            if selection.annealing else 1
-        pick = _draw(selection, len(spent), members, tables, scores, weights, key,
+        scores = _score_passes(plan, engine, source, key, progress, rounds.one_way, newest, tables, estimates)
+        round_units = rounds.next_units(model[0])
+        pick = _draw(selection, len(rounds.spent), members, tables, scores, weights, key,
                      round_units if selection.annealing else None)
-        cliques.append(members[pick])
-        spent.append(round_units)
-        before[:] = [_estimate_of(model[0], members[pick])]
-    return tuple(cliques), tuple(spent)
+        rounds.record(members[pick], round_units, model[0])
+    return tuple(rounds.cliques), tuple(rounds.spent)
+
+
+def replay_units(plan: Plan, selection: SelectionPlan, noisy: dict[str, np.ndarray]) -> tuple[int, ...]:
+    """The budget units an annealed selection's rounds spend, decided again from the noisy values of its 1-way and
+    chosen tables (`noisy`: the published measurements, the values the rounds read) and its recorded choices: what
+    `verify --recompute` compares with the manifest. Floating point: another CPU or numpy build could decide a
+    tie differently."""
+    rounds = _RoundModels(plan, selection)
+    rounds.released.update(noisy)
+    for clique in selection.chosen or ():
+        fitted = rounds.fit()
+        units = rounds.next_units(fitted)
+        if units == 0:  # the budget spent before this table: the rounds decided otherwise
+            break
+        rounds.record(clique, units, fitted)
+    return tuple(rounds.spent)
+
+
+class _RoundModels:
+    """The models an aim selection's rounds fit over a capped model, and the rounds' choices and units so far.
+    Post-processing of released values only."""
+
+    def __init__(self, plan: Plan, selection: SelectionPlan):
+        self.plan, self.selection = plan, selection
+        self.query = plan.query(selection.query)
+        self.attributes = list(self.query.attributes)
+        self.one_way = _one_way_tables(plan, selection)
+        self.sizes, self.units = selection_shape(self.query, plan.domains)
+        self.cliques: list[Clique] = []
+        self.spent: list[int] = []  # each chosen table's round's budget units
+        self.released: dict[str, np.ndarray] = {}  # the noisy values of every table released so far (public)
+        self.previous: Model | None = None  # the model of the round before (a warm start)
+        self.before: np.ndarray | None = None  # the estimate of the table the round before chose, when chosen
+
+    def fit(self) -> tuple[Model, list[np.ndarray]]:
+        """This round's model (of the 1-way tables and the tables chosen so far, warm from the round before's)
+        and its marginals."""
+        sizes, units = self.sizes, self.units
+        measurements = [Measurement((a,), self.released[t.name].reshape(units, -1), float(t.noise_variance()))
+                        for a, t in zip(self.attributes, self.one_way)]
+        measurements += [Measurement(c, self.released[table_name(self.query.name, c)].reshape(
+            units, *[sizes[a] for a in c]), _variance(self.selection, u)) for c, u in zip(self.cliques, self.spent)]
+        fitted = aim_model.round_model(self.attributes, sizes, measurements, self.previous)
+        self.previous = fitted
+        return fitted, fitted.marginals()
+
+    def next_units(self, fitted: tuple[Model, list[np.ndarray]]) -> int:
+        """This round's budget units (1 without annealing): `aim_model.next_units` of the units so far, annealed
+        when the table the round before chose moved this round's model by less than its noise
+        (`aim_model.anneals`)."""
+        if not self.selection.annealing:
+            return 1
+        annealed = bool(self.spent) and aim_model.anneals(
+            self.before, _estimate_of(fitted, self.cliques[-1]), _variance(self.selection, self.spent[-1]) ** 0.5)
+        return aim_model.next_units(self.spent, self.selection.rounds, annealed, self.selection.growth)
+
+    def record(self, clique: Clique, units: int, fitted: tuple[Model, list[np.ndarray]]) -> None:
+        """The round's choice, its units, and the model's estimate of it (for the next round's `next_units`)."""
+        self.cliques.append(tuple(clique))
+        self.spent.append(units)
+        self.before = _estimate_of(fitted, tuple(clique))
 
 
 def _released(plan: Plan, selection: SelectionPlan, cliques: list[Clique], units: list[int]) -> list[TablePlan]:

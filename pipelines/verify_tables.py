@@ -412,6 +412,7 @@ def check_recomputed(root: Path, plan: Plan, usable: Usable, layout: Layout, pro
             count = int(np.count_nonzero(again[table.name] != published[table.name]))
             problems.append(f"{TABLES_DIR}/{table.name}: {count} cell(s) differ from the post-processing of "
                             f"{MEASUREMENTS_DIR}/ (recomputed)")
+    _check_replayed_units(plan, noisy, problems)
     for mean in plan.means:
         expected = mean_values(mean, noisy)
         for part in mean_parts(plan, mean, layout):
@@ -423,6 +424,20 @@ def check_recomputed(root: Path, plan: Plan, usable: Usable, layout: Layout, pro
             found = column.to_numpy(zero_copy_only=False).astype(np.float64)
             if not np.array_equal(expected[part.start:part.stop], found, equal_nan=True):
                 problems.append(f"{part.stem}: differs from the noisy sum / noisy count (recomputed)")
+
+
+def _check_replayed_units(plan: Plan, noisy: dict[str, np.ndarray], problems: list[str]) -> None:
+    """Every annealed `select: aim` selection's rounds' budget units decided again from the published measurements
+    (`selection.replay_units`), against the manifest's."""
+    from .selection import replay_units
+
+    for selection in plan.selections:
+        if selection.annealing:
+            again = replay_units(plan, selection, noisy)
+            if again != selection.units:
+                problems.append(f"selections: {selection.query}: the rounds' budget units decided again from "
+                                f"{MEASUREMENTS_DIR}/ are {list(again)}, but the manifest says {list(selection.units)} "
+                                f"(recomputed; another CPU or numpy build can decide a tie differently)")
 
 
 __all__ = ["check_table_files", "check_consistency", "check_recomputed", "table_shape", "GeographyDomain"]

@@ -235,7 +235,10 @@ def test_annealed_rounds_never_spend_more_than_the_plan_whatever_they_decide(tmp
     assert len(seen) > 3
 
 
-def test_an_aim_release_runs_verifies_adds_up_and_synthesizes(tmp_path):
+def test_an_aim_release_runs_verifies_adds_up_and_synthesizes(tmp_path, monkeypatch):
+    from dprelease.pipelines.verify import verify_release
+    from dprelease.transforms import aim_model
+
     root, manifest, ledger = run_with_ledger(tmp_path, aim_case(tmp_path / "c"))
     [record] = manifest["selections"]
     assert manifest["manifest_version"] == MANIFEST_VERSION and record["method"] == "aim" and record["degree"] == 2
@@ -247,9 +250,13 @@ def test_an_aim_release_runs_verifies_adds_up_and_synthesizes(tmp_path):
     assert "close cycles" in record["candidates_rule"]
     names = [f"m.{'-'.join(c)}" for c in record["chosen"]]
     assert set(names) | {f"m.{a}" for a in ATTRIBUTES} <= {t["name"] for t in manifest["tables"]}
-    for args in ([], ["--recompute"], ["--ledger", str(ledger)]):
+    for args in ([], ["--recompute"], ["--ledger", str(ledger)]):  # --recompute decides the units again
         checked = cli("verify", str(root), *args)
         assert checked.returncode == 0, checked.stdout + checked.stderr
+    with monkeypatch.context() as patched:  # rounds that had annealed otherwise are told apart
+        patched.setattr(aim_model, "anneals", lambda before, after, sigma: True)
+        problems = verify_release(root, recompute=True).problems
+    assert any("the rounds' budget units decided again from measurements/ are [1, 5]" in p for p in problems), problems
     tables = {n: pq.read_table(root / "tables" / f"{n}.parquet").to_pandas() for n in names}
     one_way = {a: pq.read_table(root / "tables" / f"m.{a}.parquet").to_pandas() for a in ATTRIBUTES}
     for clique, name in zip(record["chosen"], names):  # every chosen table's margins are the 1-way tables

@@ -368,8 +368,8 @@ class ReleaseIdentity:
                  ("input", row.input_fingerprint, self.input_fingerprint),
                  ("plan (domain files, calibration, noise version, a published marginals query's split: "
                   "optimal by default since manifest version 7, `strategy: direct` re-plans an older release; or a "
-                  "`select: aim` query's rounds: over a capped model since version 8, so an older aim release "
-                  "cannot be re-run free)", row.plan_sha256, self.plan_sha256))
+                  "`select: aim` query's rounds: over a capped model since version 8, annealed since version 9, so an "
+                  "older aim release cannot be re-run free)", row.plan_sha256, self.plan_sha256))
         return [name for name, theirs, ours in pairs if theirs != ours or ours is None]
 
 
@@ -563,7 +563,8 @@ def check_selection(engine: Engine, reservation: Reservation, selection_sha256: 
     if reservation.rerun:
         if reservation.selection_sha256 != selection_sha256:
             raise BudgetError(
-                f"dataset {reservation.dataset_id!r}: this re-run chose other tables than the published release "
+                f"dataset {reservation.dataset_id!r}: this re-run chose other tables (or spent other budget units on "
+                f"them) than the published release "
                 + ("(none recorded for it)" if reservation.selection_sha256 is None else "")
                 + "; a free re-run must reproduce the release it re-publishes (another machine or dprelease version "
                 "can fit the models differently). Nothing was published; run it as a new release (new release_id "

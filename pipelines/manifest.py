@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-from dprelease.accounting.composition import compose
 from dprelease.accounting.conversions import zcdp_to_epsilon
 from dprelease.accounting.manifest import exact, measurement_record, totals_record
 
@@ -117,9 +116,10 @@ def implied_loss(plan: Plan, version: int = MANIFEST_VERSION) -> dict:
     for selection in plan.selections:
         attributes, levels = _selection_reads(plan, selection)
         attributes = list(dict.fromkeys([*attributes, *drops]))
-        chosen_loss = sum((plan.table(name).event.loss for name in _chosen_tables(plan, selection)), Fraction(0))
-        every_round = chosen_loss + selection.unused_rounds * selection.pair_event.loss
-        drawn = selection.selection_loss()
+        if selection.annealing:  # the filter's bound (`plan._at_filter_bounds`): its draws' and tables' allocations
+            drawn, every_round = selection.event.allocated, selection.pair_event.allocated * selection.rounds
+        else:
+            drawn, every_round = selection.event.loss, selection.rounds * selection.pair_event.loss
         for totals, worst, names in ((by_attribute, worst_attribute, attributes), (by_level, worst_level, levels)):
             for name in names:
                 totals[name] = totals.get(name, Fraction(0)) + drawn
@@ -286,7 +286,7 @@ def accounting_section(plan: Plan, estimate: EstimateVariances | None = None, la
         if estimate is not None and t.name in summaries:
             record["estimate"] = estimate_record(summaries[t.name], estimate.exact)
         tables.append(record)
-    totals = compose(plan.events(), plan.definition, plan.delta)
+    totals = plan.totals  # its events composed, an annealed selection at its filter's bound
     section = {
         "allocation_budget": {"unit": "epsilon" if plan.definition == "pure" else "rho",
                               **exact(plan.allocation_budget)},
@@ -365,6 +365,8 @@ AIM_MODEL_CANDIDATES = ("every table of 2 to degree + 1 attributes not chosen ye
                         "round left without a candidate ends the selection, the rounds left unused still accounted")
 
 
+AIM_SIGMA = "the chosen tables' noise standard deviation; a public constant per candidate"
+AIM_ROUND_SIGMA = "the noise standard deviation the round's budget units give its chosen table; public"
 AIM_READ_RULE = ("; from version 9 also only tables the model of the tables chosen before it reads with arrays of at "
                  "most 4,194,304 cells per unit and 67,108,864 over all units (a carried table: a separator with the "
                  "attributes it lacks)")
@@ -383,7 +385,8 @@ def _aim_record(selection: SelectionPlan) -> dict:
     """A `select: aim` selection as the manifest states it (version 5 on; over a capped model, version 8 on)."""
     record = {
         "name": selection.name, "query": selection.query, "method": "aim", "degree": selection.degree,
-        "score": AIM_MODEL_SCORE if selection.cycles else AIM_SCORE,
+        "score": (AIM_MODEL_SCORE.replace(AIM_SIGMA, AIM_ROUND_SIGMA) if selection.annealing else AIM_MODEL_SCORE)
+        if selection.cycles else AIM_SCORE,
         "candidates_rule": (AIM_MODEL_CANDIDATES + AIM_READ_RULE if selection.annealing else AIM_MODEL_CANDIDATES)
         if selection.cycles else AIM_CANDIDATES,
         "rounds": selection.rounds, "candidates": len(selection.candidates),

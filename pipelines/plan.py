@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from dprelease.accounting.composition import MeasurementEvent, Totals, compose
-from dprelease.accounting.conversions import approx_to_zcdp
+from dprelease.accounting.conversions import approx_to_zcdp, zcdp_to_epsilon
 from dprelease.accounting.errors import SpecError
 from dprelease.accounting.mechanisms import (calibrate_gaussian, calibrate_laplace, calibrate_selection,
                                               compact_gaussian_budget)
@@ -215,11 +215,6 @@ class SelectionPlan:
                                  self.event.allocated * unused / self.rounds)] if unused else []
         return [self.round_selection(u) for u in self.round_units()] + left + [self.pair_event] * unused
 
-    def selection_loss(self) -> Fraction:
-        """The loss of the selection's draws (every round's, and the units left unused)."""
-        return self.event.loss if not self.annealing or self.chosen is None else \
-            sum((e.loss for e in self.events() if e.table == self.name), Fraction(0))
-
     @property
     def unused_rounds(self) -> int:
         """Budget units (rounds) whose table is not chosen (yet): every unit before the selection; after it, the
@@ -278,16 +273,10 @@ class Plan:
         return sum(t.layout.n_measured for t in self.tables)
 
     def ledger_spend(self) -> tuple[str, Fraction]:
-        """(unit, amount) the ledger charges for this release: epsilon under pure DP, else rho; the same before and
-        after its selections. Privacy: a selection whose rounds anneal is charged its allocation, the bound its
-        rounds keep whichever units they spend (each round's mechanisms calibrated to lose at most their units'
-        share; rounded, so the rounds' own losses can sum to more than the rounded plan's, never more than this)."""
-        unit, spend = ("epsilon", self.totals.pure_epsilon) if self.definition == "pure" else ("rho", self.totals.rho)
-        for selection in self.selections:
-            if selection.annealing:
-                chosen = [self.table(table_name(selection.query, c)).event for c in selection.chosen or ()]
-                spend += sum((e.allocated - e.loss for e in selection.events() + chosen), Fraction(0))
-        return unit, spend
+        """(unit, amount) the ledger charges for this release: epsilon under pure DP, else rho (`totals`: the
+        same before and after its selections)."""
+        totals = self.totals
+        return ("epsilon", totals.pure_epsilon) if self.definition == "pure" else ("rho", totals.rho)
 
     def table(self, name: str) -> TablePlan:
         return next(t for t in self.tables if t.name == name)
@@ -661,13 +650,40 @@ def _checked_units(query: MarginalsQuery, units, chosen: int, rounds: int, defin
     if chosen > rounds:
         raise SelectionError(f"selection of {query.name!r}: {chosen} tables chosen; the selection has {rounds} rounds")
     if not isinstance(units, (list, tuple)) or len(units) != chosen:
+        shown = repr(units) if len(repr(units)) <= 200 else repr(units)[:200] + "..."  # a hostile list: cut short
         raise SelectionError(f"selection of {query.name!r}: {chosen} tables chosen, but the rounds' budget units "
-                             f"are {units!r} (one positive integer per chosen table)")
+                             f"are {shown} (one positive integer per chosen table)")
     try:
         check_units(list(units), rounds, ANNEAL_GROWTH["epsilon" if definition == "pure" else "rho"])
     except ValueError as error:
         raise SelectionError(f"selection of {query.name!r}: {error}") from None
     return tuple(units)
+
+
+def annealed_slack(selection: SelectionPlan, events: dict[str, MeasurementEvent]) -> Fraction:
+    """What an annealed selection's allocation exceeds its realized loss by (0 for any other): its draws' and
+    its tables' (`events`, by name) allocations less their losses (each round's mechanisms are rounded towards
+    less loss, so the gap is a rounding's, about 1e-7 of the allocation)."""
+    if not selection.annealing:
+        return Fraction(0)
+    chosen = [events[table_name(selection.query, c)] for c in selection.chosen or ()]
+    return sum((e.allocated - e.loss for e in selection.events() + chosen), Fraction(0))
+
+
+def _at_filter_bounds(totals: Totals, selections: list[SelectionPlan], events: dict[str, MeasurementEvent]) -> Totals:
+    """The release's totals with every annealed selection at its allocation. Privacy: the rounds are a privacy
+    filter, and its guarantee is the bound over every units sequence the data could make the rounds spend, not
+    the loss of the one they spent (another sequence's rounded mechanisms can lose slightly more); that bound is
+    at most the allocation, so stating it makes the totals (and the ledger's charge) the same before and after
+    the selection and an upper bound either way."""
+    slack = sum((annealed_slack(s, events) for s in selections), Fraction(0))
+    if not slack:
+        return totals
+    if totals.definition == "pure":
+        return replace(totals, pure_epsilon=totals.pure_epsilon + slack)
+    rho = totals.rho + slack
+    return replace(totals, rho=rho, epsilon_at_delta=zcdp_to_epsilon(float(rho), totals.delta)
+                   if totals.delta is not None else None)
 
 
 def selection_shape(query: MarginalsQuery, domains) -> tuple[dict[str, int], int]:
@@ -866,7 +882,8 @@ def plan_over(spec: ReleaseSpec, domains: dict[str, Domain], chosen: dict[str, t
     events = [t.event for t in tables if t.event is not None] + [e for s in selections for e in s.events()]
     if sum((e.allocated for e in events), Fraction(0)) != total:  # exact arithmetic: checked anyway
         raise ArithmeticError("the allocation does not sum to the budget")
-    totals = compose(events, spec.budget.definition, getattr(spec.budget, "delta", None))
+    totals = _at_filter_bounds(compose(events, spec.budget.definition, getattr(spec.budget, "delta", None)),
+                               selections, {t.name: t.event for t in tables if t.event is not None})
     return Plan(spec, domains, bounds, sensitivity, total, tuple(tables), totals, tuple(means), tuple(selections),
                 optimal_marginals, aim_cycles, aim_annealing)
 

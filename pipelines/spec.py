@@ -333,9 +333,10 @@ class MarginalsQuery(QueryBase):
                            "one table of 2 to `degree` + 1 attributes not chosen yet (tables that close cycles "
                            "included) that keeps the graphical model of the measurements within its cap, scored "
                            "against that model fitted to the measurements so far, and measuring it before the next "
-                           "round (the same budget split); a round spends more of the budget (AIM's annealing: 4 "
-                           "rounds' worth under zcdp, 2 under pure) once the table measured before it moved the model "
-                           "less than its noise; a query with more such tables than 2^20 / attributes^2, or "
+                           "round (the same budget split); a round spends 4 times (zcdp; 2 times under pure) the units "
+                           "of the round before once the table measured before it moved the model less than its "
+                           "noise, and all units left when fewer than twice its own would be left (AIM's annealing); "
+                           "a query with more such tables than 2^20 / attributes^2, or "
                            "within more than 16 units, "
                            "grows a junction tree instead, one new attribute a round, attributes - 1 rounds.")
     strategy: Literal["optimal", "direct"] = Field(

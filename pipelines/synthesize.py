@@ -341,11 +341,17 @@ def _junction_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQue
     return unit, [codes[a] for a in attributes]
 
 
+RECORDS_ITERATIONS = 3000
+"""Mirror-descent iterations of the model `synthesize` fits to a `select: aim` release's published tables (three
+times the release's own fit: the published tables add up, so the fit only converges further; on Adult at epsilon
+3 the records' 2-way error went from 0.059 to 0.058 (3%; 2000 iterations 0.0585), at epsilon 1 unchanged)."""
+
+
 def _aim_model_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQuery | None, level: str, units: int,
                        published: dict, max_records: int) -> tuple[np.ndarray, list[np.ndarray]]:
     """Records from the graphical model of a `select: aim` query's published tables (its 1-way tables and chosen
     tables, which may close cycles; they add up exactly, so the fit has no conflict to weigh): their junction tree
-    fitted to them (`graphical.FIT_ITERATIONS` from `graphical.measured_start`), its tables made integers adding up to the records' totals and the
+    fitted to them (RECORDS_ITERATIONS from `graphical.measured_start`), its tables made integers adding up to the records' totals and the
     records drawn along it (`transforms.units.graphical.records`). The records tabulate exactly to the model's
     integer tables, which match the published tables up to the fit's residual (the published tables are the
     margins of the release's own fit, from the unpublished estimates). Post-processing of published tables and a
@@ -359,7 +365,7 @@ def _aim_model_records(plan: Plan, query: MarginalsQuery, hierarchy: HierarchyQu
     totals = _record_totals(hierarchy, level, units, tables[(attributes[0],)], published, max_records)
     tree = graphical.junction_tree(attributes, cliques, sizes)
     measurements = [graphical.Measurement(c, t, 1.0) for c, t in tables.items()]
-    model = graphical.fit(tree, sizes, measurements, totals, graphical.FIT_ITERATIONS,
+    model = graphical.fit(tree, sizes, measurements, totals, RECORDS_ITERATIONS,
                           start=graphical.measured_start(tree, sizes, totals, measurements))
     unit, codes = graphical.records(tree, sizes, graphical.integer_tables(tree, sizes, model.marginals(), totals),
                                     _public_seed(plan))

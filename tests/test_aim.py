@@ -159,7 +159,9 @@ def test_the_plan_accounts_every_round_before_any_data_is_read(tmp_path, definit
     plan = build_plan(spec, base)
     [selection] = plan.selections
     assert selection.annealing and selection.rounds == 6 and selection.growth == (2 if definition == "pure" else 4)
-    assert plan.totals == build_plan(spec, base, aim_annealing=False).totals
+    equal = build_plan(spec, base, aim_annealing=False).totals  # version 8: its rounds' realized (rounded) losses
+    loss = (lambda totals: totals.pure_epsilon if definition == "pure" else totals.rho)
+    assert loss(equal) <= loss(plan.totals) <= plan.allocation_budget  # the filter's bound: the allocation
     annealed = with_selections(plan, {"m": cyclic[:5]}, {"m": (1, 1, 1, 1, 2)})  # the last round: both units left
     [made] = annealed.selections
     assert made.units == (1, 1, 1, 1, 2) and made.unused_rounds == 0
@@ -170,7 +172,7 @@ def test_the_plan_accounts_every_round_before_any_data_is_read(tmp_path, definit
         Fraction(2 if definition == "pure" else 141, 1 if definition == "pure" else 100)  # 2 or about sqrt(2) times
     # each round's mechanisms lose at most their units' share (rounded: the rounds' losses can sum to more than the
     # rounded plan's); the ledger charges the selection's allocation, the same before and after it
-    assert annealed.ledger_spend() == plan.ledger_spend() and annealed.totals.allocated_sum == plan.allocation_budget
+    assert annealed.ledger_spend() == plan.ledger_spend() and annealed.totals == plan.totals
     assert annealed.ledger_spend()[1] >= (annealed.totals.pure_epsilon or annealed.totals.rho)
     assert sum(e.allocated for e in annealed.events()) == plan.allocation_budget
     for units, expected in (((1, 1, 1, 1, 3), r"round 5 has 3 budget units; after \[1, 1, 1, 1\] of 6 the rounds "
@@ -318,29 +320,63 @@ def test_a_version_7_aim_release_grows_a_junction_tree_and_still_verifies(tmp_pa
 
 
 def test_a_version_8_aim_release_of_equal_rounds_still_verifies(tmp_path, monkeypatch):
-    """Releases of manifest version 8 gave every round one unit: one whose rounds never annealed, relabelled 8
-    without its units, verifies with the version-9 rules off (its totals are the same rounds' losses)."""
+    """Releases of manifest version 8 gave every round one unit and stated the rounds' own losses: one made by
+    those rules (a plan without annealing) verifies as version 8, and is refused as version 9 (whose rounds
+    anneal: no units recorded)."""
+    import functools
+
     from dprelease.pipelines import run as run_module
-    from dprelease.pipelines.manifest import AIM_READ_RULE
     from dprelease.pipelines.verify import verify_release
-    from dprelease.transforms import aim_model
 
     with monkeypatch.context() as patched:
-        patched.setattr(aim_model, "anneals", lambda before, after, sigma: False)
+        patched.setattr(run_module, "build_plan", functools.partial(build_plan, aim_annealing=False))
         run_module.run_release(aim_case(tmp_path / "c"), key_file=tmp_path / "k.key", ledger=None,
                                out_dir=tmp_path / "equal")
     root = tmp_path / "equal" / "test-release"
     manifest = json.loads((root / "manifest.json").read_text())
     [record] = manifest["selections"]
-    assert record["units"] == [1] * 6 and record["unused_units"] == 0 and verify_release(root).problems == []
+    assert "units" not in record and len(record["chosen"]) == 6
+    assert any("one positive integer per chosen table" in p for p in verify_release(root).problems)
     manifest["manifest_version"] = 8
     (root / "manifest.json").write_text(json.dumps(manifest))
-    assert any("rounds are not annealed" in p for p in verify_release(root).problems)
-    for name in ("annealing", "units", "unused_units"):
-        del record[name]
-    record["candidates_rule"] = record["candidates_rule"].replace(AIM_READ_RULE, "")  # version 8's rule
-    (root / "manifest.json").write_text(json.dumps(manifest))
     assert verify_release(root).problems == []
+    assert verify_release(root, recompute=True).problems == []
+
+
+def test_an_annealed_aim_release_verifies_recomputes_and_synthesizes(tmp_path, monkeypatch):
+    """A release whose rounds anneal (forced: every decision anneals, so 6 units run as 1 and 5): the 5-unit table
+    gets 5 units' share, the totals state the selection at its allocation (the filter's bound, what the ledger
+    charged) and verify (with --recompute, deciding the units again, and --ledger) accepts it; synthesize draws
+    from it."""
+    from dprelease.pipelines import run as run_module
+    from dprelease.pipelines.verify import verify_release
+    from dprelease.transforms import aim_model
+
+    path = aim_case(tmp_path / "c", budget={"definition": "zcdp", "rho": "1/2", "delta": 1e-9})
+    ledger = tmp_path / "ledger.db"
+    assert cli("ledger", "set-budget", "test-data", "--rho", "1", "--ledger", str(ledger)).returncode == 0
+    with monkeypatch.context() as patched:
+        patched.setattr(aim_model, "anneals", lambda before, after, sigma: True)
+        done = run_module.run_release(path, key_file=tmp_path / "k.key", ledger=ledger)
+        root = done.release_dir
+        manifest = json.loads((root / "manifest.json").read_text())
+        [record] = manifest["selections"]
+        assert record["units"] == [1, 5] and record["unused_units"] == 0
+        tables = {t["name"]: t for t in manifest["tables"]}
+        first, last = (tables[f"m.{'-'.join(c)}"] for c in record["chosen"])
+        assert Fraction(last["allocated"]["fraction"]) == 5 * Fraction(first["allocated"]["fraction"])
+        assert Fraction(manifest["ledger"]["charged"]) == Fraction(manifest["totals"]["rho"]["fraction"])
+        assert Fraction(manifest["totals"]["rho"]["fraction"]) <= Fraction(1, 2)
+        for options in ({}, {"recompute": True}, {"ledger": str(ledger)}):
+            assert verify_release(root, **options).problems == [], options
+        again = run_module.run_release(path, key_file=tmp_path / "k.key", ledger=ledger, out_dir=tmp_path / "2")
+        rerun = json.loads((again.release_dir / "manifest.json").read_text())
+        assert rerun["selections"] == manifest["selections"] and rerun["ledger"]["charged_by_this_run"] == "0"
+        assert rerun["tables"] == manifest["tables"] and rerun["totals"] == manifest["totals"]
+    out = tmp_path / "synthetic.parquet"
+    assert cli("synthesize", str(root), "--out", str(out)).returncode == 0
+    state = pq.read_table(root / "tables" / "pop.state.parquet").to_pandas()
+    assert pq.read_metadata(out).num_rows == int(state["count"].sum())
 
 
 def test_verify_refuses_an_edited_aim_selection(tmp_path):
@@ -485,13 +521,19 @@ def test_junction_tables_add_up_and_a_unit_gets_the_same_tables_alone_or_in_a_ba
 
 
 @pytest.mark.parametrize("engine", ["spark", "beam"])
-def test_spark_and_beam_grow_the_same_tables_and_publish_the_same_release(tmp_path, engine):
+def test_spark_and_beam_grow_the_same_tables_and_publish_the_same_release(tmp_path, engine, monkeypatch):
     """Every round's candidates scored in Spark executors and Beam workers from the driver's model of the tables
     released so far (only integer scores reach the driver): the same cliques and, file for file, the release the
-    embedded engine publishes."""
-    path = aim_case(tmp_path / "c", budget={"definition": "zcdp", "rho": "4", "delta": 1e-9},
-                    attributes=["sex", "edu", "inc"])
+    embedded engine publishes; with annealed rounds (forced here: units 1, 2, 3 under pure DP), a table of 2 units
+    released by the engine during the rounds."""
+    from dprelease.transforms import aim_model
+
+    monkeypatch.setattr(aim_model, "anneals", lambda before, after, sigma: True)
+    path = aim_case(tmp_path / "c", budget={"definition": "pure", "epsilon": 8})
     assert_same_selection_and_release(tmp_path, path, engine)
+    units = [json.loads((tmp_path / where / "test-release" / "manifest.json").read_text())["selections"][0]["units"]
+             for where in ("embedded", engine)]
+    assert units == [[1, 2, 3]] * 2
 
 
 def test_the_largest_aim_workload_a_spec_allows_fits_the_selection_kernel():

@@ -205,7 +205,8 @@ class TableEstimate:
     @classmethod
     def of(cls, model: Model, cliques: list[Clique], marginals: list[np.ndarray]) -> list["TableEstimate"]:
         """Each clique's estimate (`Model.tables`)."""
-        return [cls(np.rint(table).astype(np.int64).ravel()) for table in model.tables(cliques, marginals)]
+        return [cls(np.rint(np.nan_to_num(table, nan=0.0, posinf=0.0, neginf=0.0)).astype(np.int64).ravel())
+                for table in model.tables(cliques, marginals)]
 
     def cells(self, start: int, stop: int) -> np.ndarray:
         """The rounded estimate of the table's cells [start, stop) (int64)."""

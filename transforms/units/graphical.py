@@ -315,7 +315,7 @@ class Model:
         with_y = _ordered(self.tree.attributes, set(members) | {y})
         own = tables[middle]
         factors: Factors = [(with_x, joint_x.margin(middle, with_x)), (with_y, joint_y.margin(middle, with_y)),
-                            (members, np.where(own > 0, 1.0 / np.where(own > 0, own, 1.0), 0.0))]
+                            (members, np.where(own > _TINY, 1.0 / np.where(own > _TINY, own, 1.0), 0.0))]
         return _JointsWith(self.tree, self.sizes, tables, (x, y), middle, factors)
 
 
@@ -366,6 +366,10 @@ def _carried_cells(tree: JunctionTree, sizes: dict[str, int], carried: set, star
         if lacking:
             cells = max(cells, math.prod(sizes[a] for a in set(separator) | lacking))
     return cells
+
+
+_TINY = 1e-300
+"""Clique probabilities at or below this are taken as 0 where divided by (1 / 1e-308 would overflow to inf)."""
 
 
 def _path(tree: JunctionTree, a: int, b: int) -> list[int]:

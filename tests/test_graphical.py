@@ -217,6 +217,43 @@ def test_read_cells_bounds_every_array_a_table_read_makes(monkeypatch):
     assert checked > 20  # reads whose carried tables outgrow the model's largest clique were met
 
 
+def test_a_warm_start_reads_within_its_limit(monkeypatch):
+    """`start_from` reads each new clique from the previous model; one in no old clique goes across the tree
+    (`_spanning_table`, bounded by `_spanning_cells`), and past `limit` it starts from zero potential instead:
+    the start's memory is public whatever tables were measured (the reviewer's case: (x, y) added beside
+    (x, m1), (m1, m2, big), (m2, y) reads |m1 m2 big| x |x| cells)."""
+    attributes = ("x", "m1", "m2", "big", "y")
+    sizes = {"x": 30, "m1": 2, "m2": 2, "big": 40, "y": 2}
+    before = [(a,) for a in attributes] + [("x", "m1"), ("m1", "m2", "big"), ("m2", "y")]
+    tree = g.junction_tree(attributes, before, sizes)
+    rng = np.random.default_rng(0)
+    previous = g.Model(tree, sizes, np.array([1000.0, 10.0]))
+    previous.potentials = [rng.normal(size=p.shape) for p in previous.potentials]
+    new = g.junction_tree(attributes, before + [("x", "y")], sizes)
+    largest = [0]
+    product = g._product
+
+    def spy(attributes, sizes, a, x, b, y):
+        union, values = product(attributes, sizes, a, x, b, y)
+        largest[0] = max(largest[0], values[0].size)
+        return union, values
+
+    monkeypatch.setattr(g, "_product", spy)
+    warm = g.start_from(previous, new)
+    crossing = [i for i, c in enumerate(new.cliques) if not any(set(c) <= set(o) for o in tree.cliques)]
+    bound = max(g._spanning_cells(tree, sizes, new.cliques[i]) for i in crossing)
+    assert crossing and 0 < largest[0] <= bound and bound >= 30 * 2 * 2 * 40
+    largest[0] = 0
+    smallest = min(g._spanning_cells(tree, sizes, new.cliques[i]) for i in crossing)
+    limited = g.start_from(previous, new, limit=smallest - 1)
+    assert largest[0] == 0  # nothing read across the tree
+    for i, (x, y) in enumerate(zip(warm.potentials, limited.potentials)):
+        if i in crossing:
+            assert not y.any() and x.any()
+        else:
+            np.testing.assert_array_equal(x, y)
+
+
 def test_integer_tables_add_up_and_records_tabulate_to_them():
     rng = np.random.default_rng(11)
     cliques = [("a", "b"), ("b", "c"), ("c", "d"), ("a", "d")]

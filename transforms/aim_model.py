@@ -122,8 +122,9 @@ def within_cap(cells: int, units: int) -> bool:
 READ_CELLS = 1 << 22
 """From manifest version 9: the largest array (cells per unit) reading a candidate's table from the model of the
 tables so far may make (`graphical.read_cells`: a carried table can reach a separator times two domains, far past
-the model's own cells), and READ_CELLS x 16 over all units. The cap is public (the model's shape), so no round can
-fail for memory after the budget is charged, whichever tables the data made the rounds choose."""
+the model's own cells), and READ_CELLS x 16 over all units; the next round's warm start reads no clique past it
+either (`graphical.start_from`'s limit: such a clique starts cold). The cap is public (the models' shapes), so no
+round can fail for memory after the budget is charged, whichever tables the data made the rounds choose."""
 
 
 def readable(tree: graphical.JunctionTree, sizes: dict[str, int], clique, units: int) -> bool:
@@ -188,9 +189,12 @@ def round_model(attributes, sizes: dict[str, int], measurements: list[Measuremen
                 previous: Model | None) -> Model:
     """The model of the tables released so far (1-way tables and chosen tables with their public noise
     variances): their junction tree fitted by least squares (`graphical.fit`, ROUND_ITERATIONS), warm from the
-    round before's model (`graphical.start_from`). Post-processing of released values only."""
+    round before's model (`graphical.start_from`, reading within READ_CELLS). Post-processing of released values
+    only."""
     tree = graphical.junction_tree(tuple(attributes), [m.clique for m in measurements], sizes)
-    start = None if previous is None else graphical.start_from(previous, tree)
+    units = measurements[0].values.shape[0]
+    start = None if previous is None else graphical.start_from(previous, tree,
+                                                               limit=min(READ_CELLS, READ_CELLS * 16 // units))
     return graphical.fit(tree, sizes, measurements, iterations=ROUND_ITERATIONS, start=start)
 
 

@@ -52,7 +52,9 @@ MODEL_CELLS_CAP = 1 << 25
 doubles; the fit keeps about ten such arrays."""
 
 KEPT_CELLS = 1 << 22
-"""Cells per unit of the carried tables `Model.tables` keeps across the sets it reads (made again past it)."""
+"""Cells per unit of the carried tables of other attributes `Model.tables` keeps when it starts carrying a new one
+(dropped past it, made again when asked for). What one attribute's (or one pair's) carried tables keep along a path
+is not counted: up to the path's length times the largest read (`read_cells`)."""
 
 FIT_ITERATIONS = 1000
 """Mirror-descent iterations (Private-PGM's default for AIM)."""
@@ -352,7 +354,7 @@ def read_cells(tree: JunctionTree, sizes: dict[str, int], clique) -> int:
         starts = [math.prod(sizes[a] for a in set(tree.cliques[middle]) | {b}) for b in (x, y)]
         return max(*starts, _carried_cells(tree, sizes, {x}, hx, middle), _carried_cells(tree, sizes, {y}, hy, middle),
                    _carried_cells(tree, sizes, {x, y}, middle, hz))
-    return math.prod(sizes[a] for a in tree.attributes)  # no bound below the joint's (not used by AIM's tables)
+    return _spanning_cells(tree, sizes, clique)
 
 
 def _carried_cells(tree: JunctionTree, sizes: dict[str, int], carried: set, start: int, end: int) -> int:
@@ -454,14 +456,7 @@ def _spanning_table(tree: JunctionTree, sizes: dict[str, int], tables: list[np.n
     the tree is the product of its cliques' tables over the product of its separators' tables: the part joining
     the first clique holding each attribute (paths up to their common ancestor), eliminated leaves first, each
     message keeping its separator and the attributes of `clique` met below it."""
-    paths = []  # each home's path to the root
-    for i in {tree.home((a,)) for a in clique}:
-        path = [i]
-        while tree.parents[path[-1]] >= 0:
-            path.append(tree.parents[path[-1]])
-        paths.append(path)
-    top = max(set.intersection(*(set(path) for path in paths)))  # the deepest clique on every path
-    part = {i for path in paths for i in path[:path.index(top) + 1]}
+    part, top = _spanning_part(tree, clique)
     wanted = set(clique)
     messages: dict[int, tuple[Clique, np.ndarray]] = {}
     for i in sorted(part, reverse=True):
@@ -477,6 +472,26 @@ def _spanning_table(tree: JunctionTree, sizes: dict[str, int], tables: list[np.n
         kept = tuple(a for a in members if a in keep)
         messages[i] = (kept, _sum_to(values, members, kept))
     return messages[top][1]
+
+
+def _spanning_part(tree: JunctionTree, clique: Clique) -> tuple[set[int], int]:
+    """(The cliques joining the first clique holding each attribute of `clique`: their paths up to their deepest
+    common ancestor, that ancestor): the part of the tree `_spanning_table` eliminates."""
+    paths = []  # each home's path to the root
+    for i in {tree.home((a,)) for a in clique}:
+        path = [i]
+        while tree.parents[path[-1]] >= 0:
+            path.append(tree.parents[path[-1]])
+        paths.append(path)
+    top = max(set.intersection(*(set(path) for path in paths)))  # the deepest clique on every path
+    return {i for path in paths for i in path[:path.index(top) + 1]}, top
+
+
+def _spanning_cells(tree: JunctionTree, sizes: dict[str, int], clique: Clique) -> int:
+    """A bound on the largest array (cells per unit) `_spanning_table` makes for `clique`: each clique of the part
+    times the attributes of `clique` its messages carry (at most all of them)."""
+    part, _ = _spanning_part(tree, clique)
+    return max(math.prod(sizes[a] for a in set(tree.cliques[i]) | set(clique)) for i in part)
 
 
 def _product(attributes: tuple[str, ...], sizes: dict[str, int], a: Clique, x: np.ndarray, b: Clique, y: np.ndarray
@@ -507,14 +522,20 @@ def tree_start(tree: JunctionTree, sizes: dict[str, int], totals: np.ndarray, ro
     return model
 
 
-def start_from(previous: Model, tree: JunctionTree, floor: float = 1e-3) -> Model:
+def start_from(previous: Model, tree: JunctionTree, floor: float = 1e-3, limit: int | None = None) -> Model:
     """A model of `tree` holding `previous`'s distribution where `tree` can (a warm start for `fit` after tables
     were added): each clique's potential the log of `previous`'s table of it less the log of its separator's
     (the junction tree's factorisation, exact when `tree`'s cliques hold `previous`'s), every table made at least
-    `floor`."""
+    `floor`. `limit`: a clique in no clique of `previous` whose table would take arrays of more cells per unit
+    (`_spanning_cells`: public, the two trees' shapes) starts from zero potential instead, so the start's memory
+    is bounded whatever tables were measured."""
     model = Model(tree, previous.sizes, previous.totals)
     marginals = previous.marginals()
+    old = [set(c) for c in previous.tree.cliques]
     for i, clique in enumerate(tree.cliques):
+        if limit is not None and not any(set(clique) <= c for c in old) and \
+                _spanning_cells(previous.tree, previous.sizes, clique) > limit:
+            continue
         values = np.log(np.maximum(previous.table(clique, marginals), floor))
         separator = tree.separator(i)
         if separator:

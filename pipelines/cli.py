@@ -292,7 +292,8 @@ def plan(spec: Path, base_dir: Path | None, max_cells: int | None, engine: str |
 @click.option("--runner", help="Beam runner (beam engine only; default DirectRunner): FlinkRunner, SparkRunner, "
                                "DataflowRunner, ...; further Beam pipeline options go after --.")
 @click.option("--workers", type=click.IntRange(1, 256),
-              help="Worker processes (default: CPU count): noise workers, or the DirectRunner's workers.")
+              help="Worker processes (default: CPU count): on the embedded engine they read and count a large "
+                   "input, draw noise and post-process; on Beam, the DirectRunner's workers.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing release directory of the same id.")
 @click.option("--ledger", envvar="DPRELEASE_LEDGER",
               help="Privacy-loss ledger (SQLite file or SQLAlchemy URL; env DPRELEASE_LEDGER; default "

@@ -127,6 +127,9 @@ class InputSource:
     """Each file's length and SHA-256, taken with the fingerprint (`fingerprint`): from then on every read of a
     file is of those bytes or fails (`storage.verified_copy`)."""
 
+    workers_can_read = True
+    """Whether other processes can read the input (through `reader()`): its files can be reopened anywhere."""
+
     def files(self) -> list[str]:
         files = list(self.dataset.files)
         return [self.store.uri(f) for f in files] if self.store else files
@@ -198,6 +201,8 @@ class MemorySource(InputSource):
 
     table: pa.Table | None = None
     serialized: pa.Buffer | None = None
+
+    workers_can_read = False  # the table lives in this process only
 
     def files(self) -> list[str]:
         return [MEMORY_INPUT]

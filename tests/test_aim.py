@@ -556,10 +556,12 @@ def test_the_largest_aim_workload_a_spec_allows_fits_the_selection_kernel():
     assert 2 * sensitivity * _MAX_DENOMINATOR <= 2 ** 62
 
 
-def test_passes_over_kept_bounded_records_count_what_reading_the_input_counts(tmp_path, monkeypatch):
+@pytest.mark.parametrize("spilled", [False, True])
+def test_passes_over_kept_bounded_records_count_what_reading_the_input_counts(tmp_path, monkeypatch, spilled):
     """Units of 3 records bounded to 2, every round split into many passes: the embedded engine's later passes
-    count from the bounded records its second pass kept; the release (tables chosen, every file) is the one
-    that reading and bounding the input on every pass publishes."""
+    count from the bounded records its second pass kept (`spilled`: by two workers, one file per spill
+    partition); the release (tables chosen, every file) is the one that reading and bounding the input on every
+    pass publishes."""
     import dprelease.pipelines.engines.embedded as embedded
     import dprelease.pipelines.selection as selection
     from dprelease.pipelines.run import run_release
@@ -572,7 +574,14 @@ def test_passes_over_kept_bounded_records_count_what_reading_the_input_counts(tm
                         "select": "aim"}]
     path = write_case(tmp_path / "c", spec, rows)
     monkeypatch.setattr(selection, "AIM_ROUND_CELLS", 10)  # one candidate a pass
-    kept = run_release(path, key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / "kept")
+    counted = []
+    if spilled:
+        monkeypatch.setattr(embedded, "PARTITION_BYTES", 2000)
+        in_workers = embedded.EmbeddedEngine._counts_in_workers
+        monkeypatch.setattr(embedded.EmbeddedEngine, "_counts_in_workers",
+                            lambda *args, **kwargs: counted.append(1) or in_workers(*args, **kwargs))
+    kept = run_release(path, key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / "kept", workers=2)
+    assert bool(counted) == spilled
     score = embedded.EmbeddedEngine.score_candidates
 
     def reading_every_pass(self, *args, **kwargs):

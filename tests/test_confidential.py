@@ -138,7 +138,10 @@ def test_an_unexpected_failure_prints_one_public_line_and_details_only_internall
 
 # 7. Spill and staging files ----------------------------------------------------------------------------------------
 
-def test_spill_files_are_private_and_removed(case, tmp_path, monkeypatch):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_spill_files_are_private_and_removed(case, tmp_path, monkeypatch, workers):
+    """One process spilling, and two workers each spilling its read tasks' records: every spill file is 0600 in a
+    0700 directory, and nothing is left afterwards."""
     monkeypatch.setattr(embedded_module, "PARTITION_BYTES", 16)  # force several spill partitions
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
@@ -146,16 +149,30 @@ def test_spill_files_are_private_and_removed(case, tmp_path, monkeypatch):
 
     monkeypatch.setattr(tempfile, "tempdir", None)
     seen = []
-    original = embedded_module.EmbeddedEngine._accumulate
 
-    def spy(*args, **kwargs):
+    def look():
         for directory in (tmp_path / "tmp").iterdir():
             seen.append((directory.name, stat.S_IMODE(directory.stat().st_mode),
                          sorted(stat.S_IMODE(f.stat().st_mode) for f in directory.iterdir())))
-        return original(*args, **kwargs)
 
-    monkeypatch.setattr(embedded_module.EmbeddedEngine, "_accumulate", staticmethod(spy))
-    run_release(case(), key_file=tmp_path / "k.key", out_dir=tmp_path / "out")
+    if workers == 1:
+        original = embedded_module.EmbeddedEngine._accumulate
+
+        def spy(*args, **kwargs):
+            look()
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(embedded_module.EmbeddedEngine, "_accumulate", staticmethod(spy))
+    else:
+        in_workers = embedded_module.EmbeddedEngine._counts_in_workers
+
+        def spy_workers(*args, **kwargs):
+            counted = in_workers(*args, **kwargs)
+            look()  # the workers' spill files are still there until the directory is removed
+            return counted
+
+        monkeypatch.setattr(embedded_module.EmbeddedEngine, "_counts_in_workers", spy_workers)
+    run_release(case(), key_file=tmp_path / "k.key", out_dir=tmp_path / "out", workers=workers)
     assert seen, "the spill directory was never seen"
     for name, mode, file_modes in seen:
         assert name.startswith("dprelease-spill-test-release@") and mode == 0o700

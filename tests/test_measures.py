@@ -261,6 +261,37 @@ def test_sums_are_exact_beyond_double_precision():
     assert int(_exact_sums(index, values, 1)[0]) == values.size * (2**31 - 1)  # > 2**53: float64 alone rounds
 
 
+@pytest.mark.parametrize("rows", [50, 5000])
+def test_buckets_and_bins_read_from_a_table_are_the_searched_ones(rows):
+    """A batch holding more values than the measure's (or a binned column's) range reads each value's bucket (bin)
+    from a table over the range; a smaller batch searches. Both give the codes a search of every value gives,
+    at every edge, candidate and end of the range (nulls and values outside left to their policy)."""
+    from dprelease.transforms.aggregate import TableLayout, quantile_buckets
+    from dprelease.transforms.domains import IntegerDomain
+    from dprelease.transforms.encode import INVALID
+
+    rng = np.random.default_rng(rows)
+    lower, upper, candidates = -40, 1000, (-40, -3, 0, 1, 17, 500, 999, 1000)
+    values = np.concatenate([np.asarray(candidates), rng.integers(lower, upper + 1, rows)])
+    layout = TableLayout("q", ("c",), (None,), (2,), statistic="quantile", measure="m", lower=lower,
+                         invalid=upper - lower + 1, candidates=candidates)
+    invalid = np.full(7, upper - lower + 1)
+    codes = {"c": rng.integers(0, 2, values.size + invalid.size),
+             "m": np.concatenate([values - lower, invalid])}
+    searched = np.bincount(codes["c"][:values.size] * layout.buckets + quantile_buckets(candidates, values),
+                           minlength=layout.n_measured)
+    assert layout.measure_vector(codes, codes["c"].size).tolist() == searched.tolist()
+
+    edges = (0, 5, 10, 18, 65, 116)
+    domain = IntegerDomain("age", 0, 115, edges, "drop")
+    ages = np.concatenate([np.asarray([0, 4, 5, 17, 18, 64, 65, 115, -1, 116]), rng.integers(-5, 120, rows)])
+    found = ColumnEncoder(domain).encode(pa.array(ages))
+    inside = (ages >= 0) & (ages <= 115)
+    expected = np.where(inside, np.searchsorted(np.asarray(edges), np.where(inside, ages, 0), side="right") - 1,
+                        INVALID)
+    assert found.tolist() == expected.tolist()
+
+
 # ---- the release, end to end ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

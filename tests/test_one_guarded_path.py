@@ -86,12 +86,19 @@ def _same_size_pair(table: pa.Table) -> tuple[bytes, bytes]:
     return original, same
 
 
-@pytest.mark.parametrize("engine", ["embedded", "beam"])
+@pytest.mark.parametrize("engine", ["embedded", "embedded-workers", "beam"])
 def test_a_file_rewritten_in_place_during_a_run_is_never_counted(case, tmp_path, monkeypatch, engine):
     """Main checked (size, mtime) between the fingerprint and the engine's read: a part file rewritten in place
     with its mtime restored was counted while the ledger bound the old fingerprint, so a free re-run over the old
     bytes published the exact difference. Now every read is of a private copy whose SHA-256 is the one taken
-    with the fingerprint: the run stops, nothing is published or charged."""
+    with the fingerprint: the run stops, nothing is published or charged ('embedded-workers': the embedded
+    engine's worker processes read a spilling input, and fail the same way)."""
+    workers = None
+    if engine == "embedded-workers":
+        from dprelease.pipelines.engines import embedded
+
+        monkeypatch.setattr(embedded, "PARTITION_BYTES", 16)
+        engine, workers = "embedded", 2
     rows = {"pid": list(range(40)), "geo": ["01001000100"] * 40, "age": list(range(40)), "sex": ["F", "M"] * 20}
     spec = case(rows=rows)
     data = spec.parent / "input.parquet"
@@ -108,12 +115,13 @@ def test_a_file_rewritten_in_place_during_a_run_is_never_counted(case, tmp_path,
 
     monkeypatch.setattr(run_module, "bind_release_key", rewrite_after_binding)
     with pytest.raises(dprelease.DPReleaseError, match="changed after the release key was bound"):
-        run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=tmp_path / "out", engine=engine)
+        run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=tmp_path / "out", engine=engine,
+                    workers=workers)
     assert not (tmp_path / "out" / "test-release").exists() and statuses(book) == ["aborted"]
     monkeypatch.setattr(run_module, "bind_release_key", bind)
     _rewrite_in_place(data, original)
     assert run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=tmp_path / "out",
-                       engine=engine).release_dir.is_dir()
+                       engine=engine, workers=workers).release_dir.is_dir()
 
 
 # ---- 4. a free re-run must make the same selection -------------------------------------------------------------------

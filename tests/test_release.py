@@ -183,6 +183,13 @@ def test_spill_partitions_give_the_same_release(case, tmp_path, monkeypatch):
     spec_path = case(rows=rows, contribution={"max_records_per_unit": 2})
     a = run_release(spec_path, key_file=tmp_path / "s.key", out_dir=tmp_path / "a")
     monkeypatch.setattr(embedded, "PARTITION_BYTES", 500 * 20)
-    b = run_release(spec_path, key_file=tmp_path / "s.key", out_dir=tmp_path / "b")
+    b = run_release(spec_path, key_file=tmp_path / "s.key", out_dir=tmp_path / "b", workers=1)
+    counted = []
+    in_workers = embedded.EmbeddedEngine._counts_in_workers
+    monkeypatch.setattr(embedded.EmbeddedEngine, "_counts_in_workers",
+                        lambda *args, **kwargs: counted.append(1) or in_workers(*args, **kwargs))
+    c = run_release(spec_path, key_file=tmp_path / "s.key", out_dir=tmp_path / "c", workers=2)
+    assert counted, "two workers read and counted the spilled input"
     for t in a.plan.tables:
         assert read(a.release_dir, "measurements", t.name) == read(b.release_dir, "measurements", t.name)
+        assert read(a.release_dir, "measurements", t.name) == read(c.release_dir, "measurements", t.name)

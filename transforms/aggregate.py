@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from .bound import bound_contributions, dense_unit_ids, record_keys
+from .encode import LOOKUP_VALUES
 
 
 @dataclass(frozen=True)
@@ -93,11 +94,20 @@ class TableLayout:
             return np.bincount(index, minlength=self.n_cells).astype(np.int64)
         if self.statistic == "sum":
             return _exact_sums(index, values, self.n_cells)
-        candidates = np.asarray(self.candidates, dtype=np.int64)
-        below = np.searchsorted(candidates, values, side="left")
-        equal = (below < candidates.size) & (candidates[np.minimum(below, candidates.size - 1)] == values)
-        bucket = 2 * below + equal
+        if self.invalid <= min(values.size, LOOKUP_VALUES):  # buckets from a table over the measure's range
+            bucket = quantile_buckets(self.candidates, self.lower + np.arange(self.invalid, dtype=np.int64))[
+                values - self.lower]
+        else:
+            bucket = quantile_buckets(self.candidates, values)
         return np.bincount(index * self.buckets + bucket, minlength=self.n_measured).astype(np.int64)
+
+
+def quantile_buckets(candidates: tuple[int, ...], values: np.ndarray) -> np.ndarray:
+    """Each value's bucket among 2m + 1 around m sorted candidates: 2i below candidate i, 2i + 1 equal to it."""
+    candidates = np.asarray(candidates, dtype=np.int64)
+    below = np.searchsorted(candidates, values, side="left")
+    equal = (below < candidates.size) & (candidates[np.minimum(below, candidates.size - 1)] == values)
+    return 2 * below + equal
 
 
 def _exact_sums(index: np.ndarray, values: np.ndarray, n_cells: int) -> np.ndarray:

@@ -18,6 +18,10 @@ import pyarrow.compute as pc
 from .domains import CategoricalDomain, Domain, GeographyDomain, IntegerDomain, MeasureDomain
 
 INVALID = -1
+LOOKUP_VALUES = 1 << 22
+"""A binned integer column's (or a quantile's measure's) range of values up to which a batch holding more values
+than the range reads each value's bin (bucket) from a table over the range instead of searching the edges
+(candidates): the same codes, found faster."""
 
 
 def is_text(kind: pa.DataType) -> bool:
@@ -155,7 +159,10 @@ class ColumnEncoder:
     def _encode_integer(values: np.ndarray, domain: IntegerDomain) -> np.ndarray:
         valid = np.isfinite(values) & (values >= domain.minimum) & (values <= domain.maximum)
         safe = np.where(valid, values, domain.minimum).astype(np.int64)
-        if domain.edges:
+        if domain.edges and domain.maximum - domain.minimum < min(values.size, LOOKUP_VALUES):  # bins from a table
+            span = np.arange(domain.minimum, domain.maximum + 1, dtype=np.int64)
+            codes = (np.searchsorted(np.asarray(domain.edges), span, side="right") - 1)[safe - domain.minimum]
+        elif domain.edges:
             codes = np.searchsorted(np.asarray(domain.edges), safe, side="right") - 1
         else:
             codes = safe - domain.minimum

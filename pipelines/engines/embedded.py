@@ -2,11 +2,13 @@
 
 Memory stays flat as the input grows: encoded records (unit + small integer codes) are
 hash-partitioned by unit into spill files when the input is large, and each partition is
-bounded and aggregated on its own (a unit's records always meet in one partition).
+bounded and aggregated on its own (a unit's records always meet in one partition). Such an input
+is read, spilled, bounded and counted by worker processes (read tasks, then partitions).
 Noise is drawn in worker processes over ranges of each table's cells.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
@@ -25,7 +27,7 @@ from dprelease.transforms.samplers import table_noise
 
 from ..housekeeping import leftover_tag
 from ..plan import Plan
-from ..source import InputSource
+from ..source import FileReader, InputSource, ReadTask
 from .base import Engine, ProgressHook, no_progress
 
 
@@ -46,13 +48,16 @@ def private_ipc_file(path: Path, schema: pa.Schema) -> pa.ipc.RecordBatchFileWri
 
 
 class SpillPartitions:
-    """Encoded records split into `count` partitions by a hash of the unit (in memory if count == 1)."""
+    """Encoded records split into `count` partitions by a keyed hash of the unit (in memory if count == 1). Each
+    writer (a read task) writes its own files, part-P-WRITER.arrow, so workers can spill into one directory at
+    once; a partition is the union of every writer's file for it (`partition_files`)."""
 
-    def __init__(self, count: int, directory: Path, salt: int):
+    def __init__(self, count: int, directory: Path, salt: int, writer: int = 0):
         self.count = count
         self._salt = salt
         self._memory: list[pa.Table] = []
         self._directory = directory
+        self._writer = writer
         self._writers: dict[int, pa.ipc.RecordBatchFileWriter] = {}
 
     def add(self, table: pa.Table) -> None:
@@ -64,8 +69,13 @@ class SpillPartitions:
             piece = table.filter(pa.array(part == p))
             if piece.num_rows:
                 if p not in self._writers:
-                    self._writers[p] = private_ipc_file(self._directory / f"part-{p}.arrow", table.schema)
+                    self._writers[p] = private_ipc_file(self._directory / f"part-{p}-{self._writer:06d}.arrow",
+                                                        table.schema)
                 self._writers[p].write_table(piece)
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
 
     def tables(self):
         if self.count == 1:
@@ -73,11 +83,28 @@ class SpillPartitions:
                 yield pa.concat_tables(self._memory)
             self._memory = []
             return
-        for writer in self._writers.values():
-            writer.close()
-        for p in sorted(self._writers):
-            with pa.memory_map(str(self._directory / f"part-{p}.arrow")) as source:
-                yield pa.ipc.open_file(source).read_all()
+        self.close()
+        for p in range(self.count):
+            with partition_table(self._directory, p) as part:
+                if part is not None:
+                    yield part
+
+
+def partition_files(directory: Path, partition: int) -> list[Path]:
+    """The files of one spill partition, every writer's, in writer order."""
+    return sorted(directory.glob(f"part-{partition}-*.arrow"))
+
+
+@contextlib.contextmanager
+def partition_table(directory: Path, partition: int):
+    """One spill partition as a table (None when no writer wrote to it), mapped from its files while open."""
+    files = partition_files(directory, partition)
+    if not files:
+        yield None
+        return
+    with contextlib.ExitStack() as stack:
+        yield pa.concat_tables(pa.ipc.open_file(stack.enter_context(pa.memory_map(str(f)))).read_all()
+                               for f in files)
 
 
 class _RecordSink:
@@ -102,6 +129,35 @@ class _RecordSink:
             self._writer.close()
 
 
+def _spill_read_task(reader: FileReader, task: ReadTask, encoders: dict[str, ColumnEncoder], unit: str,
+                     partitions: int, salt: int, directory: str, writer: int) -> None:
+    """A worker's part of reading: one read task's records encoded and spilled into the partitions by unit."""
+    spill = SpillPartitions(partitions, Path(directory), salt, writer)
+    for batch in reader.batches(task):
+        spill.add(encoded_table(batch, encoders, unit))
+    spill.close()
+
+
+def _count_partitions(layouts: list, columns: list[str], sizes: list[int], k: int, subkey: bytes, directory: str,
+                      partitions: list[int], keep: str | None) -> list[np.ndarray]:
+    """A worker's part of counting: the bounded measurement vectors of whole spill partitions, summed (each holds
+    all records of its units, so bounding a partition bounds its units). `keep`: a directory that also receives
+    the codes of the records kept, one file per partition."""
+    totals = [np.zeros(layout.n_measured, dtype=np.int64) for layout in layouts]
+    for p in partitions:
+        sink = _RecordSink(Path(keep) / f"bounded-{p:06d}.arrow") if keep else None
+        with partition_table(Path(directory), p) as part, contextlib.ExitStack() as stack:
+            if part is None:
+                continue
+            if sink is not None:
+                stack.enter_context(sink)
+            partial = bounded_counts(layouts, {c: part.column(c).to_numpy() for c in columns}, part.num_rows, sizes,
+                                     part.column(UNIT), k, subkey, sink)
+        for total, values in zip(totals, partial):
+            total += values
+    return totals
+
+
 class EmbeddedEngine(Engine):
     name = "embedded"
 
@@ -111,34 +167,69 @@ class EmbeddedEngine(Engine):
         self._bounded: tuple | None = None  # (signature, path) of the selection's bounded records
 
     def true_counts(self, plan: Plan, source: InputSource, key: ReleaseKey, progress: ProgressHook,
-                    sink=None) -> dict[str, np.ndarray]:
-        """Bounded measurement vectors of every table (`sink(codes, rows)` also receives the codes of the records
-        kept). Private: only `noisy_measurements` and the selection may see them."""
+                    keep: Path | None = None) -> dict[str, np.ndarray]:
+        """Bounded measurement vectors of every table (`keep`, a private directory, also receives the codes of the
+        records kept, in files bounded-*.arrow). Private: only `noisy_measurements` and the selection may see them.
+
+        An input that spills (more than PARTITION_BYTES encoded) is read and counted by the workers: each reads
+        its read tasks (row-group ranges) and spills their records into partitions by unit, then each bounds and
+        counts whole partitions. A unit's records meet in one partition whatever the split, and counts add up
+        exactly, so any number of workers gives the same vectors as one."""
         columns = plan.encoded_columns()
         encoders = {c: ColumnEncoder(plan.domains[c]) for c in columns}
         sizes = [plan.domains[c].size for c in columns]
-        counts = {t.name: np.zeros(t.layout.n_measured, dtype=np.int64) for t in plan.tables}
         unit = source.unit_column
         row_bytes = 4 * len(columns) + 8
         partitions = max(1, -(-source.estimated_rows() * row_bytes // PARTITION_BYTES)) if unit else 1
         subkey = key.derive("dprelease/bound")
-        files = source.files()
         # a 0700 directory, removed on every exit path (SIGTERM too, see run.py); a later run of the
         # release removes one left by SIGKILL (its name carries the owner's process token)
         with tempfile.TemporaryDirectory(prefix=f"{spill_prefix(plan.spec.release_id)}{leftover_tag()}") as spill_dir:
+            if partitions > 1 and self.workers > 1 and source.workers_can_read:
+                partitions = -(-partitions // self.workers) * self.workers  # every worker counts as many
+                vectors = self._counts_in_workers(plan, source, key, encoders, sizes, partitions, Path(spill_dir),
+                                                  progress, keep)
+                return {t.name: v for t, v in zip(plan.tables, vectors)}
+            counts = {t.name: np.zeros(t.layout.n_measured, dtype=np.int64) for t in plan.tables}
             spill = SpillPartitions(partitions, Path(spill_dir), shard_salt(key))
-            for done, path in enumerate(files):
-                for batch in source.batches(path):
-                    table = encoded_table(batch, encoders, unit)
-                    if unit:
-                        spill.add(table)
-                    else:
-                        self._accumulate(plan, table, None, sizes, subkey, counts, sink)
-                progress("read", done + 1, len(files))
-            for part in spill.tables():
-                self._accumulate(plan, part, part.column(UNIT), sizes, subkey, counts, sink)
-                del part
+            files = source.files()
+            with _RecordSink(keep / "bounded-0.arrow") if keep else contextlib.nullcontext() as sink:
+                for done, path in enumerate(files):
+                    for batch in source.batches(path):
+                        table = encoded_table(batch, encoders, unit)
+                        if unit:
+                            spill.add(table)
+                        else:
+                            self._accumulate(plan, table, None, sizes, subkey, counts, sink)
+                    progress("read", done + 1, len(files))
+                for part in spill.tables():
+                    self._accumulate(plan, part, part.column(UNIT), sizes, subkey, counts, sink)
+                    del part
         return counts
+
+    def _counts_in_workers(self, plan: Plan, source: InputSource, key: ReleaseKey, encoders: dict, sizes: list[int],
+                           partitions: int, spill_dir: Path, progress: ProgressHook,
+                           keep: Path | None) -> list[np.ndarray]:
+        """`true_counts` of a spilling input in `self.workers` processes: reading (read tasks spilled by unit),
+        then counting (partitions dealt round-robin), each phase finished before the next starts."""
+        tasks = source.read_tasks(self.workers)
+        reader, salt = source.reader(), shard_salt(key)
+        with ProcessPoolExecutor(max_workers=self.workers) as pool:
+            reads = [pool.submit(_spill_read_task, reader, task, encoders, source.unit_column, partitions, salt,
+                                 str(spill_dir), writer) for writer, task in enumerate(tasks)]
+            for done, read in enumerate(reads):
+                read.result()
+                progress("read", done + 1, len(tasks))
+            layouts = [t.layout for t in plan.tables]
+            counted = [pool.submit(_count_partitions, layouts, plan.encoded_columns(), sizes,
+                                   plan.bounds.max_records_per_unit, key.derive("dprelease/bound"), str(spill_dir),
+                                   list(range(w, partitions, self.workers)), str(keep) if keep else None)
+                       for w in range(self.workers)]
+            totals = [np.zeros(layout.n_measured, dtype=np.int64) for layout in layouts]
+            for future in counted:
+                for total, values in zip(totals, future.result()):
+                    total += values
+        return totals
 
     @staticmethod
     def _accumulate(plan: Plan, table: pa.Table, units, sizes: list[int], subkey: bytes,
@@ -170,25 +261,23 @@ class EmbeddedEngine(Engine):
         else:
             self.close()
             self._spill = tempfile.TemporaryDirectory(prefix=f"{spill_prefix(plan.spec.release_id)}{leftover_tag()}")
-            path = Path(self._spill.name) / "bounded.arrow"
-            with _RecordSink(path) as sink:
-                counts = self.true_counts(counting_plan, source, key, progress, sink)
-            self._bounded = (signature, path)
+            kept = Path(self._spill.name)
+            counts = self.true_counts(counting_plan, source, key, progress, kept)
+            self._bounded = (signature, kept)
         return scores_from_counts(key, counts, [t.release for t in one_way], estimates, NOISE_RANGE_CELLS)
 
     @staticmethod
-    def _counts_from(path: Path, plan: Plan) -> dict[str, np.ndarray]:
-        """Count tables of `plan` over bounded records kept by `_RecordSink` (no unit or measure statistics)."""
+    def _counts_from(kept: Path, plan: Plan) -> dict[str, np.ndarray]:
+        """Count tables of `plan` over the bounded records kept by `true_counts` (no unit or measure statistics)."""
         counts = {t.name: np.zeros(t.layout.n_measured, dtype=np.int64) for t in plan.tables}
-        if not path.exists():
-            return counts
-        with pa.memory_map(str(path)) as source:
-            reader = pa.ipc.open_file(source)
-            for i in range(reader.num_record_batches):
-                batch = reader.get_batch(i)
-                codes = {c: batch.column(c).to_numpy() for c in plan.encoded_columns()}
-                for t in plan.tables:
-                    counts[t.name] += t.layout.measure_vector(codes, batch.num_rows)
+        for path in sorted(kept.glob("bounded-*.arrow")):
+            with pa.memory_map(str(path)) as source:
+                reader = pa.ipc.open_file(source)
+                for i in range(reader.num_record_batches):
+                    batch = reader.get_batch(i)
+                    codes = {c: batch.column(c).to_numpy() for c in plan.encoded_columns()}
+                    for t in plan.tables:
+                        counts[t.name] += t.layout.measure_vector(codes, batch.num_rows)
         return counts
 
     def close(self) -> None:

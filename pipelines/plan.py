@@ -730,18 +730,19 @@ def with_selections(plan: Plan, chosen: dict[str, tuple[Clique, ...]],
                      plan.aim_annealing)
 
 
-def candidate_tables(plan: Plan, selection: SelectionPlan, cliques=None, released: bool = False) -> list[TablePlan]:
+def candidate_tables(plan: Plan, selection: SelectionPlan, cliques=None, units: list[int] | None = None
+                     ) -> list[TablePlan]:
     """The tables of a selection's candidates (every candidate, or `cliques`): layout only, no mechanism (they
-    are scored, not released), or with `released` the mechanism each chosen table gets (the same noise the
-    measurement stage draws: noise is a function of the key, the table's name and the cell)."""
+    are scored, not released), or with `units` (per clique, its round's budget units) the mechanism each chosen
+    table gets (`SelectionPlan.round_measurement`: the same noise the measurement stage draws, noise being a
+    function of the key, the table's name and the cell)."""
     query = plan.query(selection.query)
     prefix = _dims([query.within], plan.domains) if query.within else []
     tables = []
-    for clique in selection.candidates if cliques is None else cliques:
+    for i, clique in enumerate(selection.candidates if cliques is None else cliques):
         name = table_name(query.name, clique)
         dims = prefix + _dims(list(clique), plan.domains)
-        event = MeasurementEvent(name, selection.pair_event.mechanism, selection.pair_event.sensitivity,
-                                 selection.pair_event.allocated) if released else None
+        event = selection.round_measurement(units[i], name) if units is not None else None
         tables.append(TablePlan(name, query.name, query.kind, tuple(dims), _layout(name, dims, plan.domains), event,
                                 None))
     return tables

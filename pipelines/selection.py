@@ -17,7 +17,6 @@ this stage, and they are published in the manifest.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import numpy as np
 
@@ -135,7 +134,7 @@ def _grow(plan: Plan, selection: SelectionPlan, engine: Engine, source: InputSou
         members = [clique_of(attributes, separator + (new,)) for separator, new in steps]
         tables = candidate_tables(plan, selection, members)
         # the table the round before chose is released (counted, its noise drawn) with this round's first pass
-        newest = candidate_tables(plan, selection, cliques[-1:], released=True)
+        newest = candidate_tables(plan, selection, cliques[-1:], units=[1] * len(cliques[-1:]))
         model: list[JunctionModel] = []  # fitted once a round, on its first pass (when the newest table is released)
 
         def estimates(noisy: dict[str, np.ndarray], batch: list[int]) -> dict[str, CliqueEstimate]:
@@ -175,7 +174,7 @@ def _grow_model(plan: Plan, selection: SelectionPlan, engine: Engine, source: In
                          selection.rounds)
             break
         tables = candidate_tables(plan, selection, members)
-        newest = _released(plan, selection, rounds.cliques[-1:], rounds.spent[-1:])
+        newest = candidate_tables(plan, selection, rounds.cliques[-1:], units=rounds.spent[-1:])
         model: list[tuple[Model, list[np.ndarray]]] = []  # fitted once a round, on its first pass
 
         def estimates(noisy: dict[str, np.ndarray], batch: list[int]) -> dict[str, aim_model.TableEstimate]:
@@ -215,7 +214,8 @@ class _RoundModels:
     Post-processing of released values only."""
 
     def __init__(self, plan: Plan, selection: SelectionPlan):
-        self.plan, self.selection = plan, selection
+        self.selection = selection
+        self._variances: dict[int, float] = {}
         self.query = plan.query(selection.query)
         self.attributes = list(self.query.attributes)
         self.one_way = _one_way_tables(plan, selection)
@@ -226,6 +226,13 @@ class _RoundModels:
         self.previous: Model | None = None  # the model of the round before (a warm start)
         self.before: np.ndarray | None = None  # the estimate of the table the round before chose, when chosen
 
+    def variance(self, units: int) -> float:
+        """The noise variance of the table a round of `units` budget units chooses (public), calibrated once."""
+        if units not in self._variances:
+            event = self.selection.round_measurement(units, self.selection.pair_event.table)
+            self._variances[units] = float(event.mechanism.variance())
+        return self._variances[units]
+
     def fit(self) -> tuple[Model, list[np.ndarray]]:
         """This round's model (of the 1-way tables and the tables chosen so far, warm from the round before's)
         and its marginals."""
@@ -233,7 +240,7 @@ class _RoundModels:
         measurements = [Measurement((a,), self.released[t.name].reshape(units, -1), float(t.noise_variance()))
                         for a, t in zip(self.attributes, self.one_way)]
         measurements += [Measurement(c, self.released[table_name(self.query.name, c)].reshape(
-            units, *[sizes[a] for a in c]), _variance(self.selection, u)) for c, u in zip(self.cliques, self.spent)]
+            units, *[sizes[a] for a in c]), self.variance(u)) for c, u in zip(self.cliques, self.spent)]
         fitted = aim_model.round_model(self.attributes, sizes, measurements, self.previous)
         self.previous = fitted
         return fitted, fitted.marginals()
@@ -245,7 +252,7 @@ class _RoundModels:
         if not self.selection.annealing:
             return 1
         annealed = bool(self.spent) and aim_model.anneals(
-            self.before, _estimate_of(fitted, self.cliques[-1]), _variance(self.selection, self.spent[-1]) ** 0.5)
+            self.before, _estimate_of(fitted, self.cliques[-1]), self.variance(self.spent[-1]) ** 0.5)
         return aim_model.next_units(self.spent, self.selection.rounds, annealed, self.selection.growth)
 
     def record(self, clique: Clique, units: int, fitted: tuple[Model, list[np.ndarray]]) -> None:
@@ -253,17 +260,6 @@ class _RoundModels:
         self.cliques.append(tuple(clique))
         self.spent.append(units)
         self.before = _estimate_of(fitted, tuple(clique))
-
-
-def _released(plan: Plan, selection: SelectionPlan, cliques: list[Clique], units: list[int]) -> list[TablePlan]:
-    """The tables of `cliques` as released, each with the mechanism of its round's `units`."""
-    tables = candidate_tables(plan, selection, cliques)
-    return [replace(t, event=selection.round_measurement(u, t.name)) for t, u in zip(tables, units)]
-
-
-def _variance(selection: SelectionPlan, units: int) -> float:
-    """The noise variance of the table a round of `units` budget units chooses (public)."""
-    return float(selection.round_measurement(units, selection.pair_event.table).mechanism.variance())
 
 
 def _estimate_of(fitted: tuple[Model, list[np.ndarray]], clique: Clique) -> np.ndarray:
@@ -297,7 +293,8 @@ def _draw(selection: SelectionPlan, round_: int, members: list[Clique], tables: 
     units (its epsilon and the noise its table gets); None: the plan's one-round mechanism."""
     epsilon = selection.event.mechanism.epsilon if units is None else \
         selection.round_selection(units).mechanism.epsilon
-    variance = selection.pair_event.mechanism.variance() if units is None else _variance(selection, units)
+    variance = selection.pair_event.mechanism.variance() if units is None else \
+        float(selection.round_measurement(units, selection.pair_event.table).mechanism.variance())
     penalised = [clique_weight(weights, clique) * (scores[t.name] - noise_penalty(t.n_cells, variance))
                  for clique, t in zip(members, tables)]
     pick = draw_round(key, selection.name, round_, penalised, epsilon, selection.event.sensitivity.l1)

@@ -98,12 +98,18 @@ class Terminated(SystemExit):
 
 @contextmanager
 def terminate_as_exit():
-    """While active, SIGTERM raises `Terminated` (exit 143) instead of killing the process outright."""
+    """While active, the first SIGTERM raises `Terminated` (exit 143) instead of killing the process outright; later
+    ones are ignored, so the clean-up it starts is never cut short."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
+    raised: list[int] = []
+
     def handler(signum, frame):
+        if raised:  # a second SIGTERM during the clean-up is ignored: the clean-up runs to its end
+            return
+        raised.append(signum)
         raise Terminated(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, handler)

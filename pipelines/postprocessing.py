@@ -15,7 +15,6 @@ import contextlib
 import math
 import weakref
 from collections.abc import Mapping
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +30,7 @@ from dprelease.transforms.units.tree import HierarchyQuery as TreeHierarchy
 from dprelease.transforms.units.tree import MarginalsQuery as TreeMarginals
 from dprelease.transforms.units.tree import UnitTable, UnitTree, decompose, decomposition_problem
 
+from .engines.workers import worker_pool
 from .plan import MeanOutput, Plan, TablePlan
 from .spec import CountUnitsQuery, HierarchyQuery, MarginalsQuery, MeanQuery, QuantileQuery, SumQuery
 
@@ -311,7 +311,7 @@ def group_mapper(plan: Plan, workers: int):
     if workers <= 1:
         yield None
         return
-    with ProcessPoolExecutor(max_workers=workers, initializer=_start_worker, initargs=(unit_tree(plan),)) as pool:
+    with worker_pool(workers, _start_worker, (unit_tree(plan),)) as pool:
         yield lambda jobs: pool.map(_worker_down_job, jobs) if len(jobs) > 1 else [_local_down_job(plan, jobs[0])]
 
 

@@ -3,6 +3,7 @@ console, schema problems of every input file are public exit-2 errors, spill and
 private and never outlive the run (SIGTERM included), and a later run removes what a SIGKILL left."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -180,6 +181,25 @@ def test_spill_files_are_private_and_removed(case, tmp_path, monkeypatch, worker
     assert list((tmp_path / "tmp").iterdir()) == []
 
 
+def test_a_large_input_file_is_parsed_from_a_copy_without_a_name(case, tmp_path, monkeypatch):
+    """A file above IN_MEMORY_BYTES is copied for parsing into a temporary file that has no name: nothing of it is
+    in TMPDIR while it is read, so no killed reader (a worker, an executor) can leave a copy of the input behind."""
+    import hashlib
+    import tempfile
+
+    from dprelease.pipelines.storage import FileDigest, counted
+
+    data = case().parent / "input.parquet"
+    body = data.read_bytes()
+    monkeypatch.setattr(counted, "IN_MEMORY_BYTES", 0)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    copy = counted.verified_copy(str(data), None, FileDigest(len(body), hashlib.sha256(body).hexdigest()), "input")
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert pq.read_table(copy).equals(pq.read_table(data))
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
 def _demo_case(tmp_path: Path, rows: int) -> Path:
     from dprelease.pipelines.commands import demo_data
 
@@ -201,24 +221,52 @@ def _wait_for(predicate, timeout: float = 60.0) -> bool:
     return False
 
 
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
-def test_a_killed_run_leaves_nothing_behind_after_the_next_run(tmp_path, signum):
-    """SIGTERM: the run cleans up itself (spill, reservation). SIGKILL: `ledger reconcile` releases the
-    reservation and the next run of the release removes the dead run's spill directory."""
+def test_a_killed_run_leaves_nothing_behind_after_the_next_run(tmp_path, signum, workers):
+    """SIGTERM (sent twice, as a supervisor escalating does): the run cleans up itself (spill, reservation) at once.
+    SIGKILL: `ledger reconcile` releases the reservation and the next run of the release removes the dead run's
+    spill directory. With 2 workers reading the input, no worker outlives the run (none holds records or the key
+    after a SIGKILL of the main process)."""
     spec = _demo_case(tmp_path, 1_000_000)  # about a second of reading with the spill directory present
     temp = tmp_path / "tmp"
     temp.mkdir()
     env = dict(os.environ, TMPDIR=str(temp), DPRELEASE_LEASE_SECONDS="1", DPRELEASE_LEASE_GRACE_SECONDS="0")
     book = tmp_path / "ledger.sqlite"
     set_budget(open_ledger(book), "demo-census", "rho", Fraction(10))
-    command = [sys.executable, "-m", "dprelease.pipelines.cli", "run", str(spec), "--ledger", str(book),
-               "--key-file", str(tmp_path / "k.key"), "--out", str(tmp_path / "out"), "--workers", "1"]
+    # with 2 workers the input spills in 1 MiB partitions, so the workers read and count it
+    launch = ["-m", "dprelease.pipelines.cli"] if workers == 1 else [
+        "-c", "import sys; from dprelease.pipelines.engines import embedded; embedded.PARTITION_BYTES = 1 << 20; "
+        "from dprelease.pipelines.cli import main; main()"]
+    command = [sys.executable, *launch, "run", str(spec), "--ledger", str(book),
+               "--key-file", str(tmp_path / "k.key"), "--out", str(tmp_path / "out"), "--workers", str(workers)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     spilling = lambda: any(p.name.startswith("dprelease-spill-demo-2026@") for p in temp.iterdir())  # noqa: E731
     assert _wait_for(spilling), "the run never created its spill directory"
+    if workers > 1:
+        assert _wait_for(lambda: len(_children(process.pid)) >= workers), "the workers never started"
+        children = _children(process.pid)
+        assert spilling(), "the workers started after the input was counted"
     process.send_signal(signum)
-    process.communicate(timeout=120)
+    if signum == signal.SIGTERM:
+        time.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signum)
+    process.communicate(timeout=60)
     assert process.returncode in (-signum, 128 + signum)
+    if workers > 1:
+        assert _wait_for(lambda: not any(_alive(c) for c in children), timeout=10), "a worker outlived the run"
     rows = history(open_ledger(book), "demo-census")[1]
     if signum == signal.SIGTERM:
         assert not spilling() and [r.status for r in rows] == [ABORTED]

@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import os
 import tempfile
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +28,7 @@ from ..housekeeping import leftover_tag
 from ..plan import Plan
 from ..source import FileReader, InputSource, ReadTask
 from .base import Engine, ProgressHook, no_progress
+from .workers import worker_pool
 
 
 def spill_prefix(release_id: str) -> str:
@@ -38,6 +38,8 @@ def spill_prefix(release_id: str) -> str:
 
 PARTITION_BYTES = 64 << 20
 """Encoded bytes (4 per column + 8 for the unit) per spill partition; bounds peak memory."""
+READ_JOBS_PER_WORKER = 4
+"""Read jobs per worker when workers read a spilling input (its read tasks in that many contiguous runs)."""
 NOISE_RANGE_CELLS = 1 << 18
 
 
@@ -102,9 +104,14 @@ def partition_table(directory: Path, partition: int):
     if not files:
         yield None
         return
-    with contextlib.ExitStack() as stack:
-        yield pa.concat_tables(pa.ipc.open_file(stack.enter_context(pa.memory_map(str(f)))).read_all()
-                               for f in files)
+    yield pa.concat_tables(_mapped_table(f) for f in files)
+
+
+def _mapped_table(path: Path) -> pa.Table:
+    """An Arrow IPC file's table, its buffers mapped from the file (the file itself closed: no descriptor is held
+    per file, however many a partition has)."""
+    with pa.memory_map(str(path)) as source:
+        return pa.ipc.open_file(source).read_all()
 
 
 class _RecordSink:
@@ -129,12 +136,14 @@ class _RecordSink:
             self._writer.close()
 
 
-def _spill_read_task(reader: FileReader, task: ReadTask, encoders: dict[str, ColumnEncoder], unit: str,
-                     partitions: int, salt: int, directory: str, writer: int) -> None:
-    """A worker's part of reading: one read task's records encoded and spilled into the partitions by unit."""
+def _spill_read_tasks(reader: FileReader, tasks: list[ReadTask], encoders: dict[str, ColumnEncoder], unit: str,
+                      partitions: int, salt: int, directory: str, writer: int) -> None:
+    """A worker's part of reading: some read tasks' records encoded and spilled into the partitions by unit (one
+    file per partition for the job, so the spill holds at most jobs x partitions files however many the input)."""
     spill = SpillPartitions(partitions, Path(directory), salt, writer)
-    for batch in reader.batches(task):
-        spill.add(encoded_table(batch, encoders, unit))
+    for task in tasks:
+        for batch in reader.batches(task):
+            spill.add(encoded_table(batch, encoders, unit))
     spill.close()
 
 
@@ -213,13 +222,15 @@ class EmbeddedEngine(Engine):
         """`true_counts` of a spilling input in `self.workers` processes: reading (read tasks spilled by unit),
         then counting (partitions dealt round-robin), each phase finished before the next starts."""
         tasks = source.read_tasks(self.workers)
+        jobs = min(len(tasks), READ_JOBS_PER_WORKER * self.workers)  # each job's writer spills into its own files
         reader, salt = source.reader(), shard_salt(key)
-        with ProcessPoolExecutor(max_workers=self.workers) as pool:
-            reads = [pool.submit(_spill_read_task, reader, task, encoders, source.unit_column, partitions, salt,
-                                 str(spill_dir), writer) for writer, task in enumerate(tasks)]
+        with worker_pool(self.workers) as pool:
+            reads = [pool.submit(_spill_read_tasks, reader, tasks[len(tasks) * j // jobs:len(tasks) * (j + 1) // jobs],
+                                 encoders, source.unit_column, partitions, salt, str(spill_dir), j)
+                     for j in range(jobs)]
             for done, read in enumerate(reads):
                 read.result()
-                progress("read", done + 1, len(tasks))
+                progress("read", done + 1, jobs)
             layouts = [t.layout for t in plan.tables]
             counted = [pool.submit(_count_partitions, layouts, plan.encoded_columns(), sizes,
                                    plan.bounds.max_records_per_unit, key.derive("dprelease/bound"), str(spill_dir),
@@ -298,7 +309,7 @@ class EmbeddedEngine(Engine):
                 noise[name][start:stop] = table_noise(key, name, mechanism, start, stop)
                 progress("noise", i + 1, len(jobs))
             return noise
-        with ProcessPoolExecutor(max_workers=self.workers) as pool:
+        with worker_pool(self.workers) as pool:
             futures = [pool.submit(table_noise, key, *job) for job in jobs]
             for i, ((name, _, start, stop), future) in enumerate(zip(jobs, futures)):
                 noise[name][start:stop] = future.result()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import mmap
 import os
 import tempfile
 from dataclasses import dataclass
@@ -156,7 +157,7 @@ def verified_copy(located: str, filesystem: pafs.FileSystem | None, expected: Fi
                 if spill is None and expected.size > IN_MEMORY_BYTES:
                     spill = _private_spill()
                 if spill is not None:
-                    spill[1].write(block)
+                    spill.write(block)
                 else:
                     blocks.append(block)
         if read != expected.size or digest.hexdigest() != expected.sha256:
@@ -164,15 +165,22 @@ def verified_copy(located: str, filesystem: pafs.FileSystem | None, expected: Fi
                                "input that is not being written")
         if spill is None:
             return pa.BufferReader(pa.py_buffer(b"".join(blocks)))
-        spill[1].close()
-        return pa.memory_map(spill[0])
+        spill.flush()
+        return _mapped(spill)
     finally:
         if spill is not None:
-            spill[1].close()
-            os.unlink(spill[0])  # a mapped file lives on until unmapped; nothing is left behind
+            spill.close()  # the mapping lives on until unmapped; the file has no name, so nothing is left behind
+
+
+def _mapped(spill) -> pa.NativeFile:
+    """The private copy mapped read-only: by Arrow through /proc/self/fd (Linux: the file has no other name), or
+    else through Python's mmap."""
+    if os.path.isdir("/proc/self/fd"):
+        return pa.memory_map(f"/proc/self/fd/{spill.fileno()}")
+    return pa.BufferReader(pa.py_buffer(mmap.mmap(spill.fileno(), 0, access=mmap.ACCESS_READ)))
 
 
 def _private_spill():
-    """(path, handle) of a new owner-only (0600) temporary file."""
-    fd, path = tempfile.mkstemp(prefix="dprelease-input-copy-")
-    return path, os.fdopen(fd, "wb")
+    """A new owner-only temporary file without a name (Linux: O_TMPFILE; elsewhere unlinked at once): the system
+    frees it when it is closed and unmapped, even when the process is killed, so no copy of the input is left."""
+    return tempfile.TemporaryFile(prefix="dprelease-input-copy-")

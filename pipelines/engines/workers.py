@@ -1,0 +1,62 @@
+"""Worker processes on one machine (the embedded engine's reading, counting and noise; post-processing's groups).
+
+`worker_pool` is a ProcessPoolExecutor whose workers hold confidential records and the release key, so they must
+never outlive the run: they ignore Ctrl-C and die on SIGTERM (only the main process handles signals and cleans up),
+die with the main process (Linux: PR_SET_PDEATHSIG, so a SIGKILLed run leaves no worker holding the key), and a
+failure or signal in the main process cancels the queued work and terminates them before its clean-up runs (the
+spill directory is removed only once no worker can still write into it).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+PR_SET_PDEATHSIG = 1
+
+
+@contextlib.contextmanager
+def worker_pool(workers: int, initializer=None, initargs: tuple = ()):
+    """A process pool of `workers` (each running `initializer(*initargs)` first) that is shut down normally when
+    the block ends, and whose queued work is cancelled and workers terminated when the block raises (any
+    exception, KeyboardInterrupt and SIGTERM's Terminated included)."""
+    pool = ProcessPoolExecutor(max_workers=workers, initializer=_start_worker,
+                               initargs=(os.getpid(), initializer, initargs))
+    try:
+        yield pool
+    except BaseException:
+        _terminate(pool)
+        raise
+    pool.shutdown(wait=True)
+
+
+def _start_worker(parent: int, initializer, initargs: tuple) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with(parent)
+    if initializer is not None:
+        initializer(*initargs)
+
+
+def _die_with(parent: int) -> None:
+    """SIGTERM this worker when its parent exits (Linux); exit at once if the parent is already gone."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _terminate(pool: ProcessPoolExecutor) -> None:
+    """Cancel what is queued and stop every worker now (running work is not waited for)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())  # CPython keeps its workers here
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        with contextlib.suppress(Exception):
+            process.terminate()
+    for process in processes:
+        with contextlib.suppress(Exception):
+            process.join()

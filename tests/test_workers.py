@@ -1,0 +1,60 @@
+"""The embedded engine's worker processes never outlive the run: a failure in the main process terminates them at
+once (queued work cancelled), and a main process killed outright takes them with it (they hold confidential
+records and the release key)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dprelease.pipelines.engines.workers import worker_pool
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_failure_in_the_main_process_terminates_the_workers_at_once():
+    started = time.monotonic()
+    with pytest.raises(KeyError):
+        with worker_pool(2) as pool:
+            futures = [pool.submit(time.sleep, 60) for _ in range(6)]
+            assert _wait_for(lambda: len(pool._processes) == 2)
+            workers = list(pool._processes)
+            raise KeyError("the main process failed")
+    assert time.monotonic() - started < 30 and not any(_alive(pid) for pid in workers)
+    assert all(f.cancelled() or f.done() for f in futures)
+
+
+def test_workers_end_with_a_killed_main_process(tmp_path):
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc (Linux)")
+    script = ("import sys, time\n"
+              "from dprelease.pipelines.engines.workers import worker_pool\n"
+              "with worker_pool(2) as pool:\n"
+              "    futures = [pool.submit(time.sleep, 120) for _ in range(2)]\n"
+              "    while len(pool._processes) < 2:\n"
+              "        time.sleep(0.01)\n"
+              "    print(*pool._processes, flush=True)\n"
+              "    time.sleep(120)\n")
+    main = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    workers = [int(pid) for pid in main.stdout.readline().split()]
+    assert len(workers) == 2 and all(_alive(pid) for pid in workers)
+    main.kill()
+    main.wait()
+    assert _wait_for(lambda: not any(_alive(pid) for pid in workers)), "a worker outlived its killed parent"

@@ -618,8 +618,8 @@ def test_spark_selection_reads_the_input_once_and_counts_every_pass_from_the_kep
     monkeypatch.setattr(selection, "AIM_ROUND_CELLS", 10)  # one candidate a pass
     embedded = run_release(path, key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / "embedded")
     reads, passes = [], []
-    read, score = spark.SparkEngine._read, spark.SparkEngine.score_candidates
-    monkeypatch.setattr(spark.SparkEngine, "_read", lambda self, *a: reads.append(1) or read(self, *a))
+    read, score = spark.SparkEngine._by_unit, spark.SparkEngine.score_candidates
+    monkeypatch.setattr(spark.SparkEngine, "_by_unit", lambda self, *a: reads.append(1) or read(self, *a))
     monkeypatch.setattr(spark.SparkEngine, "score_candidates",
                         lambda self, *a, **k: passes.append(1) or score(self, *a, **k))
     other = run_release(path, key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / "spark", engine="spark",

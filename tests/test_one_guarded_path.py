@@ -346,7 +346,7 @@ def test_a_total_that_reads_no_column_counts_every_record_on_every_engine(case, 
     published the same noise over another count (the exact total). The row count is passed, never derived."""
     import pyarrow as pa
 
-    from dprelease.pipelines.engines.spark import _encode_bound_count_function, _range_steps
+    from dprelease.pipelines.engines.spark import _bound_count_function, _encode_shard_function, _range_steps
     from dprelease.pipelines.plan import build_plan
     from dprelease.pipelines.spec import load_spec
 
@@ -359,9 +359,15 @@ def test_a_total_that_reads_no_column_counts_every_record_on_every_engine(case, 
                                ledger=None).release_dir
         assert pq.read_table(released / "measurements" / "total.parquet").column("noisy_count").to_pylist() \
             == [expected], engine
-    plan = build_plan(*load_spec(spec))  # the Spark executors' partition kernel, on the same records
-    count = _encode_bound_count_function(plan, unit, b"k" * 32, _range_steps(plan))
-    emitted = list(count(iter([pa.table(rows).to_batches()[0]])))
+    plan = build_plan(*load_spec(spec))  # the Spark executors' read-task and partition kernels, on the same records
+
+    class Reader:
+        def batches(self, task):
+            return pa.table(rows).to_batches()
+
+    blobs = list(_encode_shard_function(Reader(), ["task"], plan, unit, 7, 2)(iter([pa.record_batch({"task": [0]})])))
+    count = _bound_count_function(plan, unit, b"k" * 32, _range_steps(plan))
+    emitted = list(count(iter(blobs)))
     assert sum(sum(batch.column("count").to_pylist()) for batch in emitted) == expected
 
 

@@ -1,8 +1,11 @@
 """The Spark engine: the same kernels as the embedded engine, run by Spark executors.
 
-    read (Spark Parquet/CSV) -> drop null units, shuffle by privacy unit (JVM)
-    -> per partition: encode, bound, measure (mapInArrow: the encoding, bounding and aggregation
-       kernels, emitting sparse partial measurements: counts, sums, unit counts, quantile buckets)
+    read and encode (mapInArrow over read tasks: pyarrow reads each task's row groups, the encoding kernel
+       turns them into small integer codes, records with a null unit are dropped, and each task's records are
+       split by a keyed hash of the unit into Arrow IPC blobs, one per spill partition)
+    -> shuffle the blobs by partition (JVM: a few large binary rows, never a row per record)
+    -> per partition (all records of a unit together): bound, measure (mapInArrow: the bounding and
+       aggregation kernels, emitting sparse partial measurements: counts, sums, unit counts, quantile buckets)
     -> sum partials (Spark groupBy) -> release per (table, cell range) on the executors
        (applyInArrow: noise or quantile selection kernel; every public cell, empty ones included)
     -> the driver receives only released values (per public cell, or per cell and q), never row-level data.
@@ -29,7 +32,8 @@ from dprelease.accounting.errors import DPReleaseError, InputSchemaError, SpecEr
 from dprelease.accounting.redact import shown
 from dprelease.transforms.aggregate import bounded_counts, bounded_records
 from dprelease.transforms.csprng import ReleaseKey
-from dprelease.transforms.encode import ColumnEncoder, encode_batch
+from dprelease.transforms.bound import shard_salt, unit_shards
+from dprelease.transforms.encode import UNIT, ColumnEncoder, encoded_table
 from dprelease.transforms.release_values import noisy_range
 from dprelease.transforms.samplers import FAIL_FIRST_ATTEMPT_ENV
 
@@ -62,23 +66,48 @@ def _import_pyspark():
     return SparkSession
 
 
-def _encoded_partition(batches, columns: list[str], encoders: dict, unit: str | None):
-    """(codes of every column, records, unit values) of one partition's records (all records of a unit together),
-    encoded by the encoding kernel (records it drops are left out); None for a partition with no record kept."""
-    parts: dict[str, list] = {c: [] for c in columns}
-    units = []
-    rows = 0
-    for batch in batches:
-        codes, keep = encode_batch(batch, encoders)  # reads each encoder's source column
-        for c in columns:
-            parts[c].append(codes[c][keep].astype(np.int32))
-        if unit:
-            units.append(batch.column(unit).filter(pa.array(keep)))
-        rows += int(keep.sum())
-    if not rows:
+def _encode_shard_function(reader, tasks: list, plan: Plan, unit: str | None, salt: int, partitions: int):
+    """Per partition of task numbers: each read task's records (`source.FileReader`: the bytes the key is bound
+    to) encoded (the encoding kernel, as the embedded engine encodes them: records it drops and records with a null
+    unit left out) and split by a keyed hash of the unit (`unit_shards`, the embedded engine's spill partitions)
+    into (part, blob) rows, a blob being an Arrow IPC stream of one batch's records of one part. Without a unit
+    every record is its own unit and a task's records form one part."""
+    encoders = {c: ColumnEncoder(plan.domains[c]) for c in plan.encoded_columns()}
+
+    def encode_shard(batches):
+        for batch in batches:
+            for index in batch.column("task").to_pylist():
+                for records in reader.batches(tasks[index]):
+                    table = encoded_table(records, encoders, unit)
+                    if not table.num_rows:
+                        continue
+                    part = unit_shards(table.column(UNIT), partitions, salt) if unit else \
+                        np.full(table.num_rows, index % partitions)
+                    found = np.unique(part)
+                    blobs = [_ipc_blob(table.filter(pa.array(part == p))) for p in found]
+                    yield pa.RecordBatch.from_pydict({"part": pa.array(found.astype(np.int32)),
+                                                      "blob": pa.array(blobs, type=pa.binary())})
+
+    return encode_shard
+
+
+def _ipc_blob(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def _blob_records(batches, columns: list[str], unit: str | None):
+    """(codes of every column, records, unit values) of one partition's blobs (`_encode_shard_function`: all
+    records of a unit together); None for a partition with no record."""
+    tables = [pa.ipc.open_stream(blob.as_buffer()).read_all() for batch in batches for blob in batch.column("blob")]
+    tables = [t for t in tables if t.num_rows]
+    if not tables:
         return None
-    codes = {c: np.concatenate(v) if v else np.empty(0, np.int32) for c, v in parts.items()}
-    return codes, rows, pa.chunked_array(units).combine_chunks() if unit else None
+    records = pa.concat_tables(tables)
+    codes = {c: records.column(c).to_numpy() for c in columns}
+    return codes, records.num_rows, records.column(UNIT) if unit else None
 
 
 def _sparse_counts(table_id: int, counts: np.ndarray, steps: list[int]) -> pa.RecordBatch:
@@ -92,17 +121,16 @@ def _sparse_counts(table_id: int, counts: np.ndarray, steps: list[int]) -> pa.Re
     })
 
 
-def _encode_bound_count_function(plan: Plan, unit: str | None, subkey: bytes, steps: list[int]):
-    """Per partition (all records of a unit together): encode every batch (encoding kernel),
-    bound contributions (bounding kernel) and measure every table (aggregation kernel); emit the
-    nonzero entries as sparse partial counts, each with the release range it falls in."""
+def _bound_count_function(plan: Plan, unit: str | None, subkey: bytes, steps: list[int]):
+    """Per partition of encoded records (`_by_unit`: all records of a unit together): bound contributions
+    (bounding kernel) and measure every table (aggregation kernel); emit the nonzero entries as sparse partial
+    counts, each with the release range it falls in."""
     columns = plan.encoded_columns()
-    encoders = {c: ColumnEncoder(plan.domains[c]) for c in columns}
     sizes = [plan.domains[c].size for c in columns]
     layouts = [t.layout for t in plan.tables]
 
-    def encode_bound_count(batches):
-        encoded = _encoded_partition(batches, columns, encoders, unit)
+    def bound_count(batches):
+        encoded = _blob_records(batches, columns, unit)
         if encoded is None:
             return
         codes, rows, unit_values = encoded
@@ -110,25 +138,24 @@ def _encode_bound_count_function(plan: Plan, unit: str | None, subkey: bytes, st
         for table_id, counts in enumerate(partial):
             yield _sparse_counts(table_id, counts, steps)
 
-    return encode_bound_count
+    return bound_count
 
 
 def _bound_function(plan: Plan, unit: str | None, subkey: bytes):
-    """Per partition (all records of a unit together): encode every batch and bound contributions (the kernels
-    `_encode_bound_count_function` runs, on the same columns: the same records kept); emit the codes of the
+    """Per partition of encoded records (`_by_unit`: all records of a unit together): bound contributions (the
+    kernel `_bound_count_function` runs, on the same columns: the same records kept); emit the codes of the
     records kept, one int32 column per encoded column (`_kept_schema`). Private: they stay on the executors."""
     columns = plan.encoded_columns()
-    encoders = {c: ColumnEncoder(plan.domains[c]) for c in columns}
     sizes = [plan.domains[c].size for c in columns]
 
     def bound(batches):
-        encoded = _encoded_partition(batches, columns, encoders, unit)
+        encoded = _blob_records(batches, columns, unit)
         if encoded is None:
             return
         codes, rows, unit_values = encoded
         kept, n_rows, _ = bounded_records(codes, rows, sizes, unit_values, plan.bounds.max_records_per_unit, subkey)
         for start in range(0, n_rows, ARROW_BATCH_ROWS):
-            yield pa.RecordBatch.from_pydict({f"c{i}": pa.array(kept[c][start:start + ARROW_BATCH_ROWS])
+            yield pa.RecordBatch.from_pydict({f"c{i}": pa.array(kept[c][start:start + ARROW_BATCH_ROWS].astype(np.int32))
                                               for i, c in enumerate(columns)})
 
     return bound
@@ -141,7 +168,7 @@ def _kept_schema(plan: Plan) -> str:
 
 def _count_kept_function(plan: Plan, table_ids: list[int], steps: list[int]):
     """Per partition of kept records (`_bound_function`): the count tables `table_ids` measured over them, emitted
-    as sparse partial counts with the release range each falls in (as `_encode_bound_count_function` emits). Each
+    as sparse partial counts with the release range each falls in (as `_bound_count_function` emits). Each
     table once, however often it is named (a table counted twice would be released with twice its sensitivity)."""
     columns = plan.encoded_columns()
     table_ids = sorted(set(table_ids))
@@ -540,7 +567,7 @@ class SparkEngine(Engine):
         if self._kept is not None and self._kept[0] == signature:
             return self._kept[1]
         self._drop_kept()
-        records = self._by_unit(spark, source).mapInArrow(
+        records = self._by_unit(spark, plan, source, key).mapInArrow(
             _bound_function(plan, source.unit_column, key.derive("dprelease/bound")), _kept_schema(plan))
         records = records.persist(StorageLevel.DISK_ONLY)
         records.count()  # read, encode and bound now, once
@@ -558,23 +585,24 @@ class SparkEngine(Engine):
         given), the input read, bounded over every table of the plan and counted in executors."""
         from pyspark.sql import functions as F
 
-        partial = self._by_unit(spark, source).mapInArrow(
-            _encode_bound_count_function(plan, source.unit_column, key.derive("dprelease/bound"), steps),
+        partial = self._by_unit(spark, plan, source, key).mapInArrow(
+            _bound_count_function(plan, source.unit_column, key.derive("dprelease/bound"), steps),
             "table_id int, range_id long, cell long, count long")
         if table_ids is not None:
             partial = partial.where(F.col("table_id").isin(list(table_ids)))
         return partial.groupBy("table_id", "range_id", "cell").agg(F.sum("count").alias("count"))
 
-    def _by_unit(self, spark, source: InputSource):
-        """The input's records (`_read`), all records of a unit in one partition (null units dropped by policy)."""
-        from pyspark.sql import functions as F
+    def _by_unit(self, spark, plan: Plan, source: InputSource, key: ReleaseKey):
+        """The input's records encoded for `plan` in the executors as they read them (`_encode_shard_function`), as
+        (part, blob) rows shuffled by part: every record of a unit in one partition, moved as a few large Arrow
+        blobs (not a row per record, nor its text values)."""
 
-        frame = self._read(spark, source)
-        unit = source.unit_column
-        if unit:
-            partitions = max(spark.sparkContext.defaultParallelism, -(-source.estimated_rows() // ROWS_PER_PARTITION))
-            frame = frame.where(F.col(unit).isNotNull()).repartition(partitions, unit)
-        return frame
+        tasks = source.read_tasks(spark.sparkContext.defaultParallelism)
+        partitions = max(spark.sparkContext.defaultParallelism, -(-source.estimated_rows() // ROWS_PER_PARTITION))
+        listed = spark.createDataFrame([(i,) for i in range(len(tasks))], "task int").repartition(len(tasks), "task")
+        blobs = listed.mapInArrow(_encode_shard_function(source.reader(), tasks, plan, source.unit_column,
+                                                         shard_salt(key), partitions), "part int, blob binary")
+        return blobs.repartition(partitions, "part")
 
     def _grouped_ranges(self, spark, plan: Plan, source: InputSource, counts, steps: list[int],
                         table_ids: list[int] | None = None):

@@ -96,27 +96,32 @@ class Terminated(SystemExit):
     """Raised in the main thread on SIGTERM so that every `finally` (spill, staging, reservation) runs."""
 
 
+_TERMINATION = {"active": False, "raised": False}
+"""Process-wide: whether a `terminate_as_exit` block is active, and whether its SIGTERM was raised already."""
+
+
 @contextmanager
 def terminate_as_exit():
     """While active, the first SIGTERM raises `Terminated` (exit 143) instead of killing the process outright; later
-    ones are ignored, so the clean-up it starts is never cut short."""
-    if threading.current_thread() is not threading.main_thread():
+    ones are ignored until the outermost block ends, so the clean-up it starts is never cut short. Nested blocks
+    (the API's around `run_release`'s) share the outermost one's handler."""
+    if threading.current_thread() is not threading.main_thread() or _TERMINATION["active"]:
         yield
         return
 
-    raised: list[int] = []
-
     def handler(signum, frame):
-        if raised:  # a second SIGTERM during the clean-up is ignored: the clean-up runs to its end
+        if _TERMINATION["raised"]:  # a later SIGTERM during the clean-up is ignored: the clean-up runs to its end
             return
-        raised.append(signum)
+        _TERMINATION["raised"] = True
         raise Terminated(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, handler)
+    _TERMINATION.update(active=True, raised=False)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        _TERMINATION.update(active=False, raised=False)
 
 
 def write_failure(internal_dir: Path, stage: str) -> Path | None:

@@ -172,6 +172,41 @@ def test_directory_of_parquet_files(case, tmp_path):
     assert read(result.release_dir, "tables", "pop.nation").to_pydict()["count"] == [3]
 
 
+@pytest.mark.parametrize("engine", ["embedded", "embedded-workers", "spark"])
+def test_a_unit_stored_as_a_dictionary_in_one_file_and_as_text_in_another_is_one_unit(case, tmp_path, monkeypatch,
+                                                                                        engine):
+    """Found by review: the encoded records of a unit column stored as dictionary<string> in one file and as string
+    in another could not be spilled (embedded) or shuffled (Spark) together. Units are made one type per kind of
+    value as they are encoded: the unit's 2 records, one in each file, are bounded to k = 1 together."""
+    import shutil
+
+    from dprelease.pipelines.engines import embedded
+
+    workers = None
+    if engine == "spark":
+        pytest.importorskip("pyspark")
+    if engine == "embedded-workers":
+        monkeypatch.setattr(embedded, "PARTITION_BYTES", 16)
+        engine, workers = "embedded", 2
+    spec = case(rows={"pid": ["a"], "geo": [GEO_LEAVES[0]], "age": [1], "sex": ["F"]},
+                queries=[{"name": "total", "kind": "histogram", "by": []}],
+                budget={"definition": "pure", "epsilon": 1_000_000})
+    data = spec.parent / "input.parquet"
+    data.unlink()
+    data.mkdir()
+    plain = pa.table({"pid": ["a", "b"], "geo": [GEO_LEAVES[0]] * 2, "age": [1, 2], "sex": ["F", "M"]})
+    coded = plain.set_column(0, "pid", pa.array(["a", "c"]).dictionary_encode())
+    pq.write_table(plain, data / "part-0.parquet")
+    pq.write_table(coded, data / "part-1.parquet")
+    assert pq.read_schema(data / "part-1.parquet").field("pid").type != pq.read_schema(data / "part-0.parquet").field(
+        "pid").type
+    out = tmp_path / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    result = run_release(spec, key_file=tmp_path / "k.key", out_dir=out, ledger=None, engine=engine, workers=workers,
+                         **({"master": "local[2]"} if engine == "spark" else {}))
+    assert read(result.release_dir, "measurements", "total").column("noisy_count").to_pylist() == [3]  # a once, b, c
+
+
 def test_spill_partitions_give_the_same_release(case, tmp_path, monkeypatch):
     """Forcing several spill partitions (the large-input path) changes nothing in the output."""
     from dprelease.pipelines.engines import embedded

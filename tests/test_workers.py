@@ -58,3 +58,26 @@ def test_workers_end_with_a_killed_main_process(tmp_path):
     main.kill()
     main.wait()
     assert _wait_for(lambda: not any(_alive(pid) for pid in workers)), "a worker outlived its killed parent"
+
+
+def test_nested_termination_blocks_raise_once_and_never_cut_the_clean_up_short():
+    """Found by review: the API's `terminate_as_exit` around `run_release`'s own: the inner block raised on the first
+    SIGTERM, then put back the outer handler, which raised again on a second SIGTERM in the middle of the outer
+    clean-up (a staged copy of the input was left). The blocks share one process-wide state now."""
+    import os
+    import signal
+
+    from dprelease.pipelines.housekeeping import Terminated, terminate_as_exit
+
+    cleaned = []
+    with pytest.raises(Terminated):
+        with terminate_as_exit():
+            try:
+                with terminate_as_exit():
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(5)
+            finally:
+                os.kill(os.getpid(), signal.SIGTERM)  # a supervisor escalating: ignored until the outer block ends
+                time.sleep(0.2)
+                cleaned.append(True)
+    assert cleaned == [True]

@@ -210,5 +210,19 @@ def encoded_table(batch: pa.RecordBatch | pa.Table, encoders: dict[str, ColumnEn
     if not encoders:
         data[ROWS] = pa.array(np.zeros(int(keep.sum()), dtype=np.int8))
     if unit:
-        data[UNIT] = batch.column(unit).filter(mask)
+        data[UNIT] = canonical_units(batch.column(unit).filter(mask))
     return pa.table(data)
+
+
+def canonical_units(units: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """A unit column in one type per kind of value, however each file stores it: a dictionary's values, text and
+    binary as large_binary (the bytes `bound.unit_fingerprints` hashes, never decoded), integers as int64 (uint64 when
+    unsigned). Grouping, fingerprints and shards are those of the values, so records of one unit stored as a
+    dictionary in one file and as text in another are spilled, shuffled and bounded together."""
+    if pa.types.is_dictionary(units.type):
+        units = units.cast(units.type.value_type)
+    if is_text(units.type) or pa.types.is_binary(units.type):
+        return units.cast(pa.large_binary())
+    if pa.types.is_integer(units.type):
+        return units.cast(pa.uint64() if pa.types.is_unsigned_integer(units.type) else pa.int64())
+    return units

@@ -498,10 +498,10 @@ class SparkEngine(Engine):
         try:
             with _arrow_settings(spark):
                 yield spark
-        except Exception as error:
+        except BaseException as error:  # a SIGTERM's Terminated and Ctrl-C too: stop the executors' tasks now
             with contextlib.suppress(Exception):  # no task of a failed run goes on writing after it
                 spark.sparkContext.cancelAllJobs()
-            if isinstance(error, DPReleaseError):
+            if isinstance(error, DPReleaseError) or not isinstance(error, Exception):
                 raise
             raise InputChanged.in_worker(error) or DPReleaseError(f"the Spark job failed: {type(error).__name__}") \
                 from error

@@ -229,8 +229,7 @@ class _RoundModels:
     def variance(self, units: int) -> float:
         """The noise variance of the table a round of `units` budget units chooses (public), calibrated once."""
         if units not in self._variances:
-            event = self.selection.round_measurement(units, self.selection.pair_event.table)
-            self._variances[units] = float(event.mechanism.variance())
+            self._variances[units] = _round_variance(self.selection, units)
         return self._variances[units]
 
     def fit(self) -> tuple[Model, list[np.ndarray]]:
@@ -285,6 +284,11 @@ def _score_passes(plan: Plan, engine: Engine, source: InputSource, key: ReleaseK
     return scores
 
 
+def _round_variance(selection: SelectionPlan, units: int) -> float:
+    """The noise variance of the table a round of `units` budget units chooses (public)."""
+    return float(selection.round_measurement(units, selection.pair_event.table).mechanism.variance())
+
+
 def _draw(selection: SelectionPlan, round_: int, members: list[Clique], tables: list[TablePlan],
           scores: dict[str, int], weights: dict[str, int], key: ReleaseKey, units: int | None = None) -> int:
     """One aim round's table (its index in `members`): the exponential mechanism on the candidates' scores, each
@@ -293,8 +297,7 @@ def _draw(selection: SelectionPlan, round_: int, members: list[Clique], tables: 
     units (its epsilon and the noise its table gets); None: the plan's one-round mechanism."""
     epsilon = selection.event.mechanism.epsilon if units is None else \
         selection.round_selection(units).mechanism.epsilon
-    variance = selection.pair_event.mechanism.variance() if units is None else \
-        float(selection.round_measurement(units, selection.pair_event.table).mechanism.variance())
+    variance = selection.pair_event.mechanism.variance() if units is None else _round_variance(selection, units)
     penalised = [clique_weight(weights, clique) * (scores[t.name] - noise_penalty(t.n_cells, variance))
                  for clique, t in zip(members, tables)]
     pick = draw_round(key, selection.name, round_, penalised, epsilon, selection.event.sensitivity.l1)

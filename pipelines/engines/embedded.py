@@ -196,8 +196,8 @@ class EmbeddedEngine(Engine):
         with tempfile.TemporaryDirectory(prefix=f"{spill_prefix(plan.spec.release_id)}{leftover_tag()}") as spill_dir:
             if partitions > 1 and self.workers > 1 and source.workers_can_read:
                 partitions = -(-partitions // self.workers) * self.workers  # every worker counts as many
-                vectors = self._counts_in_workers(plan, source, key, encoders, sizes, partitions, Path(spill_dir),
-                                                  progress, keep)
+                vectors = self._counts_in_workers(plan, source, key, subkey, encoders, sizes, partitions,
+                                                  Path(spill_dir), progress, keep)
                 return {t.name: v for t, v in zip(plan.tables, vectors)}
             counts = {t.name: np.zeros(t.layout.n_measured, dtype=np.int64) for t in plan.tables}
             spill = SpillPartitions(partitions, Path(spill_dir), shard_salt(key))
@@ -216,8 +216,8 @@ class EmbeddedEngine(Engine):
                     del part
         return counts
 
-    def _counts_in_workers(self, plan: Plan, source: InputSource, key: ReleaseKey, encoders: dict, sizes: list[int],
-                           partitions: int, spill_dir: Path, progress: ProgressHook,
+    def _counts_in_workers(self, plan: Plan, source: InputSource, key: ReleaseKey, subkey: bytes, encoders: dict,
+                           sizes: list[int], partitions: int, spill_dir: Path, progress: ProgressHook,
                            keep: Path | None) -> list[np.ndarray]:
         """`true_counts` of a spilling input in `self.workers` processes: reading (read tasks spilled by unit),
         then counting (partitions dealt round-robin), each phase finished before the next starts."""
@@ -233,7 +233,7 @@ class EmbeddedEngine(Engine):
                 progress("read", done + 1, jobs)
             layouts = [t.layout for t in plan.tables]
             counted = [pool.submit(_count_partitions, layouts, plan.encoded_columns(), sizes,
-                                   plan.bounds.max_records_per_unit, key.derive("dprelease/bound"), str(spill_dir),
+                                   plan.bounds.max_records_per_unit, subkey, str(spill_dir),
                                    list(range(w, partitions, self.workers)), str(keep) if keep else None)
                        for w in range(self.workers)]
             totals = [np.zeros(layout.n_measured, dtype=np.int64) for layout in layouts]

@@ -45,6 +45,7 @@ from .csprng import ReleaseKey
 from .encode import UNIT, ColumnEncoder, encoded_table
 from .release_values import TableRelease, dense_range, noisy_range
 from .samplers import FAIL_FIRST_ATTEMPT_ENV
+from .worker_errors import public_failures
 
 NOISE_RANGE_CELLS = 1 << 18
 
@@ -65,7 +66,7 @@ class ReadInputBatches(beam.PTransform):
             for batch in reader.batches(task):
                 yield pa.Table.from_batches([batch])
 
-        return tasks | "ReadFiles" >> beam.FlatMap(read).with_output_types(Any)
+        return tasks | "ReadFiles" >> beam.FlatMap(public_failures("read", read)).with_output_types(Any)
 
 
 class EncodeRecords(beam.PTransform):
@@ -83,7 +84,8 @@ class EncodeRecords(beam.PTransform):
 
     def expand(self, batches):
         encoders, unit = self.encoders, self.unit
-        return (batches | "Encode" >> beam.Map(lambda batch: encoded_table(batch, encoders, unit)).with_output_types(Any)
+        encode = public_failures("encode", lambda batch: encoded_table(batch, encoders, unit))
+        return (batches | "Encode" >> beam.Map(encode).with_output_types(Any)
                 | "DropEmpty" >> beam.Filter(lambda table: table.num_rows > 0).with_output_types(Any))
 
 
@@ -144,11 +146,12 @@ class BoundContributions(beam.PTransform):
         if not self.unit:
             return encoded
         shards, columns, sizes, k, key = self.shards, self.columns, self.sizes, self.k, key_argument(self.key)
+        split = public_failures("shard", _split_by_shard)
+        bound = public_failures("bound", lambda element, key: [_bound_shard(element[1], columns, sizes, k, key)])
         return (encoded
-                | "ShardByUnit" >> beam.FlatMap(_split_by_shard, shards, key).with_output_types(tuple[int, Any])
+                | "ShardByUnit" >> beam.FlatMap(split, shards, key).with_output_types(tuple[int, Any])
                 | "GroupShards" >> beam.GroupByKey()
-                | "BoundShard" >> beam.FlatMap(lambda element, key: [_bound_shard(element[1], columns, sizes, k, key)],
-                                               key).with_output_types(Any))
+                | "BoundShard" >> beam.FlatMap(bound, key).with_output_types(Any))
 
 
 class _SumSparseCounts(beam.CombineFn):
@@ -196,7 +199,8 @@ class CountCells(beam.PTransform):
                 cells = np.flatnonzero(counts)
                 yield layout.name, (cells, counts[cells])
 
-        return (bounded | "SparseCounts" >> beam.FlatMap(sparse_counts).with_output_types(tuple[str, Any])
+        counted = beam.FlatMap(public_failures("count", sparse_counts)).with_output_types(tuple[str, Any])
+        return (bounded | "SparseCounts" >> counted
                 | "SumCounts" >> beam.CombinePerKey(_SumSparseCounts()))
 
 
@@ -250,6 +254,8 @@ class _NoiseRange(beam.DoFn):
         values = noisy_range(key, release, start, stop, *_sparse_parts(parts))
         self._ranges_seen.append(f"{name}-{start}")
         yield name, release.output_start(start), values
+
+    process = public_failures("noise", process)
 
     def finish_bundle(self):
         """Test hook: a bundle holding a range not attempted before fails after all its noise was
@@ -317,7 +323,8 @@ class GroupRanges(beam.PTransform):
                 mine = first == r
                 yield (name, int(r) * step), (cells[mine], values[mine])
 
-        return ((counts | "SplitRanges" >> beam.FlatMap(split).with_output_types(tuple[tuple[str, int], Any]),
+        ranged = beam.FlatMap(public_failures("split ranges", split)).with_output_types(tuple[tuple[str, int], Any])
+        return ((counts | "SplitRanges" >> ranged,
                  counts.pipeline | "PublicRanges" >> beam.Create(ranges))
                 | "WithEveryRange" >> beam.Flatten()
                 | "GroupRanges" >> beam.GroupByKey())
@@ -360,7 +367,8 @@ class ScoreCandidates(beam.PTransform):
     def expand(self, counts):
         measured = {name: release.n_measured for name, release in self.releases.items()}
         return (counts | "Ranges" >> GroupRanges(self.releases, self.steps)
-                | "ScoreRanges" >> beam.FlatMap(_score_range, measured, self.steps, self.estimates)
+                | "ScoreRanges" >> beam.FlatMap(public_failures("score", _score_range), measured, self.steps,
+                                                self.estimates)
                 | "SumScores" >> beam.CombinePerKey(_sum_scores))
 
 
@@ -381,7 +389,8 @@ class KeyFromFile(beam.PTransform):
         self.path = path
 
     def expand(self, pipeline):
-        return pipeline | "Where" >> beam.Create([self.path]) | "Read" >> beam.Map(_read_key)
+        read = beam.Map(public_failures("read the key", _read_key))
+        return pipeline | "Where" >> beam.Create([self.path]) | "Read" >> read
 
 
 class WriteNoisyRanges(beam.PTransform):
@@ -406,4 +415,4 @@ class WriteNoisyRanges(beam.PTransform):
                 handle.write(buffer.getvalue())
             yield path
 
-        return noisy | "WriteRanges" >> beam.FlatMap(write).with_output_types(str)
+        return noisy | "WriteRanges" >> beam.FlatMap(public_failures("write", write)).with_output_types(str)

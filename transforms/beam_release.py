@@ -33,6 +33,7 @@ import pyarrow as pa
 
 from .beam import AddNoise, BoundContributions, CountCells, EncodeRecords
 from .csprng import ReleaseKey
+from .worker_errors import public_failures
 
 PIPELINE_INPUT = "beam-pipeline-input"
 """What the key is bound to in place of the input's fingerprint (a PCollection has no bytes to hash)."""
@@ -60,11 +61,12 @@ class RecordsToBatches(beam.PTransform):
                 raise TypeError(f"PublishedTables: elements must be dicts or Arrow tables/record batches, "
                                 f"not {type(element).__name__}")
 
-        tagged = records | "Tag" >> beam.FlatMap(split)
+        tagged = records | "Tag" >> beam.FlatMap(public_failures("read records", split))
         arrow = tagged | "Arrow" >> beam.Filter(lambda e: e[0] == "arrow") | "Tables" >> beam.Map(lambda e: e[1])
         batched = (tagged | "Dicts" >> beam.Filter(lambda e: e[0] == "dict") | "Records" >> beam.Map(lambda e: e[1])
                    | "Batch" >> beam.BatchElements(min_batch_size=1, max_batch_size=self.batch_size)
-                   | "ToArrow" >> beam.Map(_table_of_records, self.columns, self.unit))
+                   | "ToArrow" >> beam.Map(public_failures("batch records", _table_of_records), self.columns,
+                                           self.unit))
         return (arrow, batched) | "AllBatches" >> beam.Flatten()
 
 
@@ -149,13 +151,13 @@ class PublishedTables(beam.PTransform):
         key = records.pipeline | "ExecutionKey" >> ExecutionKey(plan)
         columns = plan.input_columns()
         encoded = (records | "Batches" >> RecordsToBatches(columns, unit=plan.spec.privacy_unit)
-                   | "Columns" >> beam.Map(_columns, columns, plan.spec.privacy_unit)
+                   | "Columns" >> beam.Map(public_failures("select columns", _columns), columns, plan.spec.privacy_unit)
                    | "Encode" >> EncodeRecords.from_plan(plan)
                    | "Bound" >> BoundContributions.from_plan(plan, key))
         noisy = (encoded | "Count" >> CountCells([t.layout for t in plan.tables])
                  | "AddNoise" >> AddNoise.from_plan(plan, key))
         return (noisy | "Gather" >> beam.combiners.ToList()
-                | "PostProcess" >> beam.FlatMap(_published_tables, plan))
+                | "PostProcess" >> beam.FlatMap(public_failures("post-process", _published_tables), plan))
 
 
 def _bound(plan, key: ReleaseKey, input_binding: str) -> ReleaseKey:

@@ -29,6 +29,7 @@ import numpy as np
 
 from dprelease.accounting.errors import DPReleaseError, SpecError
 from dprelease.transforms.csprng import ReleaseKey
+from dprelease.transforms.worker_errors import public_failures
 
 from ..plan import Plan
 from ..source import InputSource
@@ -221,17 +222,19 @@ def post_process_and_write(noisy, flow, token: tuple, directory: str):
 
     plan, tree = flow.plan, flow.tree
     table_ids = {t.name: i for i, t in enumerate(plan.tables)}
-    pools = [noisy | "RouteNoise" >> beam.FlatMap(_route, plan, token, tree, table_ids)]
+    routed = beam.FlatMap(public_failures("route noise", _route), plan, token, tree, table_ids)
+    pools = [noisy | "RouteNoise" >> routed]
     stages = stage_order(flow)
     for i, (prefixes, sources) in enumerate(zip(stages, stage_sources(flow, stages))):
         chosen = [pools[j] | f"Stage{i}From{j}" >> beam.Filter(_in_stage, frozenset(prefixes)) for j in sources]
         pools.append(chosen
                      | f"Stage{i}Inputs" >> beam.Flatten()
                      | f"Stage{i}Groups" >> beam.GroupByKey()
-                     | f"Stage{i}Run" >> beam.FlatMap(_run_group, plan, token, tree))
+                     | f"Stage{i}Run" >> beam.FlatMap(public_failures("post-process", _run_group), plan, token, tree))
     files = [pool | f"Files{j}" >> beam.Filter(lambda element: element[1].kind == FILES)
              for j, pool in enumerate(pools[1:])]
-    return files | "AllFiles" >> beam.Flatten() | "WriteEntries" >> beam.FlatMap(_write_entries, directory)
+    written = beam.FlatMap(public_failures("write", _write_entries), directory)
+    return files | "AllFiles" >> beam.Flatten() | "WriteEntries" >> written
 
 
 def _read_entries(directory: str) -> list:
@@ -261,7 +264,7 @@ def beam_write_scores(directory: str):
             handle.write(json.dumps({"table": name, "score": int(score), "ranges": int(ranges)}).encode("utf-8"))
         yield path
 
-    return beam.FlatMap(write)
+    return beam.FlatMap(public_failures("write scores", write))
 
 
 def _read_scores(directory: str) -> dict[str, tuple[int, int]]:

@@ -11,6 +11,7 @@ import json
 import apache_beam as beam
 
 from dprelease.pipelines.validation import SuiteRunner, ValidationOutcome, value_frame
+from dprelease.transforms.worker_errors import public_failures
 
 
 class _ValidateBatch(beam.DoFn):
@@ -24,6 +25,8 @@ class _ValidateBatch(beam.DoFn):
         outcome = ValidationOutcome(self.expectations)
         outcome.add(self.suite.validate(value_frame(table, self.plan), "value"))
         yield outcome
+
+    process = public_failures("validate", process)
 
 
 def _merge(outcomes, expectations: list[dict]) -> ValidationOutcome:

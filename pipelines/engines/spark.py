@@ -36,6 +36,7 @@ from dprelease.transforms.bound import shard_salt, unit_shards
 from dprelease.transforms.encode import UNIT, ColumnEncoder, encoded_table
 from dprelease.transforms.release_values import noisy_range
 from dprelease.transforms.samplers import FAIL_FIRST_ATTEMPT_ENV
+from dprelease.transforms.worker_errors import public_failures
 
 from ..plan import Plan
 from ..source import InputSource, value_type
@@ -88,7 +89,7 @@ def _encode_shard_function(reader, tasks: list, plan: Plan, unit: str | None, sa
                     yield pa.RecordBatch.from_pydict({"part": pa.array(found.astype(np.int32)),
                                                       "blob": pa.array(blobs, type=pa.binary())})
 
-    return encode_shard
+    return public_failures("read and encode", encode_shard)
 
 
 def _ipc_blob(table: pa.Table) -> bytes:
@@ -138,7 +139,7 @@ def _bound_count_function(plan: Plan, unit: str | None, subkey: bytes, steps: li
         for table_id, counts in enumerate(partial):
             yield _sparse_counts(table_id, counts, steps)
 
-    return bound_count
+    return public_failures("bound and count", bound_count)
 
 
 def _bound_function(plan: Plan, unit: str | None, subkey: bytes):
@@ -158,7 +159,7 @@ def _bound_function(plan: Plan, unit: str | None, subkey: bytes):
             yield pa.RecordBatch.from_pydict({f"c{i}": pa.array(kept[c][start:start + ARROW_BATCH_ROWS].astype(np.int32))
                                               for i, c in enumerate(columns)})
 
-    return bound
+    return public_failures("bound", bound)
 
 
 def _kept_schema(plan: Plan) -> str:
@@ -184,7 +185,7 @@ def _count_kept_function(plan: Plan, table_ids: list[int], steps: list[int]):
             if counts.any():
                 yield _sparse_counts(table_id, counts, steps)
 
-    return count
+    return public_failures("count", count)
 
 
 def _read_function(reader, tasks: list, schema: pa.Schema):
@@ -196,7 +197,7 @@ def _read_function(reader, tasks: list, schema: pa.Schema):
                 for records in reader.batches(tasks[index]):
                     yield from pa.Table.from_batches([records]).cast(schema).to_batches()
 
-    return read
+    return public_failures("read", read)
 
 
 def _fails_first_attempt(stage: str = "noise") -> bool:
@@ -246,7 +247,7 @@ def _noise_function(plan: Plan, key: ReleaseKey, steps: list[int]):
                          "cell": pa.array(np.arange(first, first + values.size, dtype=np.int64)),
                          "noisy": pa.array(values)})
 
-    return noise
+    return public_failures("noise", noise)
 
 
 def _score_function(plan: Plan, steps: list[int], estimates):
@@ -262,7 +263,7 @@ def _score_function(plan: Plan, steps: list[int], estimates):
         value = range_score(dense_range(start, stop, cells, counts), start, estimates.value[table_id])
         return pa.table({"table_id": pa.array([table_id], pa.int32()), "score": pa.array([value], pa.int64())})
 
-    return score
+    return public_failures("score", score)
 
 
 def _noise_pieces_function(plan: Plan, key: ReleaseKey, steps: list[int], token: tuple, tree):
@@ -277,7 +278,7 @@ def _noise_pieces_function(plan: Plan, key: ReleaseKey, steps: list[int], token:
         table_id, first, values = _noisy_values(releases, key, steps, group, fail_first_attempt)
         return pa.Table.from_batches([to_batch(route_noise(flow, noise_piece(flow, table_id, first, values)))])
 
-    return noise
+    return public_failures("noise", noise)
 
 
 def _group_function(plan: Plan, token: tuple, tree):
@@ -293,7 +294,7 @@ def _group_function(plan: Plan, token: tuple, tree):
             _fail_if_first_attempt("post-processing")
         return pa.Table.from_batches([to_batch(out)])
 
-    return run
+    return public_failures("post-process", run)
 
 
 def _range_steps(plan: Plan) -> list[int]:

@@ -75,6 +75,45 @@ def test_spark_retries_redraw_nothing(demo, monkeypatch):
     assert_same_release(demo["embedded"], result.release_dir, "spark")
 
 
+def test_shuffled_blobs_stay_under_the_binary_offset_limit(demo, monkeypatch):
+    """Spark's binary columns have 32-bit offsets, so the blobs an executor hands Spark are split by rows past
+    BLOB_BYTES and batched by at most BLOBS_BATCH_BYTES (here a few KB, so many records' sizes pass them): each
+    partition receives the same records as with one blob per part and batch."""
+    import pyarrow as pa
+
+    from dprelease.pipelines.engines import spark as engine
+    from dprelease.pipelines.plan import build_plan
+    from dprelease.pipelines.source import open_input
+    from dprelease.pipelines.spec import load_spec
+
+    plan = build_plan(*load_spec(DEMO_SPEC))
+    source = open_input(plan, DEMO_SPEC.parent, str(demo["data"]))
+    tasks = source.read_tasks()
+
+    def partitions() -> tuple[list[pa.RecordBatch], dict[int, pa.Table]]:
+        encode = engine._encode_shard_function(source.reader(), tasks, plan, source.unit_column, 7, 3)
+        batches = list(encode(iter([pa.record_batch({"task": list(range(len(tasks)))})])))
+        records = {}
+        for part in range(3):
+            mine = [b.filter(pa.compute.equal(b.column("part"), part)) for b in batches]
+            codes, rows, units = engine._blob_records(mine, plan.encoded_columns(), source.unit_column)
+            table = pa.table({**codes, "unit": units.combine_chunks()})
+            records[part] = table.sort_by([(c, "ascending") for c in table.column_names])
+        return batches, records
+
+    whole_batches, whole = partitions()
+    monkeypatch.setattr(engine, "BLOB_BYTES", 4096)
+    monkeypatch.setattr(engine, "BLOBS_BATCH_BYTES", 16384)
+    capped_batches, capped = partitions()
+    assert len(capped_batches) > 10 * len(whole_batches)
+    for batch in capped_batches:
+        sizes = [len(blob) for blob in batch.column("blob").to_pylist()]
+        assert sum(sizes) <= 16384 or len(sizes) == 1
+        assert max(sizes) < 4096 + 2048  # the IPC stream's schema and framing over the records' bytes
+    assert all(capped[p].equals(whole[p]) for p in range(3)) and sum(t.num_rows for t in whole.values()) > 0
+    assert "spark.sql.execution.arrow.maxBytesPerBatch" in engine.ARROW_SETTINGS  # the batches Spark hands back
+
+
 def test_spark_post_processes_and_writes_parts_in_executors(demo, monkeypatch):
     """Small groups and parts: every post-processing stage runs in executor tasks (each group's first attempt
     fails after writing its parts, the retry rewrites the same bytes) under a driver cell cap far below the

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-
 import os
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -84,12 +84,49 @@ def _encode_shard_function(reader, tasks: list, plan: Plan, unit: str | None, sa
                         continue
                     part = unit_shards(table.column(UNIT), partitions, salt) if unit else \
                         np.full(table.num_rows, index % partitions)
-                    found = np.unique(part)
-                    blobs = [_ipc_blob(table.filter(pa.array(part == p))) for p in found]
-                    yield pa.RecordBatch.from_pydict({"part": pa.array(found.astype(np.int32)),
-                                                      "blob": pa.array(blobs, type=pa.binary())})
+                    yield from _blob_batches(_part_blobs(table, part))
 
     return public_failures("read and encode", encode_shard)
+
+
+BLOB_BYTES = 64 << 20
+"""Encoded bytes per blob at most (a part's records of one batch are split by rows past it; a single record
+larger than this is a blob of its own)."""
+BLOBS_BATCH_BYTES = 256 << 20
+"""Blob bytes per Arrow batch an executor hands Spark at most (Spark's binary columns have 32-bit offsets: a
+batch's blobs must stay below 2 GiB whatever the records' sizes; `ARROW_SETTINGS` caps the batches Spark hands
+back the same way)."""
+
+
+def _part_blobs(table: pa.Table, part: np.ndarray):
+    """(part, blob) for each part of one batch's encoded records, a part's records split by rows into blobs of
+    at most about BLOB_BYTES: which records share a blob never matters (a partition's blobs are concatenated)."""
+    for p in np.unique(part):
+        records = table.filter(pa.array(part == p))
+        pieces = max(1, -(-records.nbytes // BLOB_BYTES))
+        rows = -(-records.num_rows // pieces)
+        for start in range(0, records.num_rows, rows):
+            yield int(p), _ipc_blob(records.slice(start, rows))
+
+
+def _blob_batches(blobs) -> Iterator[pa.RecordBatch]:
+    """(part, blob) pairs as Arrow batches of at most BLOBS_BATCH_BYTES of blobs (one blob at least)."""
+    parts: list[int] = []
+    chunk: list[bytes] = []
+    size = 0
+    for part, blob in blobs:
+        if chunk and size + len(blob) > BLOBS_BATCH_BYTES:
+            yield _blob_batch(parts, chunk)
+            parts, chunk, size = [], [], 0
+        parts.append(part)
+        chunk.append(blob)
+        size += len(blob)
+    if chunk:
+        yield _blob_batch(parts, chunk)
+
+
+def _blob_batch(parts: list[int], blobs: list[bytes]) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pydict({"part": pa.array(parts, type=pa.int32()), "blob": pa.array(blobs, pa.binary())})
 
 
 def _ipc_blob(table: pa.Table) -> bytes:
@@ -327,7 +364,8 @@ def _shuffle_partitions(spark, groups: int) -> int:
 
 
 ARROW_SETTINGS = {"spark.sql.execution.arrow.pyspark.enabled": "true",
-                  "spark.sql.execution.arrow.maxRecordsPerBatch": str(ARROW_BATCH_ROWS)}
+                  "spark.sql.execution.arrow.maxRecordsPerBatch": str(ARROW_BATCH_ROWS),
+                  "spark.sql.execution.arrow.maxBytesPerBatch": str(BLOBS_BATCH_BYTES)}
 """Session settings the jobs need (runtime SQL settings: set on a caller's session for the job, then restored)."""
 
 

@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from .aggregate import TableLayout
-from .bound import bound_contributions, dense_unit_ids, record_keys, shard_salt, unit_shards
+from .bound import bound_contributions, dense_unit_ids, record_keys, shard_pieces, shard_salt, unit_shards
 from .csprng import ReleaseKey
 from .encode import UNIT, ColumnEncoder, encoded_table
 from .release_values import TableRelease, dense_range, noisy_range
@@ -97,17 +97,13 @@ def key_argument(key):
 
 
 def _split_by_shard(table: pa.Table, shards: int, key: ReleaseKey) -> Iterable[tuple[int, pa.Table]]:
-    """(shard, rows of that shard), the shard a keyed hash of the unit (`unit_shards`).
-    Each part is a compact copy (a slice would pickle its parent's whole buffers)."""
+    """(shard, rows of that shard), the shard a keyed hash of the unit (`unit_shards`, `shard_pieces`): each
+    part a compact copy (a slice would pickle its parent's whole buffers)."""
     if UNIT not in table.column_names:
         raise ValueError("BoundContributions: the encoded records carry no privacy unit (privacy_unit: null); "
                          "build it with unit=False, or with BoundContributions.from_plan")
-    shard = unit_shards(table.column(UNIT), shards, shard_salt(key))
-    order = np.argsort(shard, kind="stable")
-    bounds = np.searchsorted(shard[order], np.arange(shards + 1))
-    for s in range(shards):
-        if bounds[s + 1] > bounds[s]:
-            yield s, table.take(pa.array(order[bounds[s]:bounds[s + 1]])).combine_chunks()
+    for s, piece in shard_pieces(table, unit_shards(table.column(UNIT), shards, shard_salt(key)), shards):
+        yield s, piece.combine_chunks()
 
 
 def _bound_shard(tables: Iterable[pa.Table], columns: list[str], sizes: list[int], k: int,

@@ -10,6 +10,7 @@ input order: the same key and input give the same tables on every engine.
 from __future__ import annotations
 
 import hashlib
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -66,6 +67,16 @@ def unit_shards(units: pa.Array | pa.ChunkedArray, shards: int, salt: int) -> np
     with np.errstate(over="ignore"):
         mixed = splitmix64(unit_fingerprints(units) ^ np.uint64(salt))
     return (mixed % np.uint64(shards)).astype(np.int64)
+
+
+def shard_pieces(table: pa.Table, shard: np.ndarray, shards: int) -> Iterator[tuple[int, pa.Table]]:
+    """(shard, the records of `table` in it, in their order) for each of the `shards` that holds records, as
+    compact copies (a slice would carry its parent's buffers). With `shard` from `unit_shards`, every record of a
+    unit is in one piece: the one splitter of the embedded engine's spill, Spark's blobs and Beam's shards."""
+    order = np.argsort(shard, kind="stable")
+    bounds = np.searchsorted(shard[order], np.arange(shards + 1))
+    for s in np.flatnonzero(bounds[1:] > bounds[:-1]):
+        yield int(s), table.take(pa.array(order[bounds[s]:bounds[s + 1]]))
 
 
 def shard_salt(key) -> int:

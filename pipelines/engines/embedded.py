@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from dprelease.transforms.aggregate import bounded_counts
-from dprelease.transforms.bound import shard_salt, unit_shards
+from dprelease.transforms.bound import shard_pieces, shard_salt, unit_shards
 from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.encode import UNIT, ColumnEncoder, encoded_table
 from dprelease.transforms.release_values import release_table
@@ -66,14 +66,11 @@ class SpillPartitions:
         if self.count == 1:
             self._memory.append(table)
             return
-        part = unit_shards(table.column(UNIT), self.count, self._salt)
-        for p in range(self.count):
-            piece = table.filter(pa.array(part == p))
-            if piece.num_rows:
-                if p not in self._writers:
-                    self._writers[p] = private_ipc_file(self._directory / f"part-{p}-{self._writer:06d}.arrow",
-                                                        table.schema)
-                self._writers[p].write_table(piece)
+        for p, piece in shard_pieces(table, unit_shards(table.column(UNIT), self.count, self._salt), self.count):
+            if p not in self._writers:
+                self._writers[p] = private_ipc_file(self._directory / f"part-{p}-{self._writer:06d}.arrow",
+                                                    table.schema)
+            self._writers[p].write_table(piece)
 
     def close(self) -> None:
         for writer in self._writers.values():

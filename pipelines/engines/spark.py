@@ -32,7 +32,7 @@ from dprelease.accounting.errors import DPReleaseError, InputSchemaError, SpecEr
 from dprelease.accounting.redact import shown
 from dprelease.transforms.aggregate import bounded_counts, bounded_records
 from dprelease.transforms.csprng import ReleaseKey
-from dprelease.transforms.bound import shard_salt, unit_shards
+from dprelease.transforms.bound import shard_pieces, shard_salt, unit_shards
 from dprelease.transforms.encode import UNIT, ColumnEncoder, encoded_table
 from dprelease.transforms.release_values import noisy_range
 from dprelease.transforms.samplers import FAIL_FIRST_ATTEMPT_ENV
@@ -84,7 +84,7 @@ def _encode_shard_function(reader, tasks: list, plan: Plan, unit: str | None, sa
                         continue
                     part = unit_shards(table.column(UNIT), partitions, salt) if unit else \
                         np.full(table.num_rows, index % partitions)
-                    yield from _blob_batches(_part_blobs(table, part))
+                    yield from _blob_batches(_part_blobs(shard_pieces(table, part, partitions)))
 
     return public_failures("read and encode", encode_shard)
 
@@ -98,15 +98,14 @@ batch's blobs must stay below 2 GiB whatever the records' sizes; `ARROW_SETTINGS
 back the same way)."""
 
 
-def _part_blobs(table: pa.Table, part: np.ndarray):
-    """(part, blob) for each part of one batch's encoded records, a part's records split by rows into blobs of
+def _part_blobs(pieces: Iterator[tuple[int, pa.Table]]) -> Iterator[tuple[int, bytes]]:
+    """(part, blob) for each (part, records) piece of one batch, a piece's records split by rows into blobs of
     at most about BLOB_BYTES: which records share a blob never matters (a partition's blobs are concatenated)."""
-    for p in np.unique(part):
-        records = table.filter(pa.array(part == p))
-        pieces = max(1, -(-records.nbytes // BLOB_BYTES))
-        rows = -(-records.num_rows // pieces)
+    for part, records in pieces:
+        blobs = max(1, -(-records.nbytes // BLOB_BYTES))
+        rows = -(-records.num_rows // blobs)
         for start in range(0, records.num_rows, rows):
-            yield int(p), _ipc_blob(records.slice(start, rows))
+            yield part, _ipc_blob(records.slice(start, rows))
 
 
 def _blob_batches(blobs) -> Iterator[pa.RecordBatch]:

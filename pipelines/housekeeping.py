@@ -49,6 +49,20 @@ def input_copy_prefix(release_id: str) -> str:
     return f"dprelease-input-{release_id}@"
 
 
+RUN_TEMPORARY_PREFIXES = ("dprelease-publish@", "dprelease-beam@")
+"""Name prefixes of a run's private directories in TMPDIR that are not a release's own (the local copy of a
+release published to a store; the Beam engine's results: noisy ranges, the key file): `leftover_tag` follows."""
+
+
+def run_temporary_directory(prefix: str) -> Path:
+    """A new private (0700) directory in TMPDIR named `<prefix><pid.start>@<host>@<random>`, `prefix` one of
+    RUN_TEMPORARY_PREFIXES: the next run on this host removes it if its process died (`remove_stale`)."""
+    import tempfile
+
+    assert prefix in RUN_TEMPORARY_PREFIXES, prefix
+    return Path(tempfile.mkdtemp(prefix=prefix + leftover_tag()))
+
+
 def owner() -> str:
     """The owner of a ledger reservation: host:pid.start."""
     return f"{socket.gethostname()}:{process_token()}"

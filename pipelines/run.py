@@ -21,8 +21,8 @@ from dprelease.transforms.csprng import ReleaseKey
 
 from .engines.base import Engine, ProgressHook, no_progress
 from .engines.embedded import EmbeddedEngine, spill_prefix
-from .housekeeping import (input_copy_prefix, owner, process_alive, remove_stale, store_leftover_tag,
-                           terminate_as_exit)
+from .housekeeping import (RUN_TEMPORARY_PREFIXES, input_copy_prefix, owner, process_alive, remove_stale,
+                           run_temporary_directory, store_leftover_tag, terminate_as_exit)
 from .keys import check_key_location, default_key_path, load_or_generate
 from .manifest import plan_fingerprint, selection_fingerprint
 from .limits import check_plan_limits
@@ -161,13 +161,16 @@ def _fetch_coding_check_files(final_dir: Path, remote: RemoteRelease) -> None:
 
 def clean_leftovers(root: Path, release_id: str, remote: RemoteRelease | None = None) -> None:
     """Remove staging, replaced and spill directories (and staging prefixes beside `remote`, the release's place in
-    a store) that dead runs of this release left behind."""
+    a store) that dead runs of this release left behind, and the temporary directories of any dead run on this
+    host (`RUN_TEMPORARY_PREFIXES`)."""
     removed: list = remove_stale(root, staging_prefix(release_id))
     if remote is not None:
         removed += remove_stale_remote(remote, store_staging_prefix(release_id), process_alive)
     removed += remove_stale(root, replaced_prefix(release_id))
     removed += remove_stale(Path(tempfile.gettempdir()), spill_prefix(release_id))
     removed += remove_stale(Path(tempfile.gettempdir()), input_copy_prefix(release_id))
+    for prefix in RUN_TEMPORARY_PREFIXES:  # any release's: they hold no release id
+        removed += remove_stale(Path(tempfile.gettempdir()), prefix)
     for path in removed:
         LOG.info("removed %s, left by a run of release %s that died", shown(path), release_id)
 
@@ -325,7 +328,7 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                                     input_kind="in-memory table" if input_table is not None else "path")
     remote = _remote_target(spec, out_dir, overwrite)
     # every path resolved here, on the driver: a worker never resolves one against its own work directory
-    root = Path(tempfile.mkdtemp(prefix="dprelease-publish-")) if remote else \
+    root = run_temporary_directory("dprelease-publish@") if remote else \
         (Path(out_dir) if out_dir else spec_dir / spec.output.dir).absolute()
     final_dir = root / spec.release_id
     if internal_dir is not None:

@@ -102,13 +102,26 @@ def test_an_interrupted_upload_leaves_no_release_stays_charged_and_republishes_f
 
 
 def test_the_python_api_publishes_to_s3_and_reads_the_tables_back(s3, credentials, tmp_path):
+    """The release's local copy lives in a run temporary directory named after the process, so a run removes
+    the ones (and the Beam engine's result directories) that killed runs on this host left."""
+    import socket
+    import tempfile
+    from pathlib import Path
+
+    from dprelease.pipelines.housekeeping import RUN_TEMPORARY_PREFIXES
+
+    dead = [Path(tempfile.gettempdir()) / f"{prefix}4194303.1@{socket.gethostname()}@x1"
+            for prefix in RUN_TEMPORARY_PREFIXES]
+    for directory in dead:
+        directory.mkdir()
+        (directory / "00000-000000000000.npy").write_bytes(b"noisy values of a run that was killed")
     write_case(tmp_path, small_spec())
     release = dprelease.Release.from_dict(small_spec(), base_dir=tmp_path)
     result = release.run(persons(400), ledger=None, out_dir=bucket_uri(s3, "api-out"))
     assert result.location.startswith("s3://api-out/releases/test-release")
     assert int(result.table("pop.nation")["count"].iloc[0]) > 0 and result.verify().ok
     copy = result.directory
-    assert copy.exists()
+    assert copy.exists() and not any(directory.exists() for directory in dead)
     del result
     import gc
 

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import uuid
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from dprelease.accounting.errors import DPReleaseError, SpecError
 from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.worker_errors import public_failures
 
+from ..housekeeping import run_temporary_directory
 from ..plan import Plan
 from ..source import InputSource
 from ..storage import InputChanged
@@ -147,7 +147,7 @@ def _result_directory(options) -> tuple[str, bool]:
         return f"{temp.rstrip('/')}/dprelease-{uuid.uuid4().hex}", False
     if temp:
         return str(private_directory(Path(temp) / f"dprelease-{uuid.uuid4().hex}", "--temp_location")), True
-    return tempfile.mkdtemp(prefix="dprelease-beam-"), True
+    return str(run_temporary_directory("dprelease-beam@")), True
 
 
 def _write_private(path: str, data: bytes) -> None:

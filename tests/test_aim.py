@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import time
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -596,39 +599,67 @@ def test_passes_over_kept_bounded_records_count_what_reading_the_input_counts(tm
     assert [f["sha256"] for f in manifests[0]["files"]] == [f["sha256"] for f in manifests[1]["files"]]
 
 
-def test_spark_selection_reads_the_input_once_and_counts_every_pass_from_the_kept_records(tmp_path, monkeypatch):
-    """Units of 3 records bounded to 2, every round split into many passes, on Spark local[2]: the input is read
-    (encoded, bounded) once for the whole selection, the records kept on the executors, and every pass counts
-    from them; the release (tables chosen, every file) is the embedded engine's, which reads the input on every
-    pass when its kept records are dropped."""
-    pytest.importorskip("pyspark")
-    import dprelease.pipelines.engines.spark as spark
+@pytest.mark.parametrize("engine", ["spark", "beam", "beam-no-unit"])
+def test_selection_reads_the_input_once_and_counts_every_pass_from_the_kept_records(tmp_path, monkeypatch, engine):
+    """Units of 3 records bounded to 2, every round split into many passes, on Spark local[2] and Beam's
+    DirectRunner (also records as units): the input is read (encoded, bounded) once for the
+    whole selection, the records kept (on the executors' disks; in private files of Beam's result storage, removed
+    at the end), and every pass counts from them; the release (tables chosen, every file) is the embedded
+    engine's, which reads the input on every pass when its kept records are dropped."""
     import dprelease.pipelines.selection as selection
     from dprelease.pipelines.run import run_release
 
     from .test_spark import assert_same_release
 
+    pytest.importorskip("pyspark" if engine == "spark" else "apache_beam")
+    if engine == "spark":
+        import dprelease.pipelines.engines.spark as module
+        engine_class, reader, options = module.SparkEngine, "_by_unit", {"master": "local[2]"}
+    else:
+        import dprelease.pipelines.engines.beam as module
+        engine_class, reader = module.BeamEngine, "_encoded"
+        options = {"beam_options": ["--direct_running_mode=in_memory"]}  # a pipeline a pass: no process start-up
     rows, columns = dependent_people(np.random.default_rng(8), 900)
     rows["pid"] = [i // 3 for i in range(900)]
     spec = small_spec(budget={"definition": "zcdp", "rho": 20, "delta": 1e-9}, contribution={"max_records_per_unit": 2})
+    if engine == "beam-no-unit":
+        spec["privacy_unit"], spec["contribution"] = None, {"max_records_per_unit": 1}
+        monkeypatch.setattr(module, "_named_task_batches", module.public_failures("count reads", _counted_reads(
+            module._named_task_batches, tmp_path / "reads")))
     spec["columns"].update(columns)
     spec["queries"] = [{"name": "m", "kind": "marginals", "attributes": ATTRIBUTES[:3], "within": "geo.state",
                         "select": "aim"}]
     path = write_case(tmp_path / "c", spec, rows)
     monkeypatch.setattr(selection, "AIM_ROUND_CELLS", 10)  # one candidate a pass
     embedded = run_release(path, key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / "embedded")
-    reads, passes = [], []
-    read, score = spark.SparkEngine._by_unit, spark.SparkEngine.score_candidates
-    monkeypatch.setattr(spark.SparkEngine, "_by_unit", lambda self, *a: reads.append(1) or read(self, *a))
-    monkeypatch.setattr(spark.SparkEngine, "score_candidates",
-                        lambda self, *a, **k: passes.append(1) or score(self, *a, **k))
-    other = run_release(path, key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / "spark", engine="spark",
-                        master="local[2]")
-    assert len(passes) > 3 and len(reads) == 2  # the selection's one read, then the release's
+    reads, passes, kept = [], [], []
+    read, score, keep = getattr(engine_class, reader), engine_class.score_candidates, getattr(engine_class, "_keep", None)
+    monkeypatch.setattr(engine_class, reader, lambda self, *a: reads.append(1) or read(self, *a))
+    monkeypatch.setattr(engine_class, "score_candidates", lambda self, *a, **k: passes.append(1) or score(self, *a, **k))
+    if keep:
+        monkeypatch.setattr(engine_class, "_keep", lambda self, *a: keep(self, *a) or kept.append(self._kept[1]))
+    other = run_release(path, key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / engine,
+                        engine=engine.split("-")[0], **options)
+    if engine == "beam-no-unit":  # read in the workers: each read task marks a file
+        tasks = [p.name.split("-")[1] for p in (tmp_path / "reads").iterdir()]
+        assert len(passes) > 3 and len(tasks) == len(set(tasks)) > 0  # each read task read once by the selection
+    else:
+        assert len(passes) > 3 and len(reads) == 2  # the selection's one read, then the release's
+    assert kept == [] if engine == "spark" else (len(set(kept)) == 1 and not Path(kept[0]).exists())
     chosen = [json.loads((r.release_dir / "manifest.json").read_text())["selections"][0]["chosen"]
               for r in (embedded, other)]
     assert chosen[0] == chosen[1]
-    assert_same_release(embedded.release_dir, other.release_dir, "spark")
+    assert_same_release(embedded.release_dir, other.release_dir, engine.split("-")[0])
+
+
+def _counted_reads(function, directory: Path):
+    """`function` of a (read task number, task) element, marking each call in `directory` (workers are processes
+    of their own)."""
+    def counted(element, *args):
+        directory.mkdir(exist_ok=True)
+        (directory / f"task-{element[0]}-{os.getpid()}-{time.monotonic_ns()}").touch()
+        yield from function(element, *args)
+    return counted
 
 
 def test_the_spark_count_of_kept_records_counts_a_table_once_however_often_it_is_named(tmp_path):

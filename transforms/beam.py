@@ -21,6 +21,8 @@ rows. The steps, composable in any Beam pipeline:
     WriteNoisyRanges(directory)           one .npy file per range, through Beam's FileSystems
     ScoreCandidates(releases, estimates)  candidate tables' counts -> (table, (integer score, ranges)) of a
                                           `select: mst` query, range by range in the workers
+    KeepRecords(directory, columns)       (shard, bounded table) -> one private Arrow file per shard, which
+    ReadKeptRecords(paths)                later pipelines of a selection read instead of the input
 
 Privacy: a cell's noise is a pure function of (key, table, cell), and the records kept for a unit
 depend only on (key, unit, records), so any sharding, bundling, retry or runner gives the same
@@ -141,13 +143,78 @@ class BoundContributions(beam.PTransform):
     def expand(self, encoded):
         if not self.unit:
             return encoded
+        return self.bounded_shards(encoded) | "Tables" >> beam.Values()
+
+    def bounded_shards(self, encoded):
+        """Encoded tables -> (shard, all bounded records of the shard's units): one element per shard holding
+        records, the same records whatever the bundling or retries (`KeepRecords` names a file after it)."""
         shards, columns, sizes, k, key = self.shards, self.columns, self.sizes, self.k, key_argument(self.key)
         split = public_failures("shard", _split_by_shard)
-        bound = public_failures("bound", lambda element, key: [_bound_shard(element[1], columns, sizes, k, key)])
+        bound = public_failures("bound", lambda element, key: [(element[0], _bound_shard(element[1], columns, sizes,
+                                                                                          k, key))])
         return (encoded
                 | "ShardByUnit" >> beam.FlatMap(split, shards, key).with_output_types(tuple[int, Any])
                 | "GroupShards" >> beam.GroupByKey()
-                | "BoundShard" >> beam.FlatMap(bound, key).with_output_types(Any))
+                | "BoundShard" >> beam.FlatMap(bound, key).with_output_types(tuple[int, Any]))
+
+
+KEPT_PATTERN = "kept-*.arrow"
+
+
+def _write_kept(element, directory: str, columns: list[str]) -> Iterable[str]:
+    """One named table of bounded records as `<directory>/kept-<name>.arrow` (an Arrow IPC file of the code
+    columns, no unit), written under a temporary name and renamed: an attempt retried or run twice leaves one
+    whole file per name (the same records), and a killed attempt's temporary file matches no reader's pattern."""
+    import uuid
+
+    from apache_beam.io.filesystems import FileSystems
+
+    name, table = element
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, pa.schema([table.schema.field(c) for c in columns])) as writer:
+        writer.write_table(table.select(columns))
+    final = f"{directory}/kept-{name}.arrow"
+    temporary = f"{directory}/.writing-{uuid.uuid4().hex}"
+    with FileSystems.create(temporary) as handle:
+        handle.write(sink.getvalue().to_pybytes())
+    FileSystems.rename([temporary], [final])  # replaces a file an earlier attempt left
+    yield final
+
+
+class KeepRecords(beam.PTransform):
+    """(name, encoded table) -> one Arrow IPC file per name under `directory` (any Beam filesystem: as private as
+    the records it holds), the codes of `columns` only. Names must be a pure function of the records (a bounded
+    shard's number, a read task's batch): then a retried attempt rewrites its own file and no record is kept
+    twice. `ReadKeptRecords` reads them back."""
+
+    def __init__(self, directory: str, columns: list[str]):
+        super().__init__()
+        self.directory, self.columns = directory.rstrip("/"), list(columns)
+
+    def expand(self, named):
+        write = public_failures("keep records", _write_kept)
+        return named | "WriteKept" >> beam.FlatMap(write, self.directory, self.columns).with_output_types(str)
+
+
+def _read_kept(path: str) -> Iterable[pa.Table]:
+    from apache_beam.io.filesystems import FileSystems
+
+    with FileSystems.open(path) as handle:
+        yield pa.ipc.open_file(pa.py_buffer(handle.read())).read_all()
+
+
+class ReadKeptRecords(beam.PTransform):
+    """pipeline -> the encoded tables `KeepRecords` wrote to the files `paths` (listed by the caller once the
+    pipeline that wrote them succeeded), spread over the workers."""
+
+    def __init__(self, paths: list[str]):
+        super().__init__()
+        self.paths = list(paths)
+
+    def expand(self, pipeline):
+        read = public_failures("read kept records", _read_kept)
+        return (pipeline | "KeptFiles" >> beam.Create(self.paths) | "Spread" >> beam.Reshuffle()
+                | "ReadKept" >> beam.FlatMap(read).with_output_types(Any))
 
 
 class _SumSparseCounts(beam.CombineFn):

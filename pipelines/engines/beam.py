@@ -194,6 +194,20 @@ def _run_group(element, plan: Plan, token: tuple, tree):
         yield from ((part.key, part) for part in bounded(piece))
 
 
+def _named_task_batches(element, reader, encoders: dict):
+    """(task-<read task>-<batch>, encoded batch) of one numbered read task, without a privacy unit: the names are
+    a pure function of the records (a task's batches come in the same order every time it is read)."""
+    import pyarrow as pa
+
+    from dprelease.transforms.encode import encoded_table
+
+    index, task = element
+    for number, batch in enumerate(reader.batches(task)):
+        table = encoded_table(pa.Table.from_batches([batch]), encoders, None)
+        if table.num_rows:
+            yield f"task-{index:06d}-{number:06d}", table
+
+
 def _in_stage(element, prefixes: frozenset) -> bool:
     from ..dataflow import FILES, stage_of
 
@@ -288,6 +302,8 @@ class BeamEngine(Engine):
         self.workers = workers or os.cpu_count() or 1
         self._directory: str | None = None
         self._key_inputs: dict[int, object] = {}
+        self._kept: tuple | None = None
+        """(signature, directory, is_local, paths) of the bounded records a selection keeps for its later passes."""
 
     def _key_input(self, pipeline, key: ReleaseKey):
         """The key as this run's workers get it: a singleton read when the pipeline runs from a private file in the
@@ -327,17 +343,83 @@ class BeamEngine(Engine):
     def _bounded(self, pipeline, plan: Plan, source: InputSource, key: ReleaseKey):
         """Input files -> encoded batches, at most the plan's k records per unit (the records kept depend on
         the plan's encoded columns only)."""
-        beam = import_beam()
-        from dprelease.transforms.beam import BoundContributions, EncodeRecords, ReadInputBatches
-
-        encoded = (pipeline
-                   | "InputFiles" >> beam.Create(source.read_tasks(self.workers))
-                   | "Read" >> ReadInputBatches(source.reader())
-                   | "Encode" >> EncodeRecords.from_plan(plan))
+        encoded = self._encoded(pipeline, plan, source)
         if source.unit_column:
-            shards = max(self.workers * SHARDS_PER_WORKER, -(-source.estimated_rows() // 1_000_000))
-            encoded = encoded | "Bound" >> BoundContributions.from_plan(plan, self._key_input(pipeline, key), shards)
+            encoded = encoded | "Bound" >> self._bounding(pipeline, plan, source, key)
         return encoded
+
+    def _encoded(self, pipeline, plan: Plan, source: InputSource):
+        beam = import_beam()
+        from dprelease.transforms.beam import EncodeRecords, ReadInputBatches
+
+        return (pipeline
+                | "InputFiles" >> beam.Create(source.read_tasks(self.workers))
+                | "Read" >> ReadInputBatches(source.reader())
+                | "Encode" >> EncodeRecords.from_plan(plan))
+
+    def _bounding(self, pipeline, plan: Plan, source: InputSource, key: ReleaseKey):
+        from dprelease.transforms.beam import BoundContributions
+
+        shards = max(self.workers * SHARDS_PER_WORKER, -(-source.estimated_rows() // 1_000_000))
+        return BoundContributions.from_plan(plan, self._key_input(pipeline, key), shards)
+
+    def _named_bounded(self, pipeline, plan: Plan, source: InputSource, key: ReleaseKey):
+        """(name, bounded encoded table) pairs whose names are a pure function of the records (`KeepRecords`): a
+        shard's number, or, without a privacy unit (nothing to bound), a read task's batch."""
+        beam = import_beam()
+        from dprelease.transforms.beam import EncodeRecords
+
+        if source.unit_column:
+            return (self._bounding(pipeline, plan, source, key).bounded_shards(self._encoded(pipeline, plan, source))
+                    | "Name" >> beam.MapTuple(lambda shard, table: (f"shard-{shard:06d}", table)))
+        encoders = EncodeRecords.from_plan(plan).encoders
+        return (pipeline
+                | "InputFiles" >> beam.Create(list(enumerate(source.read_tasks(self.workers))))
+                | "Spread" >> beam.Reshuffle()
+                | "ReadAndEncode" >> beam.FlatMap(public_failures("read and encode", _named_task_batches),
+                                                  source.reader(), encoders))
+
+    def _keep(self, plan: Plan, source: InputSource, key: ReleaseKey) -> None:
+        """Read, encode and bound the input over `plan`'s encoded columns in a pipeline of its own, once a run, and
+        keep the bounded records in private files (the run's result storage: a private local directory, or the
+        --temp_location store) until `close`; a later call over the same columns, key and input keeps them."""
+        from apache_beam.io.filesystems import FileSystems
+
+        from dprelease.transforms.beam import KEPT_PATTERN, KeepRecords
+
+        signature = (id(source), key.derive("dprelease/bound"), tuple(plan.encoded_columns()))
+        if self._kept is not None and self._kept[0] == signature:
+            return
+        self._drop_kept()
+        directory, local = _result_directory(self.options)
+        self._kept = (None, directory, local, [])  # removed by `close` whatever happens next
+        columns = plan.encoded_columns()
+
+        def build(pipeline, _) -> None:
+            self._named_bounded(pipeline, plan, source, key) | "Keep" >> KeepRecords(directory, columns)
+
+        self._run("the Beam selection pipeline", build, lambda _: None)
+        paths = sorted(m.path for m in FileSystems.match([f"{directory}/{KEPT_PATTERN}"])[0].metadata_list)
+        self._kept = (signature, directory, local, paths)
+
+    def _kept_records(self, pipeline):
+        """The bounded records `_keep` kept, read back from their files (never the input)."""
+        from dprelease.transforms.beam import ReadKeptRecords
+
+        return pipeline | "Kept" >> ReadKeptRecords(self._kept[3])
+
+    def _drop_kept(self) -> None:
+        if self._kept is not None:
+            _, directory, local, _ = self._kept
+            self._kept = None
+            if local:
+                shutil.rmtree(directory, ignore_errors=True)
+            else:
+                _delete_remote(directory)
+
+    def close(self) -> None:
+        """Remove the bounded records a selection kept."""
+        self._drop_kept()
 
     scores_candidates = True
 
@@ -345,19 +427,22 @@ class BeamEngine(Engine):
                          key: ReleaseKey, progress: ProgressHook = no_progress) -> dict[str, int]:
         """Two pipelines over the records bounded as for `counting`: the 1-way tables released (the values
         the release publishes), then every candidate scored in the workers, range by range, from the
-        estimates the driver computed; only integer scores come back (no true count reaches the driver)."""
+        estimates the driver computed; only integer scores come back (no true count reaches the driver). Both
+        read the bounded records `_keep` kept: the input is read, encoded and bounded once a run, and every
+        later pass over the same columns (a `select: aim` query's) counts from the same records."""
         from dprelease.transforms.beam import AddNoise, CountCells, ScoreCandidates, WriteNoisyRanges
 
         counting_plan = dataclasses.replace(plan, tables=tuple(counting))
         one_way_plan = dataclasses.replace(plan, tables=tuple(one_way))
+        progress("select", 0, 2)
+        self._keep(counting_plan, source, key)
 
         def release_one_way(pipeline, directory: str) -> None:
-            (self._bounded(pipeline, counting_plan, source, key)
+            (self._kept_records(pipeline)
              | "Count" >> CountCells([t.layout for t in one_way])
              | "AddNoise" >> AddNoise.from_plan(one_way_plan, self._key_input(pipeline, key))
              | "Write" >> WriteNoisyRanges(directory, {t.name: i for i, t in enumerate(one_way)}))
 
-        progress("select", 0, 2)
         released = self._run("the Beam selection pipeline", release_one_way,
                              lambda directory: self._assemble(one_way_plan, directory))
         progress("select", 1, 2)
@@ -367,7 +452,7 @@ class BeamEngine(Engine):
         scorer = ScoreCandidates({t.name: t.release for t in candidates}, wanted)
 
         def score(pipeline, directory: str) -> None:
-            (self._bounded(pipeline, counting_plan, source, key)
+            (self._kept_records(pipeline)
              | "Count" >> CountCells([t.layout for t in candidates])
              | "Score" >> scorer
              | "Write" >> beam_write_scores(directory))

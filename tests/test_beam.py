@@ -20,6 +20,7 @@ from dprelease.pipelines.spec import load_spec
 
 from .conftest import DEMO_SPEC
 from .test_spark import assert_same_release
+from .test_storage import credentials, s3  # noqa: F401 - fixtures
 
 beam = pytest.importorskip("apache_beam")
 
@@ -305,6 +306,14 @@ def test_runner_options_are_built_and_checked():
         pipeline_options("FlinkRunner", ["--runner=SparkRunner"])
     with pytest.raises(SpecError, match="allowed"):
         pipeline_options("NoSuchRunner", [])
+    from apache_beam.options.pipeline_options import DebugOptions
+
+    assert "disable_always_on_exception_sampling" in direct.view_as(DebugOptions).experiments
+    assert "disable_always_on_exception_sampling" in dataflow.view_as(DebugOptions).experiments
+    for sampled in (["--experiments=enable_data_sampling"], ["--experiments=a,enable_always_on_exception_sampling"],
+                    ["--dataflow_service_options=enable_always_on_exception_sampling"]):
+        with pytest.raises(SpecError, match="never samples"):  # the runner would receive records
+            pipeline_options(None, sampled)
 
 
 def test_cli_runs_beam_and_rejects_misplaced_options(case, tmp_path):
@@ -374,3 +383,37 @@ def test_candidates_are_scored_over_every_range_and_a_missing_range_is_refused()
     for found in ({"m.x-y": (expected, 2)}, {}):
         with pytest.raises(DPReleaseError, match=r"table m.x-y: the Beam selection pipeline scored [02] of its 3 ranges"):
             checked_scores(found, {"m.x-y": 3}, what)
+
+
+def test_a_selection_keeps_its_records_in_a_store_temp_location_and_leaves_nothing_there(tmp_path, s3, credentials):
+    """With --temp_location on an object store (a real S3-compatible server on 127.0.0.1), a `select: mst` run
+    keeps its bounded records, key files, noisy ranges and scores there and removes every object at the end (Beam
+    deletes a prefix only when its name ends in '/': without it nothing was removed)."""
+    import pyarrow.fs as pafs
+
+    from .test_mst import mst_case
+
+    store = pafs.S3FileSystem(endpoint_override=s3, scheme="http", allow_bucket_creation=True)
+    store.create_dir("beam-temp")
+    path = mst_case(tmp_path / "c", budget={"definition": "zcdp", "rho": "1/2", "delta": 1e-9})
+    result = run_release(path, key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / "out", engine="beam",
+                         beam_options=["--direct_running_mode=in_memory", "--temp_location=s3://beam-temp/t",
+                                       f"--s3_endpoint_url=http://{s3}"])
+    assert (result.release_dir / "manifest.json").exists()
+    left = store.get_file_info(pafs.FileSelector("beam-temp", recursive=True))
+    assert [info.path for info in left if info.type == pafs.FileType.File] == []
+
+
+def test_kept_records_the_launcher_cannot_see_stop_the_selection(tmp_path, monkeypatch):
+    """Found by review: workers whose --temp_location is not the launcher's storage keep their records where the
+    launcher lists none, and every pass would count zero records. The keep pipeline counts the files it wrote; a
+    launcher that finds another number stops before any pass (here the listing is made to miss them)."""
+    from dprelease.transforms import beam as transforms
+
+    from .test_mst import mst_case
+
+    monkeypatch.setattr(transforms, "KEPT_PATTERN", "not-the-kept-files-*.arrow")
+    path = mst_case(tmp_path / "c", budget={"definition": "zcdp", "rho": "1/2", "delta": 1e-9})
+    with pytest.raises(DPReleaseError, match="storage that the workers and the launcher share"):
+        run_release(path, key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / "out", engine="beam",
+                    beam_options=["--direct_running_mode=in_memory"])

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from dprelease.accounting.errors import DPReleaseError, SpecError
+from dprelease.accounting.redact import shown
 from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.worker_errors import public_failures
 
@@ -56,12 +57,20 @@ def import_beam():
     return beam
 
 
+SAMPLING_EXPERIMENTS = ("enable_data_sampling", "enable_always_on_exception_sampling")
+"""Beam experiments (or Dataflow service options) that make the SDK send elements (records) to the runner."""
+NO_SAMPLING = "disable_always_on_exception_sampling"
+"""The experiment every release pipeline carries: no element of a failing step is sampled (Dataflow samples them by
+default, and would show the confidential records in its console)."""
+
+
 def pipeline_options(runner: str | None, options: list[str], workers: int | None = None):
     """Beam PipelineOptions for `runner` (default DirectRunner) plus the user's pass-through options.
 
     The DirectRunner defaults to multi_processing with one worker per core (`workers` overrides);
-    other runners get exactly what the user passed. Raises SpecError (exit 2) naming a missing
-    required option or a conflict."""
+    other runners get what the user passed. Every pipeline carries the experiment NO_SAMPLING, and the
+    experiments that sample elements are refused. Raises SpecError (exit 2) naming a missing required option or a
+    conflict."""
     import_beam()
     from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
@@ -71,6 +80,12 @@ def pipeline_options(runner: str | None, options: list[str], workers: int | None
     if templated:
         raise SpecError(f"pipeline options {', '.join(templated)}: a release is run, never saved as a template or job "
                         "file (a template would be re-run over other data); schedule `dprelease run` instead")
+    asked = {part.strip().split("=", 1)[0] for value in (given.get("experiments") or []) +
+             (given.get("dataflow_service_options") or []) for part in str(value).split(",")}
+    sampling = sorted(asked & set(SAMPLING_EXPERIMENTS))
+    if sampling:
+        raise SpecError(f"pipeline options {', '.join(sampling)}: Beam would send the elements it samples (confidential "
+                        "records) to the runner; a release never samples its data")
     if given.get("runner") and runner and given["runner"] != runner:
         raise SpecError(f"--runner = {runner!r} but the pipeline options say --runner={given['runner']}; give one")
     name = runner or given.get("runner") or "DirectRunner"
@@ -82,6 +97,7 @@ def pipeline_options(runner: str | None, options: list[str], workers: int | None
         raise SpecError(f"--runner = {name}: needs pipeline option(s) {', '.join(missing)} (after --)")
     if not given.get("runner"):
         flags.append(f"--runner={name}")
+    flags.append(f"--experiments={NO_SAMPLING}")  # Dataflow samples a failing step's element unless told not to
     if name == "DirectRunner":
         if not _named(flags, "direct_running_mode"):
             flags.append("--direct_running_mode=multi_processing")
@@ -165,13 +181,25 @@ def _write_private(path: str, data: bytes) -> None:
 
 
 def _delete_remote(directory: str) -> None:
-    """Remove the noisy ranges from shared storage (best effort: a failure is logged, not raised)."""
+    """Remove a run's directory in the --temp_location store: every object under it (the key files, noisy ranges,
+    scores, validation outcome, kept records). Beam's object stores delete a prefix only when it ends in '/' (a
+    name without one is taken as one object's: nothing was removed). Best effort: what is left is logged, by count,
+    never raised (the run's outcome is already decided)."""
     from apache_beam.io.filesystems import FileSystems
 
+    prefix = directory.rstrip("/") + "/"
+    log = logging.getLogger("dprelease")
     try:
-        FileSystems.delete([directory])  # recursively: the key file, ranges, scores and outcomes
+        FileSystems.delete([prefix])
     except Exception as error:  # noqa: BLE001 - cleanup must not hide the run's outcome
-        logging.getLogger("dprelease").warning("could not delete %s (%s)", directory, type(error).__name__)
+        log.warning("could not delete %s (%s)", shown(directory), type(error).__name__)
+    try:
+        left = len(FileSystems.match([prefix + "**"])[0].metadata_list)
+    except Exception:  # noqa: BLE001 - nothing matched, or the store cannot be listed: said below
+        left = None
+    if left != 0:
+        log.warning("%s objects of this run are left under %s (confidential: remove them)",
+                    "some" if left is None else left, shown(directory))
 
 
 def _route(element, plan: Plan, token: tuple, tree, table_ids: dict[str, int]):
@@ -192,6 +220,27 @@ def _run_group(element, plan: Plan, token: tuple, tree):
     key, pieces = element
     for piece in run_group(flow_for(token, plan, tree), key, list(pieces)):
         yield from ((part.key, part) for part in bounded(piece))
+
+
+def _write_kept_count(count: int, path: str) -> None:
+    """The number of files of kept records, for the launcher to check its listing against (a retry rewrites it)."""
+    from apache_beam.io.filesystems import FileSystems
+
+    with FileSystems.create(path) as handle:
+        handle.write(json.dumps({"files": int(count)}).encode("utf-8"))
+
+
+def _read_kept_count(directory: str) -> int:
+    """How many files of kept records the keep pipeline wrote (`_write_kept_count`, in the result directory)."""
+    from apache_beam.io.filesystems import FileSystems
+
+    try:
+        with FileSystems.open(f"{directory}/kept.json") as handle:
+            return int(json.loads(handle.read().decode("utf-8"))["files"])
+    except (OSError, ValueError, KeyError) as error:
+        raise DPReleaseError(f"the Beam selection pipeline's count of kept records cannot be read "
+                             f"({type(error).__name__}): --temp_location must be storage that the workers and the "
+                             "launcher share") from None
 
 
 def _named_task_batches(element, reader, encoders: dict):
@@ -395,11 +444,18 @@ class BeamEngine(Engine):
         self._kept = (None, directory, local, [])  # removed by `close` whatever happens next
         columns = plan.encoded_columns()
 
-        def build(pipeline, _) -> None:
-            self._named_bounded(pipeline, plan, source, key) | "Keep" >> KeepRecords(directory, columns)
+        def build(pipeline, results: str) -> None:
+            beam = import_beam()
+            written = self._named_bounded(pipeline, plan, source, key) | "Keep" >> KeepRecords(directory, columns)
+            (written | "CountKept" >> beam.combiners.Count.Globally()
+             | "WriteCount" >> beam.Map(_write_kept_count, f"{results}/kept.json"))
 
-        self._run("the Beam selection pipeline", build, lambda _: None)
+        written = self._run("the Beam selection pipeline", build, _read_kept_count)
         paths = sorted(m.path for m in FileSystems.match([f"{directory}/{KEPT_PATTERN}"])[0].metadata_list)
+        if len(paths) != written:  # every pass would count from other records than were bounded
+            raise DPReleaseError(f"the Beam selection pipeline kept {written} files of bounded records and the "
+                                 f"launcher finds {len(paths)}: --temp_location must be storage that the workers and "
+                                 "the launcher share")
         self._kept = (signature, directory, local, paths)
 
     def _kept_records(self, pipeline):

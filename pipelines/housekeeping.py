@@ -73,8 +73,10 @@ TOKEN = re.compile(r"^[0-9]+\.[0-9]+$")
 
 def process_alive(host: str, token: str) -> bool | None:
     """Whether the process `pid.start` of `host` still runs: True/False on this host, None for another
-    host (cannot be told here). A malformed token names no process: False."""
+    host or where /proc cannot be read (cannot be told here). A malformed token names no process: False."""
     if host != socket.gethostname():
+        return None
+    if _start_ticks(os.getpid()) is None:  # no /proc (another system, or hidden): no process can be told dead
         return None
     if not TOKEN.fullmatch(token):
         return False
@@ -102,7 +104,8 @@ def remove_stale(parent: Path, prefix: str) -> list[Path]:
         token, _, rest = entry.name[len(prefix):].partition("@")
         if TOKEN.fullmatch(token) and process_alive(rest.partition("@")[0], token) is False:
             shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
+            if not os.path.lexists(entry):  # said removed only when it is gone
+                removed.append(entry)
     return removed
 
 

@@ -288,3 +288,22 @@ def test_a_killed_run_leaves_nothing_behind_after_the_next_run(tmp_path, signum,
     assert not spilling() and other.exists() and not stray.exists() and elsewhere.exists()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [elsewhere.name, "demo-2026"]
     assert json.loads((tmp_path / "out" / "demo-2026" / "manifest.json").read_text())["ledger"]["charged"] == "1"
+
+
+def test_without_proc_no_directory_is_taken_for_a_dead_runs(tmp_path, monkeypatch):
+    """Found by review: where /proc cannot be read every process's start time was unknown, so every run's
+    directories (the sweeping run's own included) were taken for dead ones and removed. Now nothing is told dead
+    there; with /proc, a dead run's directory goes and a live one (this process's) stays."""
+    import socket
+
+    from dprelease.pipelines import housekeeping
+
+    host = socket.gethostname()
+    dead = tmp_path / f"dprelease-publish@4194303.1@{host}@x1"
+    live = tmp_path / f"dprelease-publish@{housekeeping.process_token()}@{host}@x2"
+    for directory in (dead, live):
+        directory.mkdir()
+    with monkeypatch.context() as patched:
+        patched.setattr(housekeeping, "_start_ticks", lambda pid: None)
+        assert housekeeping.remove_stale(tmp_path, "dprelease-publish@") == [] and dead.exists() and live.exists()
+    assert housekeeping.remove_stale(tmp_path, "dprelease-publish@") == [dead] and live.exists()

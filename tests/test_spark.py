@@ -114,6 +114,25 @@ def test_shuffled_blobs_stay_under_the_binary_offset_limit(demo, monkeypatch):
     assert "spark.sql.execution.arrow.maxBytesPerBatch" in engine.ARROW_SETTINGS  # the batches Spark hands back
 
 
+def test_blobs_are_cut_by_the_bytes_of_their_records(monkeypatch):
+    """Found by review: cut by the average record, records of large units sitting together made one blob 5.5x the
+    cap. Cut by each record's bytes, a blob passes BLOB_BYTES only when it is one record larger than it; every
+    record is in one blob, in order."""
+    import numpy as np
+    import pyarrow as pa
+
+    from dprelease.pipelines.engines import spark as engine
+
+    monkeypatch.setattr(engine, "BLOB_BYTES", 4096)
+    units = [b"u%d" % i for i in range(300)] + [b"x" * 900 + b"%d" % i for i in range(40)] + [b"y" * 9000]
+    records = pa.table({"age": np.arange(len(units), dtype=np.int32), "__unit__": pa.array(units, pa.large_binary())})
+    blobs = [pa.ipc.open_stream(blob).read_all() for _, blob in engine._part_blobs(iter([(3, records)]))]
+    assert pa.concat_tables(blobs).equals(records)
+    for table in blobs:
+        assert sum(len(u) + 12 for u in table.column("__unit__").to_pylist()) <= 4096 or table.num_rows == 1
+    assert [t.num_rows for t in blobs][-1] == 1 and len(blobs) > 10
+
+
 def test_spark_post_processes_and_writes_parts_in_executors(demo, monkeypatch):
     """Small groups and parts: every post-processing stage runs in executor tasks (each group's first attempt
     fails after writing its parts, the retry rewrites the same bytes) under a driver cell cap far below the

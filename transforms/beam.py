@@ -238,6 +238,9 @@ class _SumSparseCounts(beam.CombineFn):
     def extract_output(self, accumulator):
         return accumulator
 
+    add_input = public_failures("sum counts", add_input)
+    merge_accumulators = public_failures("sum counts", merge_accumulators)
+
 
 class CountCells(beam.PTransform):
     """Bounded encoded tables -> (table name, (cells, counts)) for every table that has records:
@@ -432,7 +435,7 @@ class ScoreCandidates(beam.PTransform):
         return (counts | "Ranges" >> GroupRanges(self.releases, self.steps)
                 | "ScoreRanges" >> beam.FlatMap(public_failures("score", _score_range), measured, self.steps,
                                                 self.estimates)
-                | "SumScores" >> beam.CombinePerKey(_sum_scores))
+                | "SumScores" >> beam.CombinePerKey(public_failures("sum scores", _sum_scores)))
 
 
 def _read_key(path: str) -> ReleaseKey:

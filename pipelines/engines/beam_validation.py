@@ -21,6 +21,8 @@ class _ValidateBatch(beam.DoFn):
     def setup(self):
         self.suite = SuiteRunner(self.expectations)
 
+    setup = public_failures("validate", setup)
+
     def process(self, table):
         outcome = ValidationOutcome(self.expectations)
         outcome.add(self.suite.validate(value_frame(table, self.plan), "value"))
@@ -54,5 +56,5 @@ class ValidateBatches(beam.PTransform):
     def expand(self, batches):
         return (batches
                 | "Validate" >> beam.ParDo(_ValidateBatch(self.expectations, self.plan))
-                | "Merge" >> beam.CombineGlobally(_merge, self.expectations)
-                | "Write" >> beam.Map(_write, self.path))
+                | "Merge" >> beam.CombineGlobally(public_failures("merge outcomes", _merge), self.expectations)
+                | "Write" >> beam.Map(public_failures("write the validation outcome", _write), self.path))

@@ -99,13 +99,34 @@ back the same way)."""
 
 
 def _part_blobs(pieces: Iterator[tuple[int, pa.Table]]) -> Iterator[tuple[int, bytes]]:
-    """(part, blob) for each (part, records) piece of one batch, a piece's records split by rows into blobs of
-    at most about BLOB_BYTES: which records share a blob never matters (a partition's blobs are concatenated)."""
+    """(part, blob) for each (part, records) piece of one batch, a piece's records cut into runs of rows of at most
+    BLOB_BYTES (a larger record is a blob of its own): which records share a blob never matters (a partition's
+    blobs are concatenated)."""
     for part, records in pieces:
-        blobs = max(1, -(-records.nbytes // BLOB_BYTES))
-        rows = -(-records.num_rows // blobs)
-        for start in range(0, records.num_rows, rows):
-            yield part, _ipc_blob(records.slice(start, rows))
+        ends = np.cumsum(_row_bytes(records))
+        start = 0
+        while start < records.num_rows:
+            reach = (ends[start - 1] if start else 0) + BLOB_BYTES
+            stop = max(start + 1, int(np.searchsorted(ends, reach, side="right")))
+            yield part, _ipc_blob(records.slice(start, stop - start))
+            start = stop
+
+
+def _row_bytes(records: pa.Table) -> np.ndarray:
+    """Each record's bytes in its columns: fixed-width values, and a variable-width value's length plus its
+    offset (the unit's bytes vary by record, and records of large units can sit together)."""
+    import pyarrow.compute as pc
+
+    sizes = np.zeros(records.num_rows, dtype=np.int64)
+    for column in records.columns:
+        kind = column.type
+        if pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_string(kind) \
+                or pa.types.is_large_string(kind):
+            lengths = pc.fill_null(pc.binary_length(column), 0)
+            sizes += lengths.to_numpy(zero_copy_only=False).astype(np.int64) + 8
+        else:
+            sizes += max(1, kind.bit_width // 8) if pa.types.is_primitive(kind) else 8
+    return sizes
 
 
 def _blob_batches(blobs) -> Iterator[pa.RecordBatch]:

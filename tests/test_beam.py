@@ -417,3 +417,24 @@ def test_kept_records_the_launcher_cannot_see_stop_the_selection(tmp_path, monke
     with pytest.raises(DPReleaseError, match="storage that the workers and the launcher share"):
         run_release(path, key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / "out", engine="beam",
                     beam_options=["--direct_running_mode=in_memory"])
+
+
+def test_a_local_temp_location_keeps_nothing_and_loses_what_killed_runs_left(case, tmp_path):
+    """Found by review: result directories under a local --temp_location were named by a random id only, so a
+    SIGKILLed run's key file and noisy ranges stayed there for good. They are named after the process now, and a
+    run removes those of dead runs on this host (never a live one's)."""
+    import os
+    import socket
+
+    from dprelease.pipelines.housekeeping import leftover_tag
+
+    temp = tmp_path / "temp"
+    temp.mkdir(mode=0o700)
+    dead = temp / f"dprelease-beam@4194303.1@{socket.gethostname()}@0a1b"
+    live = temp / f"dprelease-beam@{leftover_tag()}ffff"  # this process's: alive
+    for directory in (dead, live):
+        directory.mkdir(mode=0o700)
+        (directory / "key-0").write_bytes(os.urandom(32))
+    run_release(case(), key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / "out", engine="beam",
+                beam_options=["--direct_running_mode=in_memory", f"--temp_location={temp}"])
+    assert sorted(p.name for p in temp.iterdir()) == [live.name]

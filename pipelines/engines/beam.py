@@ -31,7 +31,7 @@ from dprelease.accounting.redact import shown
 from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.worker_errors import public_failures
 
-from ..housekeeping import run_temporary_directory
+from ..housekeeping import leftover_tag, remove_stale, run_temporary_directory
 from ..plan import Plan
 from ..source import InputSource
 from ..storage import InputChanged
@@ -153,7 +153,8 @@ def _result_directory(options) -> tuple[str, bool]:
     """Where this run's key file, noisy ranges, scores and validation outcome go (all confidential): a new
     directory under --temp_location when given (shared storage on a cluster; a local path is made a private
     directory by the storage layer, never inside a release; a store's prefix must be as private as the key),
-    else a private local temporary directory (DirectRunner). Returns (path, is_local)."""
+    else a private local temporary directory (DirectRunner). A local directory is named after the process, and
+    those of runs killed on this host are removed. Returns (path, is_local)."""
     from apache_beam.options.pipeline_options import GoogleCloudOptions
 
     from ..storage import is_uri, private_directory
@@ -162,7 +163,9 @@ def _result_directory(options) -> tuple[str, bool]:
     if temp and is_uri(temp):
         return f"{temp.rstrip('/')}/dprelease-{uuid.uuid4().hex}", False
     if temp:
-        return str(private_directory(Path(temp) / f"dprelease-{uuid.uuid4().hex}", "--temp_location")), True
+        remove_stale(Path(temp), "dprelease-beam@")  # what runs killed on this host left there
+        named = f"dprelease-beam@{leftover_tag()}{uuid.uuid4().hex}"
+        return str(private_directory(Path(temp) / named, "--temp_location")), True
     return str(run_temporary_directory("dprelease-beam@")), True
 
 

@@ -680,5 +680,6 @@ def test_the_spark_count_of_kept_records_counts_a_table_once_however_often_it_is
     for table_id in (0, 1):
         mine = found.filter(pa.compute.equal(found["table_id"], table_id))
         vector = np.zeros(plan.tables[table_id].layout.n_measured, dtype=np.int64)
-        np.add.at(vector, mine["cell"].to_numpy(), mine["count"].to_numpy())
+        for cells, counts in zip(mine["cells"].to_pylist(), mine["counts"].to_pylist()):
+            np.add.at(vector, np.frombuffer(cells, np.int64), np.frombuffer(counts, np.int64))
         assert np.array_equal(vector, plan.tables[table_id].layout.measure_vector(codes, 500))

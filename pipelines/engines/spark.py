@@ -168,14 +168,23 @@ def _blob_records(batches, columns: list[str], unit: str | None):
     return codes, records.num_rows, records.column(UNIT) if unit else None
 
 
+COUNTS_SCHEMA = "table_id int, range_id long, cells binary, counts binary"
+"""Partial counts as Spark rows: per (table, release range) a task counted records in, the range's nonzero cells
+and their counts (int64 arrays as bytes; a cell repeats across tasks and is summed where the range is released)."""
+
+
 def _sparse_counts(table_id: int, counts: np.ndarray, steps: list[int]) -> pa.RecordBatch:
-    """A table's nonzero counts as sparse partial counts, each with the release range it falls in."""
+    """A table's nonzero counts as partial counts (COUNTS_SCHEMA): one row per release range they fall in, not a row
+    per cell (Spark then moves a few binary rows per task and range, never sums per cell)."""
     cells = np.flatnonzero(counts)
+    ranges = cells // steps[table_id]
+    cuts = np.flatnonzero(np.diff(ranges)) + 1  # cells ascend, so each range's cells are one run
+    runs = np.split(np.arange(cells.size), cuts) if cells.size else []
     return pa.RecordBatch.from_pydict({
-        "table_id": pa.array(np.full(cells.size, table_id, dtype=np.int32)),
-        "range_id": pa.array((cells // steps[table_id]).astype(np.int64)),
-        "cell": pa.array(cells.astype(np.int64)),
-        "count": pa.array(counts[cells]),
+        "table_id": pa.array(np.full(len(runs), table_id, dtype=np.int32)),
+        "range_id": pa.array(np.array([ranges[run[0]] for run in runs], dtype=np.int64)),
+        "cells": pa.array([cells[run].astype(np.int64).tobytes() for run in runs], pa.binary()),
+        "counts": pa.array([counts[cells[run]].astype(np.int64).tobytes() for run in runs], pa.binary()),
     })
 
 
@@ -274,7 +283,7 @@ def _fail_if_first_attempt(what: str) -> None:
 def _noisy_values(releases, key: ReleaseKey, steps: list[int], group: pa.Table,
                   fail_first_attempt: bool) -> tuple[int, int, np.ndarray]:
     """(table id, first output, released values) of one (table, range) group of sparse counts: every public
-    cell of the range, empty ones included (range markers carry cell -1)."""
+    cell of the range, empty ones included (a range's marker carries no count)."""
     if fail_first_attempt:
         _fail_if_first_attempt("noise")
     table_id, start, stop, cells, counts = _range_group(releases, steps, group)
@@ -283,15 +292,15 @@ def _noisy_values(releases, key: ReleaseKey, steps: list[int], group: pa.Table,
 
 
 def _range_group(releases, steps: list[int], group: pa.Table) -> tuple[int, int, int, np.ndarray, np.ndarray]:
-    """(table id, start, stop, cells, counts) of one (table, range) group of sparse counts, without the range
-    marker (cell -1) every range carries."""
+    """(table id, start, stop, cells, counts) of one (table, range) group of partial counts (COUNTS_SCHEMA: the
+    range's marker carries none); a cell counted by several tasks repeats (`dense_range` sums repeats)."""
     table_id = int(group.column("table_id")[0].as_py())
     range_id = int(group.column("range_id")[0].as_py())
     start = range_id * steps[table_id]
     stop = min(start + steps[table_id], releases[table_id].n_measured)
-    cells = group.column("cell").to_numpy()
-    real = cells >= 0
-    return table_id, start, stop, cells[real], group.column("count").to_numpy()[real]
+    cells = [np.frombuffer(blob, dtype=np.int64) for blob in group.column("cells").to_pylist()]
+    counts = [np.frombuffer(blob, dtype=np.int64) for blob in group.column("counts").to_pylist()]
+    return table_id, start, stop, np.concatenate(cells), np.concatenate(counts)
 
 
 def _noise_function(plan: Plan, key: ReleaseKey, steps: list[int]):
@@ -591,9 +600,7 @@ class SparkEngine(Engine):
             candidates = [i for i, t in enumerate(counting) if t.name not in released_names]
             records = self._kept_records(spark, counting_plan, source, key)
             counts = _stage_output(records.mapInArrow(
-                _count_kept_function(counting_plan, one_way_ids + candidates, steps),
-                "table_id int, range_id long, cell long, count long")
-                .groupBy("table_id", "range_id", "cell").agg(F.sum("count").alias("count")))
+                _count_kept_function(counting_plan, one_way_ids + candidates, steps), COUNTS_SCHEMA))
             released = (self._grouped_ranges(spark, counting_plan, source, counts, steps, one_way_ids)
                         .applyInArrow(_noise_function(counting_plan, key, steps), "table_id int, cell long, noisy long")
                         .toArrow())
@@ -640,16 +647,15 @@ class SparkEngine(Engine):
 
     def _cell_counts(self, spark, plan: Plan, source: InputSource, key: ReleaseKey, steps: list[int],
                      table_ids: list[int] | None = None):
-        """(table_id, range_id, cell, count) of every nonzero cell of the plan's tables (only `table_ids` when
+        """Partial counts (COUNTS_SCHEMA) of every nonzero cell of the plan's tables (only `table_ids` when
         given), the input read, bounded over every table of the plan and counted in executors."""
         from pyspark.sql import functions as F
 
         partial = self._by_unit(spark, plan, source, key).mapInArrow(
-            _bound_count_function(plan, source.unit_column, key.derive("dprelease/bound"), steps),
-            "table_id int, range_id long, cell long, count long")
+            _bound_count_function(plan, source.unit_column, key.derive("dprelease/bound"), steps), COUNTS_SCHEMA)
         if table_ids is not None:
             partial = partial.where(F.col("table_id").isin(list(table_ids)))
-        return partial.groupBy("table_id", "range_id", "cell").agg(F.sum("count").alias("count"))
+        return partial
 
     def _by_unit(self, spark, plan: Plan, source: InputSource, key: ReleaseKey):
         """The input's records encoded for `plan` in the executors as they read them (`_encode_shard_function`), as
@@ -672,12 +678,12 @@ class SparkEngine(Engine):
         chosen = set(range(len(plan.tables)) if table_ids is None else table_ids)
         if table_ids is not None:
             counts = counts.where(F.col("table_id").isin(list(table_ids)))
-        ranges = [(i, r, -1, 0) for i, t in enumerate(plan.tables) if i in chosen
+        ranges = [(i, r, b"", b"") for i, t in enumerate(plan.tables) if i in chosen
                   for r in range(t.release.range_count(steps[i]))]
-        markers = spark.createDataFrame(ranges, "table_id int, range_id long, cell long, count long")
+        markers = spark.createDataFrame(ranges, COUNTS_SCHEMA)
         records = source.estimated_rows() * len(plan.tables)  # at most one count per (row, table)
         partitions = max(_shuffle_partitions(spark, len(ranges)), -(-records // COUNTS_PER_PARTITION))
-        return (counts.select("table_id", "range_id", "cell", "count").unionByName(markers)
+        return (counts.select("table_id", "range_id", "cells", "counts").unionByName(markers)
                 .repartition(min(partitions, len(ranges)), "table_id", "range_id")
                 .groupBy("table_id", "range_id"))
 

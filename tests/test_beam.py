@@ -311,7 +311,8 @@ def test_runner_options_are_built_and_checked():
     assert "disable_always_on_exception_sampling" in direct.view_as(DebugOptions).experiments
     assert "disable_always_on_exception_sampling" in dataflow.view_as(DebugOptions).experiments
     for sampled in (["--experiments=enable_data_sampling"], ["--experiments=a,enable_always_on_exception_sampling"],
-                    ["--dataflow_service_options=enable_always_on_exception_sampling"]):
+                    ["--dataflow_service_options=enable_always_on_exception_sampling"],
+                    ["--experiments= ENABLE_DATA_SAMPLING"]):
         with pytest.raises(SpecError, match="never samples"):  # the runner would receive records
             pipeline_options(None, sampled)
 

@@ -133,6 +133,31 @@ def test_blobs_are_cut_by_the_bytes_of_their_records(monkeypatch):
     assert [t.num_rows for t in blobs][-1] == 1 and len(blobs) > 10
 
 
+def test_a_range_adds_every_tasks_partial_counts_batch_by_batch():
+    """Found by review: a range's release task concatenated every counting task's copy of the range (memory grew
+    with the tasks). It now adds each task's row into the range as Spark hands the batches over; the sums are
+    those of all the partial counts, the range's marker (no count) included, and repeats across tasks add up."""
+    import numpy as np
+    import pyarrow as pa
+
+    from dprelease.pipelines.engines.spark import _range_counts, _sparse_counts
+
+    class Release:
+        n_measured = 1000
+
+    rng = np.random.default_rng(4)
+    steps = [300]
+    partials = [np.where(rng.random(1000) < 0.3, rng.integers(1, 9, 1000), 0) for _ in range(40)]  # 40 tasks
+    rows = pa.Table.from_batches([_sparse_counts(0, counts, steps) for counts in partials])
+    in_range = rows.filter(pa.compute.equal(rows["range_id"], 2))
+    marker = pa.table({"table_id": pa.array([0], pa.int32()), "range_id": pa.array([2], pa.int64()),
+                       "cells": pa.array([b""]), "counts": pa.array([b""])})
+    batches = pa.concat_tables([marker, in_range]).to_batches(max_chunksize=7)
+    table_id, start, stop, measured = _range_counts([Release()], steps, iter(batches))
+    assert (table_id, start, stop) == (0, 600, 900) and len(batches) > 4
+    assert np.array_equal(measured, sum(partials)[600:900])  # every task's counts of the range, added
+
+
 def test_spark_post_processes_and_writes_parts_in_executors(demo, monkeypatch):
     """Small groups and parts: every post-processing stage runs in executor tasks (each group's first attempt
     fails after writing its parts, the retry rewrites the same bytes) under a driver cell cap far below the

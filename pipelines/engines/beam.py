@@ -57,8 +57,6 @@ def import_beam():
     return beam
 
 
-SAMPLING_EXPERIMENTS = ("enable_data_sampling", "enable_always_on_exception_sampling")
-"""Beam experiments (or Dataflow service options) that make the SDK send elements (records) to the runner."""
 NO_SAMPLING = "disable_always_on_exception_sampling"
 """The experiment every release pipeline carries: no element of a failing step is sampled (Dataflow samples them by
 default, and would show the confidential records in its console)."""
@@ -68,8 +66,9 @@ def pipeline_options(runner: str | None, options: list[str], workers: int | None
     """Beam PipelineOptions for `runner` (default DirectRunner) plus the user's pass-through options.
 
     The DirectRunner defaults to multi_processing with one worker per core (`workers` overrides);
-    other runners get what the user passed. Every pipeline carries the experiment NO_SAMPLING, and the
-    experiments that sample elements are refused. Raises SpecError (exit 2) naming a missing required option or a
+    other runners get what the user passed. Every pipeline carries the experiment NO_SAMPLING, and any other
+    experiment or Dataflow service option about sampling (enable_data_sampling, enable_always_on_exception_sampling,
+    in any case) is refused: sampled elements are records sent to the runner. Raises SpecError (exit 2) naming a missing required option or a
     conflict."""
     import_beam()
     from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
@@ -80,9 +79,9 @@ def pipeline_options(runner: str | None, options: list[str], workers: int | None
     if templated:
         raise SpecError(f"pipeline options {', '.join(templated)}: a release is run, never saved as a template or job "
                         "file (a template would be re-run over other data); schedule `dprelease run` instead")
-    asked = {part.strip().split("=", 1)[0] for value in (given.get("experiments") or []) +
+    asked = {part.strip().split("=", 1)[0].lower() for value in (given.get("experiments") or []) +
              (given.get("dataflow_service_options") or []) for part in str(value).split(",")}
-    sampling = sorted(asked & set(SAMPLING_EXPERIMENTS))
+    sampling = sorted(name for name in asked if "sampling" in name and name != NO_SAMPLING)
     if sampling:
         raise SpecError(f"pipeline options {', '.join(sampling)}: Beam would send the elements it samples (confidential "
                         "records) to the runner; a release never samples its data")

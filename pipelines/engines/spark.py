@@ -34,7 +34,7 @@ from dprelease.transforms.aggregate import bounded_counts, bounded_records
 from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.bound import shard_pieces, shard_salt, unit_shards
 from dprelease.transforms.encode import UNIT, ColumnEncoder, encoded_table
-from dprelease.transforms.release_values import noisy_range
+from dprelease.transforms.release_values import release_range
 from dprelease.transforms.samplers import FAIL_FIRST_ATTEMPT_ENV
 from dprelease.transforms.worker_errors import public_failures
 
@@ -280,54 +280,61 @@ def _fail_if_first_attempt(what: str) -> None:
         raise RuntimeError(f"test hook: failing the first attempt of a {what} task")
 
 
-def _noisy_values(releases, key: ReleaseKey, steps: list[int], group: pa.Table,
+def _noisy_values(releases, key: ReleaseKey, steps: list[int], batches: Iterator[pa.RecordBatch],
                   fail_first_attempt: bool) -> tuple[int, int, np.ndarray]:
-    """(table id, first output, released values) of one (table, range) group of sparse counts: every public
+    """(table id, first output, released values) of one (table, range) group of partial counts: every public
     cell of the range, empty ones included (a range's marker carries no count)."""
     if fail_first_attempt:
         _fail_if_first_attempt("noise")
-    table_id, start, stop, cells, counts = _range_group(releases, steps, group)
+    table_id, start, stop, measured = _range_counts(releases, steps, batches)
     release = releases[table_id]
-    return table_id, release.output_start(start), noisy_range(key, release, start, stop, cells, counts)
+    return table_id, release.output_start(start), release_range(key, release, start, stop, measured)
 
 
-def _range_group(releases, steps: list[int], group: pa.Table) -> tuple[int, int, int, np.ndarray, np.ndarray]:
-    """(table id, start, stop, cells, counts) of one (table, range) group of partial counts (COUNTS_SCHEMA: the
-    range's marker carries none); a cell counted by several tasks repeats (`dense_range` sums repeats)."""
-    table_id = int(group.column("table_id")[0].as_py())
-    range_id = int(group.column("range_id")[0].as_py())
-    start = range_id * steps[table_id]
-    stop = min(start + steps[table_id], releases[table_id].n_measured)
-    cells = [np.frombuffer(blob, dtype=np.int64) for blob in group.column("cells").to_pylist()]
-    counts = [np.frombuffer(blob, dtype=np.int64) for blob in group.column("counts").to_pylist()]
-    return table_id, start, stop, np.concatenate(cells), np.concatenate(counts)
+def _range_counts(releases, steps: list[int], batches: Iterator[pa.RecordBatch]) -> tuple[int, int, int, np.ndarray]:
+    """(table id, start, stop, measured entries [start, stop)) of one (table, range) group of partial counts
+    (COUNTS_SCHEMA: one row per task that counted records in the range, and the range's marker, which carries
+    none), the tasks' counts added batch by batch as Spark hands them over: the task holds the range once, however
+    many tasks counted in it."""
+    measured = None
+    for batch in batches:
+        if measured is None:
+            table_id = int(batch.column("table_id")[0].as_py())
+            start = int(batch.column("range_id")[0].as_py()) * steps[table_id]
+            stop = min(start + steps[table_id], releases[table_id].n_measured)
+            measured = np.zeros(stop - start, dtype=np.int64)
+        cells, counts = batch.column("cells"), batch.column("counts")
+        for row in range(batch.num_rows):  # a task's cells are distinct: one indexed addition each
+            measured[np.frombuffer(cells[row].as_buffer(), dtype=np.int64) - start] += \
+                np.frombuffer(counts[row].as_buffer(), dtype=np.int64)
+    return table_id, start, stop, measured
 
 
 def _noise_function(plan: Plan, key: ReleaseKey, steps: list[int]):
     """Released values per cell, for the driver (releases estimated globally)."""
     releases, fail_first_attempt = [t.release for t in plan.tables], _fails_first_attempt()
 
-    def noise(group: pa.Table) -> pa.Table:
-        table_id, first, values = _noisy_values(releases, key, steps, group, fail_first_attempt)
-        return pa.table({"table_id": pa.array(np.full(values.size, table_id, dtype=np.int32)),
-                         "cell": pa.array(np.arange(first, first + values.size, dtype=np.int64)),
-                         "noisy": pa.array(values)})
+    def noise(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        table_id, first, values = _noisy_values(releases, key, steps, batches, fail_first_attempt)
+        yield pa.RecordBatch.from_pydict({"table_id": pa.array(np.full(values.size, table_id, dtype=np.int32)),
+                                          "cell": pa.array(np.arange(first, first + values.size, dtype=np.int64)),
+                                          "noisy": pa.array(values)})
 
     return public_failures("noise", noise)
 
 
 def _score_function(plan: Plan, steps: list[int], estimates):
-    """Per (candidate table, range) group of sparse bounded counts: the range's part of the candidate's score
+    """Per (candidate table, range) group of partial bounded counts: the range's part of the candidate's score
     (`transforms.mst.range_score`; every cell of the range, empty ones included). Only the integer leaves."""
     from dprelease.transforms.mst import range_score
-    from dprelease.transforms.release_values import dense_range
 
     releases = [t.release for t in plan.tables]
 
-    def score(group: pa.Table) -> pa.Table:
-        table_id, start, stop, cells, counts = _range_group(releases, steps, group)
-        value = range_score(dense_range(start, stop, cells, counts), start, estimates.value[table_id])
-        return pa.table({"table_id": pa.array([table_id], pa.int32()), "score": pa.array([value], pa.int64())})
+    def score(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        table_id, start, _, measured = _range_counts(releases, steps, batches)
+        value = range_score(measured, start, estimates.value[table_id])
+        yield pa.RecordBatch.from_pydict({"table_id": pa.array([table_id], pa.int32()),
+                                          "score": pa.array([value], pa.int64())})
 
     return public_failures("score", score)
 
@@ -339,10 +346,10 @@ def _noise_pieces_function(plan: Plan, key: ReleaseKey, steps: list[int], token:
 
     releases, fail_first_attempt = [t.release for t in plan.tables], _fails_first_attempt()
 
-    def noise(group: pa.Table) -> pa.Table:
+    def noise(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         flow = flow_for(token, plan, tree.value)
-        table_id, first, values = _noisy_values(releases, key, steps, group, fail_first_attempt)
-        return pa.Table.from_batches([to_batch(route_noise(flow, noise_piece(flow, table_id, first, values)))])
+        table_id, first, values = _noisy_values(releases, key, steps, batches, fail_first_attempt)
+        yield to_batch(route_noise(flow, noise_piece(flow, table_id, first, values)))
 
     return public_failures("noise", noise)
 

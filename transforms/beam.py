@@ -45,7 +45,7 @@ from .aggregate import TableLayout
 from .bound import bound_contributions, dense_unit_ids, record_keys, shard_pieces, shard_salt, unit_shards
 from .csprng import ReleaseKey
 from .encode import UNIT, ColumnEncoder, encoded_table
-from .release_values import TableRelease, dense_range, noisy_range
+from .release_values import TableRelease, dense_parts, release_range
 from .samplers import FAIL_FIRST_ATTEMPT_ENV
 from .worker_errors import public_failures
 
@@ -295,12 +295,9 @@ class Hierarchy(_QueryCounts):
     kind = "hierarchy"
 
 
-def _sparse_parts(parts) -> tuple[np.ndarray, np.ndarray]:
-    """(cells, counts) of a range's grouped parts, without the public range marker (None) each range has."""
-    counted = [part for part in parts if part is not None]
-    cells = np.concatenate([c for c, _ in counted]) if counted else np.empty(0, np.int64)
-    counts = np.concatenate([n for _, n in counted]) if counted else np.empty(0, np.int64)
-    return cells, counts
+def _counted_parts(parts) -> Iterable[tuple[np.ndarray, np.ndarray]]:
+    """A range's grouped (cells, counts) parts, without the public range marker (None) each range has."""
+    return (part for part in parts if part is not None)
 
 
 class _NoiseRange(beam.DoFn):
@@ -317,7 +314,7 @@ class _NoiseRange(beam.DoFn):
         (name, start), parts = element
         release = self.releases[name]
         stop = min(start + self.steps[name], release.n_measured)
-        values = noisy_range(key, release, start, stop, *_sparse_parts(parts))
+        values = release_range(key, release, start, stop, dense_parts(start, stop, _counted_parts(parts)))
         self._ranges_seen.append(f"{name}-{start}")
         yield name, release.output_start(start), values
 
@@ -403,7 +400,7 @@ def _score_range(element, measured: dict[str, int], steps: dict[str, int], estim
 
     (name, start), parts = element
     stop = min(start + steps[name], measured[name])
-    yield name, (range_score(dense_range(start, stop, *_sparse_parts(parts)), start, estimates[name]), 1)
+    yield name, (range_score(dense_parts(start, stop, _counted_parts(parts)), start, estimates[name]), 1)
 
 
 def _sum_scores(values: Iterable[tuple[int, int]]) -> tuple[int, int]:

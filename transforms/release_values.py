@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+from typing import Iterable
+
 import numpy as np
 
 from .csprng import CellStream
@@ -105,16 +107,17 @@ def _select_range(key, release: TableRelease, start: int, stop: int, measured: n
     return out.ravel()
 
 
-def dense_range(start: int, stop: int, cells: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Entries [start, stop) of a measurement given sparsely (`cells`: absolute indices, repeats summed, with
-    their `counts`; every other entry is 0)."""
+def dense_parts(start: int, stop: int, parts: Iterable[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Entries [start, stop) of a measurement given as sparse parts (each `(cells, counts)`: absolute indices and
+    their counts; repeats, within and across parts, summed; every other entry is 0), added part by part: memory
+    holds the range and one part, however many workers counted in it. Shared by the engines that release ranges
+    in workers."""
     measured = np.zeros(stop - start, dtype=np.int64)
-    np.add.at(measured, np.asarray(cells, dtype=np.int64) - start, counts)
+    for cells, counts in parts:
+        np.add.at(measured, np.asarray(cells, dtype=np.int64) - start, counts)
     return measured
 
 
-def noisy_range(key, release: TableRelease, start: int, stop: int, cells: np.ndarray,
-                counts: np.ndarray) -> np.ndarray:
-    """`release_range` with the true values given sparsely (`dense_range`). Shared by the engines that
-    release ranges in workers."""
-    return release_range(key, release, start, stop, dense_range(start, stop, cells, counts))
+def dense_range(start: int, stop: int, cells: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """`dense_parts` of one part."""
+    return dense_parts(start, stop, [(cells, counts)])

@@ -31,6 +31,13 @@ def no_progress(stage: str, done: int, total: int) -> None:
     return None
 
 
+def kept_records_signature(plan: Plan, source: InputSource, key: ReleaseKey) -> tuple:
+    """What the bounded records a selection keeps between passes depend on: the input, the bounding subkey and the
+    encoded columns (bounding is keyed by the key and the codes of every encoded column). A pass whose signature
+    differs must bound afresh."""
+    return id(source), key.derive("dprelease/bound"), tuple(plan.encoded_columns())
+
+
 def checked_scores(found: dict[str, tuple[int, int]], expected_ranges: dict[str, int], what: str) -> dict[str, int]:
     """Each candidate's score from `found` (name -> (score, ranges scored)), once every one of its ranges was
     scored (a count of public ranges, so the message is public); DPReleaseError naming the table and `what`

@@ -35,7 +35,7 @@ from ..housekeeping import leftover_tag, remove_stale, run_temporary_directory
 from ..plan import Plan
 from ..source import InputSource
 from ..storage import InputChanged
-from .base import Engine, ProgressHook, checked_scores, no_progress
+from .base import Engine, ProgressHook, checked_scores, kept_records_signature, no_progress
 
 REQUIRED_OPTIONS = {
     "DataflowRunner": ("project", "region", "temp_location"),
@@ -68,8 +68,8 @@ def pipeline_options(runner: str | None, options: list[str], workers: int | None
     The DirectRunner defaults to multi_processing with one worker per core (`workers` overrides);
     other runners get what the user passed. Every pipeline carries the experiment NO_SAMPLING, and any other
     experiment or Dataflow service option about sampling (enable_data_sampling, enable_always_on_exception_sampling,
-    in any case) is refused: sampled elements are records sent to the runner. Raises SpecError (exit 2) naming a missing required option or a
-    conflict."""
+    in any case) is refused: sampled elements are records sent to the runner. Raises SpecError (exit 2) naming a
+    missing required option or a conflict."""
     import_beam()
     from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
@@ -202,6 +202,14 @@ def _delete_remote(directory: str) -> None:
     if left != 0:
         log.warning("%s objects of this run are left under %s (confidential: remove them)",
                     "some" if left is None else left, shown(directory))
+
+
+def _remove_result_directory(directory: str, local: bool) -> None:
+    """Remove a directory `_result_directory` made, with everything in it."""
+    if local:
+        shutil.rmtree(directory, ignore_errors=True)
+    else:
+        _delete_remote(directory)
 
 
 def _route(element, plan: Plan, token: tuple, tree, table_ids: dict[str, int]):
@@ -438,7 +446,7 @@ class BeamEngine(Engine):
 
         from dprelease.transforms.beam import KEPT_PATTERN, KeepRecords
 
-        signature = (id(source), key.derive("dprelease/bound"), tuple(plan.encoded_columns()))
+        signature = kept_records_signature(plan, source, key)
         if self._kept is not None and self._kept[0] == signature:
             return
         self._drop_kept()
@@ -470,10 +478,7 @@ class BeamEngine(Engine):
         if self._kept is not None:
             _, directory, local, _ = self._kept
             self._kept = None
-            if local:
-                shutil.rmtree(directory, ignore_errors=True)
-            else:
-                _delete_remote(directory)
+            _remove_result_directory(directory, local)
 
     def close(self) -> None:
         """Remove the bounded records a selection kept."""
@@ -554,10 +559,7 @@ class BeamEngine(Engine):
             return read(directory)
         finally:
             self._directory, self._key_inputs = None, {}
-            if local:
-                shutil.rmtree(directory, ignore_errors=True)
-            else:
-                _delete_remote(directory)
+            _remove_result_directory(directory, local)
 
     def validate_input(self, plan: Plan, source: InputSource, runner):
         """The value-level expectations in the Beam workers: a great-expectations call per batch

@@ -27,7 +27,7 @@ from dprelease.transforms.samplers import table_noise
 from ..housekeeping import leftover_tag
 from ..plan import Plan
 from ..source import FileReader, InputSource, ReadTask
-from .base import Engine, ProgressHook, no_progress
+from .base import Engine, ProgressHook, kept_records_signature, no_progress
 from .workers import worker_pool
 
 
@@ -261,7 +261,7 @@ class EmbeddedEngine(Engine):
         from dprelease.transforms.mst import scores_from_counts
 
         counting_plan = dataclasses.replace(plan, tables=tuple(counting))
-        signature = (id(source), key.derive("dprelease/bound"), tuple(counting_plan.encoded_columns()))
+        signature = kept_records_signature(counting_plan, source, key)
         if self._bounded is not None and self._bounded[0] == signature:
             released, wanted = {t.name for t in plan.tables}, {t.name for t in one_way}
             needed = [t for t in counting if t.name not in released or t.name in wanted]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import shutil
 from pathlib import Path
@@ -34,14 +35,14 @@ from dprelease.transforms.aggregate import bounded_counts, bounded_records
 from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.bound import shard_pieces, shard_salt, unit_shards
 from dprelease.transforms.encode import UNIT, ColumnEncoder, encoded_table
-from dprelease.transforms.release_values import release_range
+from dprelease.transforms.release_values import dense_parts, release_range
 from dprelease.transforms.samplers import FAIL_FIRST_ATTEMPT_ENV
 from dprelease.transforms.worker_errors import public_failures
 
 from ..plan import Plan
 from ..source import InputSource, value_type
 from ..storage import InputChanged
-from .base import Engine, ProgressHook, checked_scores, no_progress
+from .base import Engine, ProgressHook, checked_scores, kept_records_signature, no_progress
 
 NOISE_RANGE_CELLS = 1 << 18
 ROWS_PER_PARTITION = 2_000_000
@@ -294,20 +295,22 @@ def _noisy_values(releases, key: ReleaseKey, steps: list[int], batches: Iterator
 def _range_counts(releases, steps: list[int], batches: Iterator[pa.RecordBatch]) -> tuple[int, int, int, np.ndarray]:
     """(table id, start, stop, measured entries [start, stop)) of one (table, range) group of partial counts
     (COUNTS_SCHEMA: one row per task that counted records in the range, and the range's marker, which carries
-    none), the tasks' counts added batch by batch as Spark hands them over: the task holds the range once, however
-    many tasks counted in it."""
-    measured = None
+    none), the tasks' counts added batch by batch as Spark hands them over (`dense_parts`): the task holds the range
+    once, however many tasks counted in it."""
+    first = next(batches)
+    table_id = int(first.column("table_id")[0].as_py())
+    start = int(first.column("range_id")[0].as_py()) * steps[table_id]
+    stop = min(start + steps[table_id], releases[table_id].n_measured)
+    return table_id, start, stop, dense_parts(start, stop, _row_parts(itertools.chain([first], batches)))
+
+
+def _row_parts(batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(cells, counts) of each partial-counts row (COUNTS_SCHEMA), read from its bytes without a copy."""
     for batch in batches:
-        if measured is None:
-            table_id = int(batch.column("table_id")[0].as_py())
-            start = int(batch.column("range_id")[0].as_py()) * steps[table_id]
-            stop = min(start + steps[table_id], releases[table_id].n_measured)
-            measured = np.zeros(stop - start, dtype=np.int64)
         cells, counts = batch.column("cells"), batch.column("counts")
-        for row in range(batch.num_rows):  # a task's cells are distinct: one indexed addition each
-            measured[np.frombuffer(cells[row].as_buffer(), dtype=np.int64) - start] += \
-                np.frombuffer(counts[row].as_buffer(), dtype=np.int64)
-    return table_id, start, stop, measured
+        for row in range(batch.num_rows):
+            yield (np.frombuffer(cells[row].as_buffer(), dtype=np.int64),
+                   np.frombuffer(counts[row].as_buffer(), dtype=np.int64))
 
 
 def _noise_function(plan: Plan, key: ReleaseKey, steps: list[int]):
@@ -636,7 +639,7 @@ class SparkEngine(Engine):
         run and persisted on the executors' local disks; later calls over the same columns reuse them."""
         from pyspark import StorageLevel
 
-        signature = (id(source), key.derive("dprelease/bound"), tuple(plan.encoded_columns()))
+        signature = kept_records_signature(plan, source, key)
         if self._kept is not None and self._kept[0] == signature:
             return self._kept[1]
         self._drop_kept()

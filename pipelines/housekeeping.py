@@ -1,10 +1,11 @@
 """Which process owns a run's leftovers, removing those of runs that died, and the private files a run
 leaves for its operator (validation reports, failure details).
 
-A run names its staging and spill directories (and its ledger reservation) after its process: host,
-pid and the process's start time, so a reused pid is never taken for the dead run. A later run of the
-same release removes the leftovers of its dead predecessors (SIGKILL cannot be caught); everything
-else a run creates is removed on its own exit paths, SIGTERM included.
+A run names its staging and spill directories after its process: host and PID namespace, pid and the
+process's start time, so a reused pid is never taken for the dead run, nor a live process of another
+container that shares the host name and the directory (but not the PID namespace) for a dead one. A later
+run of the same release removes the leftovers of its dead predecessors (SIGKILL cannot be caught);
+everything else a run creates is removed on its own exit paths, SIGTERM included.
 """
 from __future__ import annotations
 
@@ -33,14 +34,30 @@ def process_token(pid: int | None = None) -> str:
     return f"{pid}.{_start_ticks(pid) or 0}"
 
 
+def _pid_namespace() -> str:
+    """The inode of this process's PID namespace ('0' where it cannot be read): two containers that share a host
+    name and a directory but not their PIDs have different ones."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+def host_identity() -> str:
+    """`host~pidns`: the PID space a `pid.start` token names a process in. A process of another identity is never
+    told alive or dead here (a pid in another namespace may be live while this one's /proc has no such pid)."""
+    return f"{socket.gethostname()}~{_pid_namespace()}"
+
+
 def leftover_tag() -> str:
-    """`pid.start@host@`: what names a run's staging, replaced and spill directories after their prefix."""
-    return f"{process_token()}@{socket.gethostname()}@"
+    """`pid.start@host~pidns@`: what names a run's staging, replaced and spill directories after their prefix."""
+    return f"{process_token()}@{host_identity()}@"
 
 
 def store_leftover_tag() -> str:
-    """`pid.start+host+`: `leftover_tag` for a staging prefix in an object store ('@' in a URI is user info)."""
-    return f"{process_token()}+{socket.gethostname()}+"
+    """`pid.start+host~pidns+`: `leftover_tag` for a staging prefix in an object store ('@' in a URI is user
+    info)."""
+    return f"{process_token()}+{host_identity()}+"
 
 
 def input_copy_prefix(release_id: str) -> str:
@@ -55,7 +72,7 @@ release published to a store; the Beam engine's results: noisy ranges, the key f
 
 
 def run_temporary_directory(prefix: str) -> Path:
-    """A new private (0700) directory in TMPDIR named `<prefix><pid.start>@<host>@<random>`, `prefix` one of
+    """A new private (0700) directory in TMPDIR named `<prefix><pid.start>@<host~pidns>@<random>`, `prefix` one of
     RUN_TEMPORARY_PREFIXES: the next run on this host removes it if its process died (`remove_stale`)."""
     import tempfile
 
@@ -64,18 +81,25 @@ def run_temporary_directory(prefix: str) -> Path:
 
 
 def owner() -> str:
-    """The owner of a ledger reservation: host:pid.start."""
+    """The owner of a ledger reservation, for people (host:pid.start). Only rows an older dprelease reserved without
+    a lease are settled by it (`owner_alive`); a run's rows now live by their lease."""
     return f"{socket.gethostname()}:{process_token()}"
 
 
 TOKEN = re.compile(r"^[0-9]+\.[0-9]+$")
 
 
-def process_alive(host: str, token: str) -> bool | None:
-    """Whether the process `pid.start` of `host` still runs: True/False on this host, None for another
-    host or where /proc cannot be read (cannot be told here). A malformed token names no process: False."""
-    if host != socket.gethostname():
+def process_alive(identity: str, token: str) -> bool | None:
+    """Whether the process `pid.start` of `identity` (`host_identity()`) still runs: True/False in this host's PID
+    namespace, None for another host or namespace, or where /proc cannot be read (cannot be told here). A
+    malformed token names no process: False."""
+    if identity != host_identity() or _pid_namespace() == "0":
         return None
+    return _alive_here(token)
+
+
+def _alive_here(token: str) -> bool | None:
+    """Whether `pid.start` runs in this process's PID namespace (None where /proc cannot be read)."""
     if _start_ticks(os.getpid()) is None:  # no /proc (another system, or hidden): no process can be told dead
         return None
     if not TOKEN.fullmatch(token):
@@ -85,15 +109,16 @@ def process_alive(host: str, token: str) -> bool | None:
 
 
 def owner_alive(owner_text: str) -> bool | None:
-    """`process_alive` of a ledger reservation's owner (`owner()`: host:pid.start)."""
+    """Whether a ledger reservation's owner (`owner()`: host:pid.start, no namespace: written by an older dprelease)
+    still runs: None for another host. Such rows predate containers sharing a host name as far as this knows."""
     host, _, token = owner_text.rpartition(":")
-    return process_alive(host, token)
+    return _alive_here(token) if host == socket.gethostname() else None
 
 
 def remove_stale(parent: Path, prefix: str) -> list[Path]:
-    """Remove the directories `<parent>/<prefix><pid.start>@<host>@...` (prefix ends in '@', see
-    `leftover_tag`) whose process on this host is gone; never follows a link, and never touches a name
-    without the prefix and a well-formed token, nor one of another host (a shared output directory).
+    """Remove the directories `<parent>/<prefix><pid.start>@<host~pidns>@...` (prefix ends in '@', see
+    `leftover_tag`) whose process in this host's PID namespace is gone; never follows a link, and never touches a
+    name without the prefix and a well-formed token, nor one of another host or namespace (a shared directory).
     Returns what was removed."""
     removed = []
     if not parent.is_dir():

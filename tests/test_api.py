@@ -283,11 +283,9 @@ def test_unexpected_failures_name_only_their_type_and_keep_details_internal(tmp_
 
 def test_a_killed_runs_input_copy_is_removed_by_the_next_run(tmp_path):
     """The private copy is named after its process, so the next run of the release removes a dead run's copy."""
-    import socket
+    from dprelease.pipelines.housekeeping import host_identity, input_copy_prefix
 
-    from dprelease.pipelines.housekeeping import input_copy_prefix
-
-    dead = Path(tempfile.gettempdir()) / f"{input_copy_prefix('test-release')}4194303.1@{socket.gethostname()}@x1"
+    dead = Path(tempfile.gettempdir()) / f"{input_copy_prefix('test-release')}4194303.1@{host_identity()}@x1"
     dead.mkdir()
     (dead / "input.parquet").write_bytes(b"confidential")
     write_case(tmp_path, small_spec())

@@ -425,13 +425,12 @@ def test_a_local_temp_location_keeps_nothing_and_loses_what_killed_runs_left(cas
     SIGKILLed run's key file and noisy ranges stayed there for good. They are named after the process now, and a
     run removes those of dead runs on this host (never a live one's)."""
     import os
-    import socket
 
-    from dprelease.pipelines.housekeeping import leftover_tag
+    from dprelease.pipelines.housekeeping import host_identity, leftover_tag
 
     temp = tmp_path / "temp"
     temp.mkdir(mode=0o700)
-    dead = temp / f"dprelease-beam@4194303.1@{socket.gethostname()}@0a1b"
+    dead = temp / f"dprelease-beam@4194303.1@{host_identity()}@0a1b"
     live = temp / f"dprelease-beam@{leftover_tag()}ffff"  # this process's: alive
     for directory in (dead, live):
         directory.mkdir(mode=0o700)

@@ -23,6 +23,7 @@ from click.testing import CliRunner
 from dprelease.accounting.errors import InputSchemaError
 from dprelease.accounting.ledger import ABORTED, history, open_ledger, set_budget
 from dprelease.pipelines.engines import embedded as embedded_module
+from dprelease.pipelines.housekeeping import host_identity
 from dprelease.pipelines.run import run_release
 from dprelease.pipelines.verify import verify_release
 
@@ -276,7 +277,7 @@ def test_a_killed_run_leaves_nothing_behind_after_the_next_run(tmp_path, signum,
         settled = cli("ledger", "reconcile", "--ledger", book, env=env)
         assert settled.returncode == 0 and [r.status for r in history(open_ledger(book), "demo-census")[1]] == [ABORTED]
     assert not (tmp_path / "out" / "demo-2026").exists()
-    host = socket.gethostname()
+    host = host_identity()
     stray = tmp_path / "out" / f".demo-2026.staging@1.1@{host}@dead"  # a staging dir of a long-dead run
     stray.mkdir(parents=True)
     other = temp / f"dprelease-spill-other-release@1.1@{host}@x"  # another release's: never touched
@@ -294,11 +295,9 @@ def test_without_proc_no_directory_is_taken_for_a_dead_runs(tmp_path, monkeypatc
     """Found by review: where /proc cannot be read every process's start time was unknown, so every run's
     directories (the sweeping run's own included) were taken for dead ones and removed. Now nothing is told dead
     there; with /proc, a dead run's directory goes and a live one (this process's) stays."""
-    import socket
-
     from dprelease.pipelines import housekeeping
 
-    host = socket.gethostname()
+    host = housekeeping.host_identity()
     dead = tmp_path / f"dprelease-publish@4194303.1@{host}@x1"
     live = tmp_path / f"dprelease-publish@{housekeeping.process_token()}@{host}@x2"
     for directory in (dead, live):
@@ -307,3 +306,21 @@ def test_without_proc_no_directory_is_taken_for_a_dead_runs(tmp_path, monkeypatc
         patched.setattr(housekeeping, "_start_ticks", lambda pid: None)
         assert housekeeping.remove_stale(tmp_path, "dprelease-publish@") == [] and dead.exists() and live.exists()
     assert housekeeping.remove_stale(tmp_path, "dprelease-publish@") == [dead] and live.exists()
+
+
+def test_a_process_of_another_pid_namespace_is_never_told_dead(tmp_path):
+    """Found by review: two containers sharing a host name and a TMPDIR (or output directory) but not their PID
+    namespace could take each other's live directories for dead ones (the other's pid is absent from this /proc)
+    and remove them mid-run. The tag names the PID namespace; a directory of another namespace, or of the host name
+    alone (written before namespaces were named), is never removed."""
+    from dprelease.pipelines import housekeeping
+
+    other_namespace = tmp_path / f"dprelease-publish@4194303.1@{socket.gethostname()}~1@x1"
+    hostname_only = tmp_path / f"dprelease-publish@4194303.1@{socket.gethostname()}@x2"
+    this_namespace = tmp_path / f"dprelease-publish@4194303.1@{housekeeping.host_identity()}@x3"
+    for directory in (other_namespace, hostname_only, this_namespace):
+        directory.mkdir()
+    assert housekeeping.leftover_tag().endswith(f"@{housekeeping.host_identity()}@")
+    assert housekeeping.process_alive(f"{socket.gethostname()}~1", "4194303.1") is None
+    assert housekeeping.remove_stale(tmp_path, "dprelease-publish@") == [this_namespace]
+    assert other_namespace.exists() and hostname_only.exists()

@@ -104,13 +104,12 @@ def test_an_interrupted_upload_leaves_no_release_stays_charged_and_republishes_f
 def test_the_python_api_publishes_to_s3_and_reads_the_tables_back(s3, credentials, tmp_path):
     """The release's local copy lives in a run temporary directory named after the process, so a run removes
     the ones (and the Beam engine's result directories) that killed runs on this host left."""
-    import socket
     import tempfile
     from pathlib import Path
 
-    from dprelease.pipelines.housekeeping import RUN_TEMPORARY_PREFIXES
+    from dprelease.pipelines.housekeeping import RUN_TEMPORARY_PREFIXES, host_identity
 
-    dead = [Path(tempfile.gettempdir()) / f"{prefix}4194303.1@{socket.gethostname()}@x1"
+    dead = [Path(tempfile.gettempdir()) / f"{prefix}4194303.1@{host_identity()}@x1"
             for prefix in RUN_TEMPORARY_PREFIXES]
     for directory in dead:
         directory.mkdir()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from dprelease.accounting.errors import DPReleaseError, SpecError
+from dprelease.accounting.errors import SpecError
 from dprelease.pipelines.commands import demo_data
 from dprelease.pipelines.layout import Layout
 from dprelease.pipelines.run import run_release

@@ -5,7 +5,6 @@ copies the parts into the release inside the store and uploads the manifest last
 Against a real S3-compatible server on 127.0.0.1 (moto's, as in test_storage); the cluster case is in test_spark."""
 from __future__ import annotations
 
-import socket
 import hashlib
 import json
 from fractions import Fraction
@@ -19,6 +18,7 @@ from dprelease.accounting.ledger import COMMITTED, open_ledger, set_budget
 from dprelease.pipelines import release as release_module
 from dprelease.pipelines import run as run_module
 from dprelease.pipelines.dataflow import Flow
+from dprelease.pipelines.housekeeping import host_identity
 from dprelease.pipelines.layout import Part
 from dprelease.pipelines.plan import build_plan
 from dprelease.pipelines.run import run_release
@@ -125,7 +125,7 @@ def test_staged_parts_that_cannot_be_removed_are_named_and_the_run_is_charged(s3
 def test_the_next_run_removes_a_dead_runs_staging_prefix_and_no_other(s3, credentials, tmp_path):
     pytest.importorskip("apache_beam")
     out = bucket_uri(s3, "stale")
-    here = socket.gethostname()
+    here = host_identity()
     dead = f"stale/releases/.test-release.staging+999999999.1+{here}+0a0b0c0d"
     elsewhere = "stale/releases/.test-release.staging+12.34+another-host+0a0b0c0d"
     unparsed = f"stale/releases/.test-release.staging+notatoken+{here}+0a0b0c0d"

@@ -16,8 +16,15 @@ every engine publishes the same bytes.
       down(l): per group of level l (and its parents)     -> down state of level l, parts  (l = 1 .. d)
       cells:   per part of every other table              -> parts written (tables, measurements, means)
                per part of a debiased table               -> debiased/ parts written (randomized response)
-The engine provides three operations: `rekey` (a flat map of Arrow batches), `group` (group by key and
-apply a kernel to each group's rows) and `collect` (the small file entries).
+Consecutive steps run in one group of one stage where no shuffle is needed between them (`fused_runs`): a
+run of steps of one group each (the root's up and down steps, and the levels next to them while a level
+fits one group), and the leaves' up step with the one above it (their groups are the same). Engines group
+a stage by `group_key` (a step's key under its run's first step); the steps after the first hand their
+pieces over in the worker, through the same wire format. The per-cell parts have no step before them and
+run in the first stage. Fewer stages, the same groups and kernels: the same bytes.
+
+The engine provides three operations: `rekey` (a flat map of Arrow batches), `group` (group by
+`group_key` and apply a kernel to each group's rows) and `collect` (the small file entries).
 """
 from __future__ import annotations
 
@@ -145,6 +152,10 @@ class Flow:
         self.table_index = {t.name: i for i, t in enumerate(plan.tables)}
         self.debiased = {self.table_index[d.table.name]: d for d in debiased_tables(plan)}
         self.debiased_parts = {i: debiased_parts(plan, d, self.layout) for i, d in self.debiased.items()}
+        self.runs = fused_runs(self)
+        """The tree's steps in order (prefixes), as the runs that share one group (`fused_runs`)."""
+        self.heads = {prefix: run[0] for run in self.runs for prefix in run[1:]}
+        """The first step of its run, for every step that is not first in its run."""
 
     # groups of each level, as boundaries over its units
     def child_bounds(self, level: int) -> np.ndarray:
@@ -409,12 +420,42 @@ def debias_kernel(flow: Flow, table_index: int, group: int, pieces: list[Piece])
 
 
 def run_group(flow: Flow, key: int, pieces: list[Piece]) -> list[Piece]:
-    """Dispatch a group's pieces to its stage's kernel."""
+    """A group of a stage (`key`: any of its pieces' keys): its run of steps when the key's step is fused with
+    others (`fused_runs`), else its step's kernel."""
+    head = group_key(flow.heads, key)
+    run = next((r for r in flow.runs if len(r) > 1 and r[0] == stage_of(head)), None)
+    if run is None:
+        return _run_step(flow, key, pieces)
+    return _run_fused(flow, run, pieces)
+
+
+def _run_step(flow: Flow, key: int, pieces: list[Piece]) -> list[Piece]:
+    """Dispatch a group's pieces to its step's kernel."""
     code, level, group = key >> 56, (key >> 40) & 0xFFFF, key_group(key)
     stage = {v: k for k, v in STAGE_CODES.items()}[code]
     kernel = {"up": up_kernel, "down": down_kernel, "cells": cells_kernel, "means": means_kernel,
               "debias": debias_kernel}[stage]
     return kernel(flow, level, group, pieces)
+
+
+def _run_fused(flow: Flow, run: tuple[int, ...], pieces: list[Piece]) -> list[Piece]:
+    """The steps of a run in one group, in order: each step's groups (one, or the same group number) get the
+    pieces keyed for them, from the stage's input and from the steps before, which hand them over through the
+    wire format (`to_batch`, `from_table`), as a shuffle would. Out: what leaves the run (pieces for later
+    stages, file entries)."""
+    pool, out = list(pieces), []
+    for i, prefix in enumerate(run):
+        mine: dict[int, list[Piece]] = {}
+        for piece in pool:
+            if stage_of(piece.key) == prefix:
+                mine.setdefault(piece.key, []).append(piece)
+        pool = [piece for piece in pool if stage_of(piece.key) != prefix]
+        made = from_table(to_batch([made for key in sorted(mine) for made in _run_step(flow, key, mine[key])]))
+        later = set(run[i + 1:])
+        inside = [p for p in made if p.kind != FILES and stage_of(p.key) in later]
+        out += [p for p in made if p.kind == FILES or stage_of(p.key) not in later]
+        pool += inside
+    return out
 
 
 def _summary_record(summary: VarianceSummary) -> list:
@@ -458,18 +499,56 @@ def range_length(flow: Flow, table_index: int) -> int:
     return per_unit * max(1, NOISE_TARGET // per_unit)
 
 
+def tree_steps(flow: Flow) -> list[int]:
+    """The tree's steps in order, as (code << 16 | level) prefixes: the up steps leaves first, then the down steps
+    root first."""
+    if flow.tree is None:
+        return []
+    depth = len(flow.tree.levels)
+    return ([STAGE_CODES["up"] << 16 | level for level in reversed(range(depth))]
+            + [STAGE_CODES["down"] << 16 | level for level in range(depth)])
+
+
+def fused_runs(flow: Flow) -> list[tuple[int, ...]]:
+    """The tree's steps as runs that one group can do in order, without a shuffle between them: a step joins the
+    run before it when every step of the run and it has one group (each step's group then reads only the run's
+    group), or when it is the up step above the leaves' (the leaves' groups are its groups of parents, group for
+    group). A public function of the tree and the layout."""
+    runs: list[list[int]] = []
+    steps = tree_steps(flow)
+    for step in steps:
+        if runs and _joins(flow, runs[-1], step, steps):
+            runs[-1].append(step)
+        else:
+            runs.append([step])
+    return [tuple(run) for run in runs]
+
+
+def _joins(flow: Flow, run: list[int], step: int, steps: list[int]) -> bool:
+    if all(_step_groups(flow, p) == 1 for p in (*run, step)):
+        return True
+    leaves_up, above = steps[0], steps[1]
+    return run == [leaves_up] and step == above and above >> 16 == STAGE_CODES["up"]
+
+
+def group_key(heads: dict[int, int], key: int) -> int:
+    """What an engine groups a piece by: its key, under its run's first step when its step is fused into a run
+    (`heads`: `Flow.heads`; the run's groups are numbered as each of its steps' groups)."""
+    head = heads.get(stage_of(key))
+    return key if head is None else (head << 40) | key_group(key)
+
+
 def stage_order(flow: Flow) -> list[list[int]]:
-    """The stages in order, each as the (code << 16 | level) prefixes of the keys it groups: the up steps
-    leaves first, the down steps root first, then every per-cell part (tables and means) at once."""
-    stages = []
-    if flow.tree is not None:
-        depth = len(flow.tree.levels)
-        stages += [[STAGE_CODES["up"] << 16 | level] for level in reversed(range(depth))]
-        stages += [[STAGE_CODES["down"] << 16 | level] for level in range(depth)]
+    """The stages in order, each as the (code << 16 | level) prefixes of the keys it groups: the runs of the
+    tree's steps (`fused_runs`), every per-cell part (tables and means) in the first stage (none reads
+    another stage's output)."""
+    stages = [list(run) for run in flow.runs]
     cells = [STAGE_CODES["cells"] << 16 | i for i, t in enumerate(flow.plan.tables) if flow.tree_level(t.name) is None]
     cells += [STAGE_CODES["means"] << 16 | m for m in range(len(flow.plan.means))]
     cells += [STAGE_CODES["debias"] << 16 | i for i in sorted(flow.debiased)]
-    if cells:
+    if cells and stages:
+        stages[0] += cells
+    elif cells:
         stages.append(cells)
     return stages
 
@@ -500,22 +579,23 @@ def stage_sources(flow: Flow, stages: list[list[int]]) -> list[list[int]]:
 
 
 def stage_groups(flow: Flow, prefixes: list[int]) -> int:
-    """How many groups a stage has (engines size its shuffle by it)."""
-    total = 0
-    for prefix in prefixes:
-        code, level = prefix >> 16, prefix & 0xFFFF
-        if code == STAGE_CODES["up"]:
-            leaf = level == len(flow.tree.levels) - 1
-            total += (flow.child_bounds(level) if leaf else flow.parent_bounds(level)).size - 1
-        elif code == STAGE_CODES["down"]:
-            total += flow.child_bounds(level).size - 1
-        elif code == STAGE_CODES["cells"]:
-            total += len(table_parts(flow.plan, flow.plan.tables[level], TABLES_DIR, flow.layout))
-        elif code == STAGE_CODES["means"]:
-            total += len(mean_parts(flow.plan, flow.plan.means[level], flow.layout))
-        else:
-            total += len(flow.debiased_parts[level])
-    return total
+    """How many groups a stage has (engines size its shuffle by it): a run's are its first step's."""
+    return sum(_step_groups(flow, prefix) for prefix in prefixes if prefix not in flow.heads)
+
+
+def _step_groups(flow: Flow, prefix: int) -> int:
+    """How many groups one step has."""
+    code, level = prefix >> 16, prefix & 0xFFFF
+    if code == STAGE_CODES["up"]:
+        leaf = level == len(flow.tree.levels) - 1
+        return (flow.child_bounds(level) if leaf else flow.parent_bounds(level)).size - 1
+    if code == STAGE_CODES["down"]:
+        return flow.child_bounds(level).size - 1
+    if code == STAGE_CODES["cells"]:
+        return len(table_parts(flow.plan, flow.plan.tables[level], TABLES_DIR, flow.layout))
+    if code == STAGE_CODES["means"]:
+        return len(mean_parts(flow.plan, flow.plan.means[level], flow.layout))
+    return len(flow.debiased_parts[level])
 
 
 def run_local(flow: Flow, noise_pieces: list[Piece]) -> tuple[list[dict], dict[str, VarianceSummary]]:
@@ -527,6 +607,6 @@ def run_local(flow: Flow, noise_pieces: list[Piece]) -> tuple[list[dict], dict[s
         groups: dict[int, list[Piece]] = {}
         for piece in (p for source in sources for p in pools[source]):
             if stage_of(piece.key) in prefixes:
-                groups.setdefault(piece.key, []).append(piece)
+                groups.setdefault(group_key(flow.heads, piece.key), []).append(piece)
         pools.append(from_table(to_batch([out for key in sorted(groups) for out in run_group(flow, key, groups[key])])))
     return results([p for pool in pools[1:] for p in pool])

@@ -8,7 +8,8 @@ import pytest
 
 from dprelease.accounting.errors import DPReleaseError
 from dprelease.pipelines.dataflow import (STAGE_CODES, Flow, Piece, from_table, noise_piece, pack, range_length,
-                                          run_local, split, stage_order, stage_sources, to_batch, unpack)
+                                          run_local, split, stage_groups, stage_order, stage_sources, to_batch,
+                                          unpack)
 from dprelease.pipelines import dataflow
 from dprelease.pipelines.layout import Layout
 from dprelease.pipelines.plan import build_plan
@@ -99,17 +100,63 @@ def test_a_large_piece_travels_as_pieces_of_whole_units_that_join_back():
 
 
 def test_stages_read_only_the_pools_that_feed_them(plan):
-    flow = Flow(plan, Layout(), "")
+    """Groups of 64 cells: the leaves' up step runs with the one above it, the root's steps with down(1) (each of one
+    group); the per-cell parts run in the first stage."""
+    flow = Flow(plan, Layout(64, 64), "")
     stages = stage_order(flow)
     up, down = STAGE_CODES["up"] << 16, STAGE_CODES["down"] << 16
-    assert stages[:4] == [[up | 3], [up | 2], [up | 1], [up | 0]]
-    assert stages[4:8] == [[down | 0], [down | 1], [down | 2], [down | 3]]
+    assert flow.runs == [(up | 3, up | 2), (up | 1,), (up | 0, down | 0, down | 1), (down | 2,), (down | 3,)]
+    assert stages[0][:2] == [up | 3, up | 2] and {p >> 16 for p in stages[0][2:]} == {3, 4, 5}
+    assert stages[1:] == [[up | 1], [up | 0, down | 0, down | 1], [down | 2], [down | 3]]
     sources = stage_sources(flow, stages)
-    assert sources[0] == [0]            # the leaves' up step: noise only
-    assert sources[1] == [0, 1]         # up(2): noise and up(3)
-    assert sources[4] == [0, 4]         # the root: noise and up(0)
-    assert sources[5] == [0, 3, 5]      # down(1): noise, up(1) and down(0)
-    assert sources[8] == [0]            # the per-cell parts (sums, quantiles, means): noise only
+    assert sources[0] == [0]            # the leaves' and the per-cell parts: noise only (pool i + 1: stage i's output)
+    assert sources[1] == [0, 1]         # up(1): noise and up(2) (the first stage's)
+    assert sources[2] == [0, 2]         # the root's run: noise and up(1)
+    assert sources[3] == [0, 1, 3]      # down(2): noise, up(2) (the first stage's) and down(1) (the root's run's)
+    assert sources[4] == [0, 1, 4]      # down(3): noise, up(3) (the first stage's) and down(2)
+    assert stage_groups(flow, stages[2]) == 1 and stage_groups(flow, stages[0]) == 1 + sum(
+        stage_groups(flow, [p]) for p in stages[0][2:])
+    whole = Flow(plan, Layout(), "")    # every step of one group: the whole tree is one run, in one stage
+    assert len(whole.runs) == 1 and len(stage_order(whole)) == 1
+
+
+@pytest.fixture(scope="module")
+def leaf_plan(tmp_path_factory):
+    """Marginals within tract: the leaves' groups of 64 cells are many, so the fused leaves' run has many groups."""
+    queries = [QUERIES[0], {**QUERIES[1], "within": "geo.tract"}, QUERIES[3]]
+    spec = small_spec(columns=FLOW_COLUMNS, queries=queries, budget={"definition": "zcdp", "rho": "1/3"})
+    directory = tmp_path_factory.mktemp("leaves")
+    path = write_case(directory, spec)
+    (directory / "geo.txt").write_text("\n".join(geography(8)) + "\n")
+    return build_plan(parse_spec(spec), path.parent)
+
+
+@pytest.mark.parametrize("piece_bytes", [None, 256])
+def test_a_run_of_many_groups_writes_the_embedded_release_byte_for_byte(leaf_plan, tmp_path, piece_bytes, monkeypatch):
+    """The leaves' up step and the one above it share their groups (many here): one stage, group for group, the
+    same bytes as the embedded engine; a group's pieces for the step after it never leave the group."""
+    if piece_bytes:
+        monkeypatch.setattr(dataflow, "MAX_PIECE_BYTES", piece_bytes)
+    layout = Layout(64, 64)
+    noisy = noisy_outputs(leaf_plan)
+    embedded = stage_release(leaf_plan, noisy, post_process(leaf_plan, noisy, group_work=layout.group_work),
+                             tmp_path / "embedded" / "r", layout=layout, **COMMON)
+    staging, token = new_staging(tmp_path / "stages" / "r")
+    flow = Flow(leaf_plan, layout, str(staging), staging_token=token)
+    up = STAGE_CODES["up"] << 16
+    assert flow.runs[0] == (up | 3, up | 2) and stage_groups(flow, [up | 3]) > 3
+    routed = [p for piece in noise_pieces(flow, noisy) for p in dataflow.route_noise(flow, piece)]
+    first = [p for p in routed if dataflow.stage_of(p.key) in flow.runs[0]]
+    groups = {dataflow.group_key(flow.heads, p.key) for p in first}
+    assert len(groups) == stage_groups(flow, [up | 3])
+    out = [made for g in sorted(groups) for made in dataflow.run_group(
+        flow, g, [p for p in first if dataflow.group_key(flow.heads, p.key) == g])]
+    assert out and not any(dataflow.stage_of(p.key) == up | 2 for p in out if p.kind != dataflow.FILES)
+    entries, summaries = run_local(flow, noise_pieces(flow, noisy))
+    check_staged_files(staging, entries)
+    staged = finish_release(leaf_plan, staging, entries, layout=layout, summaries=summaries, **COMMON)
+    ours, reference = files_of(staged.staging), files_of(embedded.staging)
+    assert ours.keys() == reference.keys() and all(ours[name] == reference[name] for name in reference)
 
 
 def test_pieces_survive_their_encoding_and_split_at_group_bounds():

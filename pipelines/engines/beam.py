@@ -273,6 +273,13 @@ def _in_stage(element, prefixes: frozenset) -> bool:
     return element[1].kind != FILES and stage_of(element[0]) in prefixes
 
 
+def _grouped(element, heads: dict):
+    """(the group a piece is run in: `dataflow.group_key`, the piece)."""
+    from ..dataflow import group_key
+
+    return group_key(heads, element[0]), element[1]
+
+
 def _write_entries(element, directory: str):
     """A group's file entries, as one small JSON file in the result directory (named by its content)."""
     import hashlib
@@ -288,7 +295,7 @@ def _write_entries(element, directory: str):
 def post_process_and_write(noisy, flow, token: tuple, directory: str):
     """Released ranges (a PCollection) -> every table part written into the flow's staging directory,
     post-processed per group of units (`pipelines.dataflow`: per stage a Filter of the pools it reads, a
-    GroupByKey and a kernel per group), each group's file entries into `directory`. The driver's tree
+    GroupByKey by `group_key` and a kernel per group), each group's file entries into `directory`. The driver's tree
     travels with the transforms (its operators are never recomputed in workers)."""
     beam = import_beam()
     from ..dataflow import FILES, stage_order, stage_sources
@@ -302,6 +309,7 @@ def post_process_and_write(noisy, flow, token: tuple, directory: str):
         chosen = [pools[j] | f"Stage{i}From{j}" >> beam.Filter(_in_stage, frozenset(prefixes)) for j in sources]
         pools.append(chosen
                      | f"Stage{i}Inputs" >> beam.Flatten()
+                     | f"Stage{i}Keys" >> beam.Map(_grouped, flow.heads)
                      | f"Stage{i}Groups" >> beam.GroupByKey()
                      | f"Stage{i}Run" >> beam.FlatMap(public_failures("post-process", _run_group), plan, token, tree))
     files = [pool | f"Files{j}" >> beam.Filter(lambda element: element[1].kind == FILES)

@@ -424,6 +424,17 @@ def _arrow_settings(spark):
                 spark.conf.set(name, value)
 
 
+def _group_column(heads: dict[int, int]):
+    """`dataflow.group_key` as a column: a piece's key, under its run's first step when its step is fused."""
+    from pyspark.sql import functions as F
+
+    key = F.col("key")
+    grouped = key
+    for step, head in heads.items():
+        grouped = F.when(F.shiftright(key, 40) == step, key + F.lit((head - step) << 40)).otherwise(grouped)
+    return grouped
+
+
 def _stage_partitions(groups: int) -> int:
     """Partitions of a post-processing stage: one per group (a group is up to `--group-work` cells, so a
     task sorts and holds one group's rows, whatever the release's size)."""
@@ -723,8 +734,9 @@ class SparkEngine(Engine):
                 for source_index in sources:
                     chosen = pools[source_index].where(F.shiftright(F.col("key"), 40).isin(prefixes))
                     inputs = chosen if inputs is None else inputs.unionByName(chosen)
-                pools.append(_stage_output(inputs.repartition(_stage_partitions(stage_groups(flow, prefixes)), "key")
-                                           .groupBy("key").applyInArrow(_group_function(plan, token, tree), SPARK_SCHEMA)))
+                grouped = inputs.withColumn("group", _group_column(flow.heads))
+                pools.append(_stage_output(grouped.repartition(_stage_partitions(stage_groups(flow, prefixes)), "group")
+                                           .groupBy("group").applyInArrow(_group_function(plan, token, tree), SPARK_SCHEMA)))
                 progress("post-process", done + 1, len(stages))
             files = None
             for frame in pools[1:]:

@@ -206,6 +206,17 @@ def flow_for(token: tuple, plan: Plan, tree) -> Flow:
     return _FLOWS[token]
 
 
+def flow_from(token: tuple, load_objects) -> Flow:
+    """`flow_for` with the plan and the driver's tree pickled together (`load_objects()` gives the bytes: what a Beam
+    pipeline ships once from its launcher), loaded only when this worker has not built the run's Flow yet."""
+    if token not in _FLOWS:
+        import pickle
+
+        plan, tree = pickle.loads(load_objects())
+        return flow_for(token, plan, tree)
+    return _FLOWS[token]
+
+
 def split(piece: Piece, bounds: np.ndarray, kind: str | None = None) -> list[Piece]:
     """A piece cut at group boundaries (unit indices), each part keyed by its group."""
     out = []

@@ -245,3 +245,40 @@ def test_streaming_verify_finds_an_edit_in_one_part(parted_copy, table, expected
     rehash(parted_copy)
     problems = verify_release(parted_copy).problems
     assert any(expected in p for p in problems), problems
+
+
+def test_a_geography_domain_travels_without_its_cache_and_its_tables_share_one_lookup(plan):
+    """Every table of a level reads one read-only lookup (leaf -> unit), so a pickled plan holds it once; the domain's
+    cache (derived units and lookups) never travels: a worker makes it again, the same."""
+    import pickle
+
+    geo = plan.domains["geo"]
+    lookups = [t.layout.lookups[0] for t in plan.tables if t.layout.columns[:1] == ("geo",)
+               and t.dims[0].level == "county"]
+    assert len(lookups) > 1 and all(lookup is lookups[0] for lookup in lookups) and not lookups[0].flags.writeable
+    geo.units("tract")
+    arrived = pickle.loads(pickle.dumps(geo))
+    assert arrived._cache == {} and arrived == geo
+    assert np.array_equal(arrived.leaf_to_level("county"), geo.leaf_to_level("county"))
+    assert len(pickle.dumps(geo)) == len(pickle.dumps(arrived))
+
+
+def test_a_beam_worker_unpickles_only_the_plan_file_its_launcher_wrote(plan, tmp_path, monkeypatch):
+    """The plan and the tree travel once, as a file in the run's result directory; a worker reads it once per
+    process and refuses bytes whose SHA-256 is not the one the transforms carry (nothing else is unpickled)."""
+    pytest.importorskip("apache_beam")
+    from dprelease.pipelines.engines import beam as beam_engine
+
+    flow = Flow(plan, Layout(64, 64), str(tmp_path / "staging"))
+    token = ("test", 64, 64, str(tmp_path / "staging"), "t")
+    monkeypatch.setattr(dataflow, "_FLOWS", {})
+    shipped = beam_engine._ship_flow(flow, str(tmp_path))
+    assert shipped[0] == str(tmp_path / "flow.pickle")
+    arrived = beam_engine._shipped_flow(token, shipped)
+    assert arrived.runs == flow.runs and arrived.plan.tables[0].name == plan.tables[0].name
+    (tmp_path / "flow.pickle").unlink()
+    assert beam_engine._shipped_flow(token, shipped) is arrived  # once per process: not read again
+    dataflow._FLOWS.clear()
+    (tmp_path / "flow.pickle").write_bytes(b"not the launcher's")
+    with pytest.raises(DPReleaseError, match="changed after the launcher wrote it"):
+        beam_engine._shipped_flow(token, shipped)

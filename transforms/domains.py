@@ -73,6 +73,14 @@ class GeographyDomain:
     policy: Policy = "other"
     _cache: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
+    def __getstate__(self) -> dict:
+        """Pickled without `_cache` (derived: units and lookups a worker makes again when it needs them), so a domain
+        travels at the size of its leaves."""
+        return {k: v for k, v in self.__dict__.items() if k != "_cache"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _cache={})
+
     def level_names(self) -> list[str]:
         return [NATION] + [name for name, _ in self.levels]
 
@@ -108,7 +116,15 @@ class GeographyDomain:
         return units + ([OTHER_LABEL] if self.has_other(level) else [])
 
     def leaf_to_level(self, level: str) -> np.ndarray:
-        """Array mapping each leaf cell (incl. other) to its unit index at `level`."""
+        """Array mapping each leaf cell (incl. other) to its unit index at `level` (read-only, made once: every table
+        of the level shares it, so a pickled plan holds it once)."""
+        key = ("leaf_to_level", level)
+        if key not in self._cache:
+            self._cache[key] = self._leaf_to_level(level)
+            self._cache[key].setflags(write=False)
+        return self._cache[key]
+
+    def _leaf_to_level(self, level: str) -> np.ndarray:
         width = self.width(level)
         index = {u: i for i, u in enumerate(self.units(level))}
         mapping = [index[leaf[:width]] for leaf in self.leaves]

@@ -1,10 +1,11 @@
 """Which process owns a run's leftovers, removing those of runs that died, and the private files a run
 leaves for its operator (validation reports, failure details).
 
-A run names its staging and spill directories after its process: host and PID namespace, pid and the
+A run names its staging and spill directories after its process: host, boot and PID namespace, pid and the
 process's start time, so a reused pid is never taken for the dead run, nor a live process of another
-container that shares the host name and the directory (but not the PID namespace) for a dead one. A later
-run of the same release removes the leftovers of its dead predecessors (SIGKILL cannot be caught);
+machine or container that shares the host name and the directory (but not the PID namespace) for a dead one;
+a process whose /proc entry cannot be read is never told dead. A later run of the same release removes the
+leftovers of its dead predecessors (SIGKILL cannot be caught);
 everything else a run creates is removed on its own exit paths, SIGTERM included.
 """
 from __future__ import annotations
@@ -43,19 +44,36 @@ def _pid_namespace() -> str:
         return "0"
 
 
+def _boot_id() -> str:
+    """This machine's boot (the kernel's random boot id, 16 hex digits; '0' where it cannot be read): the PID
+    namespace's inode alone is the same number on every host (the initial namespace's is fixed)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:16] or "0"
+    except OSError:
+        return "0"
+
+
+def _plain_name(text: str) -> str:
+    """`text` with every character but letters, digits, '.' and '-' written `_xx` (hex): a host name can never carry
+    a tag's separators ('@', '+', '~'), and two names stay two names."""
+    return "".join(c if c.isascii() and (c.isalnum() or c in ".-") else f"_{ord(c):02x}" for c in text)
+
+
 def host_identity() -> str:
-    """`host~pidns`: the PID space a `pid.start` token names a process in. A process of another identity is never
-    told alive or dead here (a pid in another namespace may be live while this one's /proc has no such pid)."""
-    return f"{socket.gethostname()}~{_pid_namespace()}"
+    """`host~boot~pidns`: the PID space a `pid.start` token names a process in (the host name, this boot of its
+    machine, its PID namespace). A process of another identity is never told alive or dead here: a pid in another
+    namespace or on another machine may be live while this /proc has no such pid. Directories of a boot before
+    the last reboot are left for that reason."""
+    return f"{_plain_name(socket.gethostname())}~{_boot_id()}~{_pid_namespace()}"
 
 
 def leftover_tag() -> str:
-    """`pid.start@host~pidns@`: what names a run's staging, replaced and spill directories after their prefix."""
+    """`pid.start@host~boot~pidns@`: what names a run's staging, replaced and spill directories after their prefix."""
     return f"{process_token()}@{host_identity()}@"
 
 
 def store_leftover_tag() -> str:
-    """`pid.start+host~pidns+`: `leftover_tag` for a staging prefix in an object store ('@' in a URI is user
+    """`pid.start+host~boot~pidns+`: `leftover_tag` for a staging prefix in an object store ('@' in a URI is user
     info)."""
     return f"{process_token()}+{host_identity()}+"
 
@@ -72,7 +90,7 @@ release published to a store; the Beam engine's results: noisy ranges, the key f
 
 
 def run_temporary_directory(prefix: str) -> Path:
-    """A new private (0700) directory in TMPDIR named `<prefix><pid.start>@<host~pidns>@<random>`, `prefix` one of
+    """A new private (0700) directory in TMPDIR named `<prefix><pid.start>@<host~boot~pidns>@<random>`, `prefix` one of
     RUN_TEMPORARY_PREFIXES: the next run on this host removes it if its process died (`remove_stale`)."""
     import tempfile
 
@@ -93,19 +111,33 @@ def process_alive(identity: str, token: str) -> bool | None:
     """Whether the process `pid.start` of `identity` (`host_identity()`) still runs: True/False in this host's PID
     namespace, None for another host or namespace, or where /proc cannot be read (cannot be told here). A
     malformed token names no process: False."""
-    if identity != host_identity() or _pid_namespace() == "0":
+    if identity != host_identity() or "0" in (_pid_namespace(), _boot_id()):
         return None
     return _alive_here(token)
 
 
 def _alive_here(token: str) -> bool | None:
-    """Whether `pid.start` runs in this process's PID namespace (None where /proc cannot be read)."""
+    """Whether `pid.start` runs in this process's PID namespace: False only when no process has that pid, or the
+    one that has it started at another time; None where it cannot be told (no /proc, or the pid's entry hidden from
+    this user: `hidepid`, found by review, would have told another user's live run dead)."""
     if _start_ticks(os.getpid()) is None:  # no /proc (another system, or hidden): no process can be told dead
         return None
     if not TOKEN.fullmatch(token):
         return False
     pid_text, _, start = token.partition(".")
-    return _start_ticks(int(pid_text)) == start
+    pid = int(pid_text)
+    found = _start_ticks(pid)
+    if found is not None:
+        return found == start
+    if pid <= 0:  # names no single process (kill would signal a group)
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the pid exists
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # exists, another user's
+        return None
+    return None  # exists, its start time unreadable
 
 
 def owner_alive(owner_text: str) -> bool | None:
@@ -116,7 +148,7 @@ def owner_alive(owner_text: str) -> bool | None:
 
 
 def remove_stale(parent: Path, prefix: str) -> list[Path]:
-    """Remove the directories `<parent>/<prefix><pid.start>@<host~pidns>@...` (prefix ends in '@', see
+    """Remove the directories `<parent>/<prefix><pid.start>@<host~boot~pidns>@...` (prefix ends in '@', see
     `leftover_tag`) whose process in this host's PID namespace is gone; never follows a link, and never touches a
     name without the prefix and a well-formed token, nor one of another host or namespace (a shared directory).
     Returns what was removed."""

@@ -324,3 +324,43 @@ def test_a_process_of_another_pid_namespace_is_never_told_dead(tmp_path):
     assert housekeeping.process_alive(f"{socket.gethostname()}~1", "4194303.1") is None
     assert housekeeping.remove_stale(tmp_path, "dprelease-publish@") == [this_namespace]
     assert other_namespace.exists() and hostname_only.exists()
+
+
+def test_a_process_whose_proc_entry_is_hidden_is_never_told_dead(tmp_path, monkeypatch):
+    """Found by review: with /proc mounted `hidepid`, another user's live run has no readable entry, and was told
+    dead (its directories, or its result directory in a shared store, removed mid-run). Only a pid no process has,
+    or one whose start time differs, is dead."""
+    from dprelease.pipelines import housekeeping
+
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        token = housekeeping.process_token(sleeper.pid)
+        identity = housekeeping.host_identity()
+        assert housekeeping.process_alive(identity, token) is True
+        real = housekeeping._start_ticks
+        with monkeypatch.context() as patched:
+            patched.setattr(housekeeping, "_start_ticks", lambda pid: None if pid == sleeper.pid else real(pid))
+            assert housekeeping.process_alive(identity, token) is None
+            live = tmp_path / f"dprelease-publish@{token}@{identity}@x1"
+            live.mkdir()
+            assert housekeeping.remove_stale(tmp_path, "dprelease-publish@") == [] and live.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert housekeeping.process_alive(identity, token) is False  # gone now: no process has the pid, or another one
+    assert housekeeping.process_alive(identity, "0.1") is False
+
+
+def test_a_host_name_with_the_tags_separators_is_written_plain(tmp_path, monkeypatch):
+    """Found by review: a host name holding '+' or '@' cut the tags short, so no leftover of a killed run was ever
+    removed; the identity also holds this machine's boot id (the PID namespace's inode is the same on every host)."""
+    from dprelease.pipelines import housekeeping
+
+    monkeypatch.setattr(housekeeping.socket, "gethostname", lambda: "node+1@rack~2")
+    identity = housekeeping.host_identity()
+    assert not set("@+~") & set(identity.split("~")[0]) and identity.count("~") == 2
+    assert identity.split("~")[1] == housekeeping._boot_id() != "0"
+    dead = tmp_path / f"dprelease-publish@4194303.1@{identity}@x1"
+    dead.mkdir()
+    assert housekeeping.remove_stale(tmp_path, "dprelease-publish@") == [dead]
+    assert housekeeping._plain_name("a+b") != housekeeping._plain_name("a_b")

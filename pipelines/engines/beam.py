@@ -176,7 +176,7 @@ URI is user info)."""
 
 
 def _remove_stale_remote(temp: str) -> list[str]:
-    """Remove the result directories `<temp>/dprelease-beam+<pid.start>+<host~pidns>+...` whose launcher in this host's
+    """Remove the result directories `<temp>/dprelease-beam+<pid.start>+<host~boot~pidns>+...` whose launcher in this host's
     PID namespace is gone (a SIGKILLed run's key files, noisy ranges and kept records); another host's or namespace's,
     a live run's and a name that does not parse are left. Best effort (`_delete_remote`). Returns what it removed."""
     from apache_beam.io.filesystems import FileSystems

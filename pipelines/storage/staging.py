@@ -183,7 +183,7 @@ def remove_remote_staging(staging: RemoteStaging) -> list[str]:
 
 
 def remove_stale_remote(release: RemoteRelease, name_prefix: str, process_alive) -> list[str]:
-    """Remove the staging prefixes `<parent>/<name_prefix><pid.start>+<host~pidns>+...` beside `release` whose process
+    """Remove the staging prefixes `<parent>/<name_prefix><pid.start>+<host~boot~pidns>+...` beside `release` whose process
     (`process_alive(host, token)`) is known to be gone; a prefix of another host, or one whose name does not
     parse, is left alone. Returns the URIs removed."""
     parent = release.path.rsplit("/", 1)[0]

@@ -152,8 +152,9 @@ def _result_directory(options) -> tuple[str, bool]:
     """Where this run's key file, noisy ranges, scores and validation outcome go (all confidential): a new
     directory under --temp_location when given (shared storage on a cluster; a local path is made a private
     directory by the storage layer, never inside a release; a store's prefix must be as private as the key),
-    else a private local temporary directory (DirectRunner). A directory is named after the process, and those of
-    runs killed on this host (and PID namespace) are removed first. Returns (path, is_local)."""
+    else a private local temporary directory (DirectRunner). A directory is named after the process; local ones of
+    runs killed on this host (and PID namespace) are removed first (a store's are not yet: Beam's S3 listing retries
+    an empty or failed listing with backoff for minutes). Returns (path, is_local)."""
     from apache_beam.options.pipeline_options import GoogleCloudOptions
 
     from ..storage import is_uri, private_directory
@@ -161,7 +162,6 @@ def _result_directory(options) -> tuple[str, bool]:
     temp = options.view_as(GoogleCloudOptions).temp_location
     if temp and is_uri(temp):
         temp = temp.rstrip("/")
-        _remove_stale_remote(temp)
         return f"{temp}/{REMOTE_RESULTS}{store_leftover_tag()}{uuid.uuid4().hex}", False
     if temp:
         remove_stale(Path(temp), "dprelease-beam@")  # what runs killed on this host left there
@@ -172,30 +172,7 @@ def _result_directory(options) -> tuple[str, bool]:
 
 REMOTE_RESULTS = "dprelease-beam+"
 """Name prefix of a run's result directory in a store's --temp_location: `store_leftover_tag` follows it ('@' in a
-URI is user info)."""
-
-
-def _remove_stale_remote(temp: str) -> list[str]:
-    """Remove the result directories `<temp>/dprelease-beam+<pid.start>+<host~boot~pidns>+...` whose launcher in this host's
-    PID namespace is gone (a SIGKILLed run's key files, noisy ranges and kept records); another host's or namespace's,
-    a live run's and a name that does not parse are left. Best effort (`_delete_remote`). Returns what it removed."""
-    from apache_beam.io.filesystems import FileSystems
-
-    from ..housekeeping import TOKEN, process_alive
-
-    try:
-        found = FileSystems.match([f"{temp}/{REMOTE_RESULTS}*/**"])[0].metadata_list
-    except Exception:  # noqa: BLE001 - nothing there, or the store cannot be listed: nothing to remove
-        return []
-    names = {m.path[len(temp) + 1:].split("/", 1)[0] for m in found if m.path.startswith(temp + "/")}
-    removed = []
-    for name in sorted(names):
-        token, _, rest = name[len(REMOTE_RESULTS):].partition("+")
-        if name.startswith(REMOTE_RESULTS) and TOKEN.fullmatch(token) and \
-                process_alive(rest.partition("+")[0], token) is False:
-            _delete_remote(f"{temp}/{name}")
-            removed.append(f"{temp}/{name}")
-    return removed
+URI is user info), so a later sweep can tell a killed launcher's."""
 
 
 def _write_private(path: str, data: bytes) -> None:

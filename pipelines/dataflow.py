@@ -156,6 +156,8 @@ class Flow:
         """The tree's steps in order (prefixes), as the runs that share one group (`fused_runs`)."""
         self.heads = {prefix: run[0] for run in self.runs for prefix in run[1:]}
         """The first step of its run, for every step that is not first in its run."""
+        self.fused = {run[0]: run for run in self.runs if len(run) > 1}
+        """The runs of more than one step, by their first step."""
 
     # groups of each level, as boundaries over its units
     def child_bounds(self, level: int) -> np.ndarray:
@@ -433,8 +435,7 @@ def debias_kernel(flow: Flow, table_index: int, group: int, pieces: list[Piece])
 def run_group(flow: Flow, key: int, pieces: list[Piece]) -> list[Piece]:
     """A group of a stage (`key`: any of its pieces' keys): its run of steps when the key's step is fused with
     others (`fused_runs`), else its step's kernel."""
-    head = group_key(flow.heads, key)
-    run = next((r for r in flow.runs if len(r) > 1 and r[0] == stage_of(head)), None)
+    run = flow.fused.get(stage_of(group_key(flow.heads, key)))
     if run is None:
         return _run_step(flow, key, pieces)
     return _run_fused(flow, run, pieces)
@@ -456,12 +457,8 @@ def _run_fused(flow: Flow, run: tuple[int, ...], pieces: list[Piece]) -> list[Pi
     stages, file entries)."""
     pool, out = list(pieces), []
     for i, prefix in enumerate(run):
-        mine: dict[int, list[Piece]] = {}
-        for piece in pool:
-            if stage_of(piece.key) == prefix:
-                mine.setdefault(piece.key, []).append(piece)
+        made = _run_groups(_by_key(pool, {prefix}, lambda key: key), _run_step, flow)
         pool = [piece for piece in pool if stage_of(piece.key) != prefix]
-        made = from_table(to_batch([made for key in sorted(mine) for made in _run_step(flow, key, mine[key])]))
         later = set(run[i + 1:])
         inside = [p for p in made if p.kind != FILES and stage_of(p.key) in later]
         out += [p for p in made if p.kind == FILES or stage_of(p.key) not in later]
@@ -615,9 +612,21 @@ def run_local(flow: Flow, noise_pieces: list[Piece]) -> tuple[list[dict], dict[s
     stages = stage_order(flow)
     pools = [from_table(to_batch([p for piece in noise_pieces for p in route_noise(flow, piece)]))]
     for prefixes, sources in zip(stages, stage_sources(flow, stages)):
-        groups: dict[int, list[Piece]] = {}
-        for piece in (p for source in sources for p in pools[source]):
-            if stage_of(piece.key) in prefixes:
-                groups.setdefault(group_key(flow.heads, piece.key), []).append(piece)
-        pools.append(from_table(to_batch([out for key in sorted(groups) for out in run_group(flow, key, groups[key])])))
+        wanted = (p for source in sources for p in pools[source])
+        pools.append(_run_groups(_by_key(wanted, set(prefixes), lambda key: group_key(flow.heads, key)), run_group, flow))
     return results([p for pool in pools[1:] for p in pool])
+
+
+def _by_key(pieces, prefixes: set[int], key_of) -> dict[int, list[Piece]]:
+    """The pieces of the steps `prefixes`, grouped by `key_of(piece.key)`, in their order."""
+    groups: dict[int, list[Piece]] = {}
+    for piece in pieces:
+        if stage_of(piece.key) in prefixes:
+            groups.setdefault(key_of(piece.key), []).append(piece)
+    return groups
+
+
+def _run_groups(groups: dict[int, list[Piece]], kernel, flow: Flow) -> list[Piece]:
+    """Every group through `kernel`, in key order, its output through the wire format (`to_batch`, `from_table`),
+    as a shuffle would hand it over."""
+    return from_table(to_batch([out for key in sorted(groups) for out in kernel(flow, key, groups[key])]))

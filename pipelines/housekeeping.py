@@ -10,6 +10,7 @@ everything else a run creates is removed on its own exit paths, SIGTERM included
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -35,18 +36,22 @@ def process_token(pid: int | None = None) -> str:
     return f"{pid}.{_start_ticks(pid) or 0}"
 
 
+@functools.cache
 def _pid_namespace() -> str:
     """The inode of this process's PID namespace ('0' where it cannot be read): two containers that share a host
-    name and a directory but not their PIDs have different ones."""
+    name and a directory but not their PIDs have different ones. Read once: a process never changes its own
+    PID namespace (`setns` moves only its children)."""
     try:
         return str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
         return "0"
 
 
+@functools.cache
 def _boot_id() -> str:
     """This machine's boot (the kernel's random boot id, 16 hex digits; '0' where it cannot be read): the PID
-    namespace's inode alone is the same number on every host (the initial namespace's is fixed)."""
+    namespace's inode alone is the same number on every host (the initial namespace's is fixed). Read once: it
+    changes only with a reboot."""
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:16] or "0"
     except OSError:

@@ -165,7 +165,8 @@ def clean_leftovers(root: Path, release_id: str, remote: RemoteRelease | None = 
     host (`RUN_TEMPORARY_PREFIXES`)."""
     removed: list = remove_stale(root, staging_prefix(release_id))
     if remote is not None:
-        removed += remove_stale_remote(remote, store_staging_prefix(release_id), process_alive)
+        removed += remove_stale_remote(remote.store, remote.path.rsplit("/", 1)[0], store_staging_prefix(release_id),
+                                      process_alive)
     removed += remove_stale(root, replaced_prefix(release_id))
     removed += remove_stale(Path(tempfile.gettempdir()), spill_prefix(release_id))
     removed += remove_stale(Path(tempfile.gettempdir()), input_copy_prefix(release_id))

@@ -389,20 +389,43 @@ def test_candidates_are_scored_over_every_range_and_a_missing_range_is_refused()
 def test_a_selection_keeps_its_records_in_a_store_temp_location_and_leaves_nothing_there(tmp_path, s3, credentials):
     """With --temp_location on an object store (a real S3-compatible server on 127.0.0.1), a `select: mst` run
     keeps its bounded records, key files, noisy ranges and scores there and removes every object at the end (Beam
-    deletes a prefix only when its name ends in '/': without it nothing was removed)."""
+    deletes a prefix only when its name ends in '/': without it nothing was removed). The directory of a launcher
+    killed on this host is removed first (found by review: a SIGKILLed launcher's key files stayed for good); a live
+    one's and another host's are left."""
     import pyarrow.fs as pafs
 
     from .test_mst import mst_case
 
+    from dprelease.pipelines.housekeeping import host_identity, store_leftover_tag
+
     store = pafs.S3FileSystem(endpoint_override=s3, scheme="http", allow_bucket_creation=True)
     store.create_dir("beam-temp")
+    dead = f"beam-temp/t/dprelease-beam+4194303.1+{host_identity()}+0a1b"      # a SIGKILLed launcher's, on this host
+    live = f"beam-temp/t/dprelease-beam+{store_leftover_tag()}0c0d"             # this process's: alive
+    elsewhere = "beam-temp/t/dprelease-beam+4194303.1+another-host~1~1+0e0f"   # cannot be told dead here
+    for directory in (dead, live, elsewhere):
+        for name in ("key-0", "ranges/00000.npy"):
+            with store.open_output_stream(f"{directory}/{name}") as handle:
+                handle.write(b"left by a run")
     path = mst_case(tmp_path / "c", budget={"definition": "zcdp", "rho": "1/2", "delta": 1e-9})
     result = run_release(path, key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / "out", engine="beam",
                          beam_options=["--direct_running_mode=in_memory", "--temp_location=s3://beam-temp/t",
                                        f"--s3_endpoint_url=http://{s3}"])
     assert (result.release_dir / "manifest.json").exists()
     left = store.get_file_info(pafs.FileSelector("beam-temp", recursive=True))
-    assert [info.path for info in left if info.type == pafs.FileType.File] == []
+    assert sorted(info.path for info in left if info.type == pafs.FileType.File) == sorted(
+        f"{directory}/{name}" for directory in (live, elsewhere) for name in ("key-0", "ranges/00000.npy"))
+
+
+@pytest.mark.parametrize("temp", ["s3://b/t/../release", "s3://b//t", "s3://b/%2e%2e/t", "s3://user:secret@b/t",
+                                  "s3://b/t?secret_key=x", "gs://b/./t"])
+def test_a_store_temp_location_that_is_not_plain_or_holds_credentials_is_refused(case, tmp_path, temp):
+    """Found by review: a store --temp_location was used as given, so `..` could put the run's key files inside a
+    release and user info or a query could carry a secret into recorded options. Refused before anything runs."""
+    with pytest.raises(SpecError, match="--temp_location"):
+        run_release(case(), key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / "out", engine="beam",
+                    beam_options=["--direct_running_mode=in_memory", f"--temp_location={temp}"])
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
 def test_kept_records_the_launcher_cannot_see_stop_the_selection(tmp_path, monkeypatch):

@@ -152,16 +152,17 @@ def _result_directory(options) -> tuple[str, bool]:
     """Where this run's key file, noisy ranges, scores and validation outcome go (all confidential): a new
     directory under --temp_location when given (shared storage on a cluster; a local path is made a private
     directory by the storage layer, never inside a release; a store's prefix must be as private as the key),
-    else a private local temporary directory (DirectRunner). A directory is named after the process; local ones of
-    runs killed on this host (and PID namespace) are removed first (a store's are not yet: Beam's S3 listing retries
-    an empty or failed listing with backoff for minutes). Returns (path, is_local)."""
+    else a private local temporary directory (DirectRunner). A directory is named after the process, and those of
+    launchers killed on this host (and boot and PID namespace) are removed first, local or in a store
+    (`_remove_stale_results`). Returns (path, is_local)."""
     from apache_beam.options.pipeline_options import GoogleCloudOptions
 
     from ..storage import is_uri, private_directory
 
     temp = options.view_as(GoogleCloudOptions).temp_location
     if temp and is_uri(temp):
-        temp = temp.rstrip("/")
+        temp = _checked_store_temp(temp)
+        _remove_stale_results(options, temp)
         return f"{temp}/{REMOTE_RESULTS}{store_leftover_tag()}{uuid.uuid4().hex}", False
     if temp:
         remove_stale(Path(temp), "dprelease-beam@")  # what runs killed on this host left there
@@ -172,7 +173,74 @@ def _result_directory(options) -> tuple[str, bool]:
 
 REMOTE_RESULTS = "dprelease-beam+"
 """Name prefix of a run's result directory in a store's --temp_location: `store_leftover_tag` follows it ('@' in a
-URI is user info), so a later sweep can tell a killed launcher's."""
+URI is user info), so the next run on the host can tell a killed launcher's."""
+
+
+def _checked_store_temp(temp: str) -> str:
+    """A store --temp_location without its trailing '/', refused (SpecError, exit 2) where it carries user info or a
+    query (which could be credentials, and options are recorded) or a path that is not plain ('..', '.' or empty
+    components: a store reads such a name as another one, perhaps inside a release)."""
+    from urllib.parse import unquote, urlsplit
+
+    from ..storage.uris import plain_store_path
+
+    parts = urlsplit(temp)
+    path = unquote(parts.netloc + parts.path if parts.scheme.lower() in ("s3", "gs", "gcs") else parts.path)
+    if "@" in parts.netloc or parts.query or parts.fragment or not plain_store_path(path):
+        raise SpecError(f"--temp_location = {shown(temp)!r}: allowed: a store URI with a plain path (no '..', '.' or "
+                        "empty components) and no user info or query (credentials come from the environment)")
+    return temp.rstrip("/")
+
+
+def _remove_stale_results(options, temp: str) -> list[str]:
+    """Remove the result directories under a store's --temp_location whose launcher on this host is gone (a
+    SIGKILLed run's key files, noisy ranges and kept records); another host's, a live launcher's and a name that
+    does not parse are left. Listed and removed through pyarrow with short timeouts, not Beam's filesystems (whose
+    S3 listing retries an empty or failed listing with backoff for minutes); a store that cannot be opened or
+    listed (an hdfs:// without libhdfs) removes nothing, and that is logged by count only. Returns the URIs
+    removed."""
+    from ..housekeeping import process_alive
+    from ..storage import remove_stale_remote
+
+    opened = _temp_store(options, temp)
+    if opened is None:
+        logging.getLogger("dprelease").info("--temp_location's store cannot be listed here: result directories "
+                                            "of killed launchers there, if any, are left")
+        return []
+    store, path = opened
+    return remove_stale_remote(store, path, REMOTE_RESULTS, process_alive)
+
+
+def _temp_store(options, temp: str):
+    """(a pyarrow store, the path of `temp` in it) for a store --temp_location, opened with the connection settings
+    Beam's own options give (`--s3_endpoint_url`, `--s3_region_name`, `--s3_disable_ssl`, and any credentials
+    given as options; otherwise the environment's, as Beam's client reads them); None where pyarrow cannot open
+    it."""
+    from urllib.parse import urlsplit
+
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+    from apache_beam.options.pipeline_options import S3Options
+
+    from ..storage import Store
+
+    scheme, rest = temp.split("://", 1)
+    try:
+        if scheme.lower() == "s3":
+            s3 = options.view_as(S3Options)
+            endpoint = urlsplit(s3.s3_endpoint_url) if s3.s3_endpoint_url else None
+            filesystem = pafs.S3FileSystem(
+                access_key=s3.s3_access_key_id, secret_key=s3.s3_secret_access_key, session_token=s3.s3_session_token,
+                region=s3.s3_region_name, endpoint_override=endpoint.netloc if endpoint else None,
+                scheme=(endpoint.scheme if endpoint else None) or ("http" if s3.s3_disable_ssl else "https"),
+                connect_timeout=5, request_timeout=20,
+                retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2))
+            return Store(filesystem, "s3://"), rest
+        filesystem, path = pafs.FileSystem.from_uri(temp)
+        bucket_first = scheme.lower() in ("gs", "gcs")
+        return Store(filesystem, f"{scheme}://" if bucket_first else f"{scheme}://{urlsplit(temp).netloc}"), path
+    except (pa.ArrowException, OSError, ValueError):
+        return None
 
 
 def _write_private(path: str, data: bytes) -> None:

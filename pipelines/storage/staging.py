@@ -182,14 +182,14 @@ def remove_remote_staging(staging: RemoteStaging) -> list[str]:
     return sorted(left.files) + left.odd
 
 
-def remove_stale_remote(release: RemoteRelease, name_prefix: str, process_alive) -> list[str]:
-    """Remove the staging prefixes `<parent>/<name_prefix><pid.start>+<host~boot~pidns>+...` beside `release` whose process
-    (`process_alive(host, token)`) is known to be gone; a prefix of another host, or one whose name does not
-    parse, is left alone. Returns the URIs removed."""
-    parent = release.path.rsplit("/", 1)[0]
+def remove_stale_remote(store: Store, parent: str, name_prefix: str, process_alive) -> list[str]:
+    """Remove the prefixes `<parent>/<name_prefix><pid.start>+<host~boot~pidns>+...` (a run's staging prefix beside
+    its release, a Beam launcher's result directory under its --temp_location) whose process (`process_alive(host,
+    token)`) is known to be gone; a prefix of another host, a live run's, or one whose name does not parse is left
+    alone. One listing of `parent`, not recursive, through pyarrow (no client-side backoff on an empty listing); a
+    store that cannot be listed removes nothing. Returns the URIs removed."""
     try:
-        infos = release.store.filesystem.get_file_info(pafs.FileSelector(parent, recursive=False,
-                                                                         allow_not_found=True))
+        infos = store.filesystem.get_file_info(pafs.FileSelector(parent, recursive=False, allow_not_found=True))
     except (pa.ArrowException, OSError):
         return []
     removed = []
@@ -199,7 +199,6 @@ def remove_stale_remote(release: RemoteRelease, name_prefix: str, process_alive)
             continue
         token, _, rest = name[len(name_prefix):].partition("+")
         if OWNER_TOKEN.fullmatch(token) and process_alive(rest.partition("+")[0], token) is False:
-            staging = RemoteStaging(release.store, f"{parent}/{name}", release.query, "")
-            if not remove_remote_staging(staging):
-                removed.append(release.store.uri(staging.path))
+            if not remove_remote_staging(RemoteStaging(store, f"{parent}/{name}", "", "")):
+                removed.append(store.uri(f"{parent}/{name}"))
     return removed

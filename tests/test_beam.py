@@ -443,10 +443,12 @@ def test_kept_records_the_launcher_cannot_see_stop_the_selection(tmp_path, monke
                     beam_options=["--direct_running_mode=in_memory"])
 
 
-def test_a_local_temp_location_keeps_nothing_and_loses_what_killed_runs_left(case, tmp_path):
+@pytest.mark.parametrize("as_uri", [False, True])
+def test_a_local_temp_location_keeps_nothing_and_loses_what_killed_runs_left(case, tmp_path, monkeypatch, as_uri):
     """Found by review: result directories under a local --temp_location were named by a random id only, so a
     SIGKILLed run's key file and noisy ranges stayed there for good. They are named after the process now, and a
-    run removes those of dead runs on this host (never a live one's)."""
+    run removes those of dead runs on this host (never a live one's). A file:// location is the same local path
+    (it was read as a relative directory named 'file:')."""
     import os
 
     from dprelease.pipelines.housekeeping import host_identity, leftover_tag
@@ -458,6 +460,9 @@ def test_a_local_temp_location_keeps_nothing_and_loses_what_killed_runs_left(cas
     for directory in (dead, live):
         directory.mkdir(mode=0o700)
         (directory / "key-0").write_bytes(os.urandom(32))
+    monkeypatch.chdir(tmp_path)
     run_release(case(), key_file=tmp_path / "k.key", ledger=None, out_dir=tmp_path / "out", engine="beam",
-                beam_options=["--direct_running_mode=in_memory", f"--temp_location={temp}"])
+                beam_options=["--direct_running_mode=in_memory",
+                              f"--temp_location={temp.as_uri() if as_uri else temp}"])
     assert sorted(p.name for p in temp.iterdir()) == [live.name]
+    assert not (tmp_path / "file:").exists()

@@ -157,7 +157,7 @@ def _result_directory(options) -> tuple[str, bool]:
     (`_remove_stale_results`). Returns (path, is_local)."""
     from apache_beam.options.pipeline_options import GoogleCloudOptions
 
-    from ..storage import is_uri, private_directory
+    from ..storage import is_uri, local_path, private_directory
 
     temp = options.view_as(GoogleCloudOptions).temp_location
     if temp and is_uri(temp):
@@ -165,6 +165,7 @@ def _result_directory(options) -> tuple[str, bool]:
         _remove_stale_results(options, temp)
         return f"{temp}/{REMOTE_RESULTS}{store_leftover_tag()}{uuid.uuid4().hex}", False
     if temp:
+        temp = local_path(temp, "--temp_location")  # file:///p is the local path /p, made private as any
         remove_stale(Path(temp), "dprelease-beam@")  # what runs killed on this host left there
         named = f"dprelease-beam@{leftover_tag()}{uuid.uuid4().hex}"
         return str(private_directory(Path(temp) / named, "--temp_location")), True
@@ -197,7 +198,7 @@ def _remove_stale_results(options, temp: str) -> list[str]:
     SIGKILLed run's key files, noisy ranges and kept records); another host's, a live launcher's and a name that
     does not parse are left. Listed and removed through pyarrow with short timeouts, not Beam's filesystems (whose
     S3 listing retries an empty or failed listing with backoff for minutes); a store that cannot be opened or
-    listed (an hdfs:// without libhdfs) removes nothing, and that is logged by count only. Returns the URIs
+    listed (hdfs://, whose names may be links; a gs:// without credentials) removes nothing, and that is logged by count only. Returns the URIs
     removed."""
     from ..housekeeping import process_alive
     from ..storage import remove_stale_remote
@@ -214,8 +215,9 @@ def _remove_stale_results(options, temp: str) -> list[str]:
 def _temp_store(options, temp: str):
     """(a pyarrow store, the path of `temp` in it) for a store --temp_location, opened with the connection settings
     Beam's own options give (`--s3_endpoint_url`, `--s3_region_name`, `--s3_disable_ssl`, and any credentials
-    given as options; otherwise the environment's, as Beam's client reads them); None where pyarrow cannot open
-    it."""
+    given as options; otherwise the environment's, as Beam's client reads them); None for a store that is not an
+    object store (hdfs: a prefix there could be a link, which a recursive delete would follow) or one pyarrow
+    cannot open."""
     from urllib.parse import urlsplit
 
     import pyarrow as pa
@@ -236,9 +238,10 @@ def _temp_store(options, temp: str):
                 connect_timeout=5, request_timeout=20,
                 retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2))
             return Store(filesystem, "s3://"), rest
-        filesystem, path = pafs.FileSystem.from_uri(temp)
-        bucket_first = scheme.lower() in ("gs", "gcs")
-        return Store(filesystem, f"{scheme}://" if bucket_first else f"{scheme}://{urlsplit(temp).netloc}"), path
+        if scheme.lower() in ("gs", "gcs"):
+            filesystem, path = pafs.FileSystem.from_uri(temp)
+            return Store(filesystem, f"{scheme}://"), path
+        return None  # a file system with links (hdfs): never swept by name from here
     except (pa.ArrowException, OSError, ValueError):
         return None
 

@@ -46,13 +46,13 @@ def as_location(value: str | Path | None, base: Path | None = None) -> str | Pat
     return Path(base) / value if base is not None else Path(value)
 
 
-def local_path(text: str) -> str:
+def local_path(text: str, field: str = "input.path") -> str:
     """A file:// URI as the local path it names (read like any local path, links checked); other text unchanged."""
     if not text.startswith("file://"):
         return text
     parts = urlsplit(text)
     if parts.netloc not in ("", "localhost") or parts.query:
-        raise SpecError(f"input.path = {shown(text)!r}: a file:// URI names a local path (file:///path), "
+        raise SpecError(f"{field} = {shown(text)!r}: a file:// URI names a local path (file:///path), "
                         "without host or options")
     return unquote(parts.path)
 

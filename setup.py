@@ -58,7 +58,7 @@ setup(
         "matplotlib>=3.8",  # the report's figures, as inline SVG
     ],
     extras_require={
-        "test": ["pytest>=7.4", "scipy>=1.11", "dp-accounting>=0.4", "opendp>=0.12", "jsonschema>=4",
+        "test": ["pytest>=7.4", "pytest-xdist>=3.5", "scipy>=1.11", "dp-accounting>=0.4", "opendp>=0.12", "jsonschema>=4",
                  "psycopg[binary]>=3.1", "moto[server]>=5",
                  "polars>=1", "nbclient>=0.10", "ipykernel>=6", "nbformat>=5.1",
                  "mkdocs>=1.6", "mkdocstrings[python]>=0.26", "pymdown-extensions>=10"],

@@ -1,6 +1,10 @@
 """Shared fixtures: small specs and inputs written to a temporary directory."""
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pyarrow as pa
@@ -11,6 +15,22 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 DEMO_SPEC = REPO / "examples" / "demo" / "spec.yaml"
 ADULT_SPEC = REPO / "examples" / "adult" / "spec.yaml"
+
+
+def _private_worker_tmpdir() -> None:
+    """Under pytest-xdist (the README's `-n 2`), each worker process gets its own TMPDIR, inherited by every
+    subprocess it starts (CLI runs, Spark's JVM, Beam's workers): the tests that check a run leaves nothing in
+    TMPDIR, or that the next run removes what a killed one left there, must not see another worker's live runs."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker or os.environ.get("DPRELEASE_TEST_TMPDIR_OF") == worker:
+        return
+    private = tempfile.mkdtemp(prefix=f"pytest-worker-{worker}-")
+    os.environ.update(TMPDIR=private, DPRELEASE_TEST_TMPDIR_OF=worker)
+    tempfile.tempdir = private
+    atexit.register(shutil.rmtree, private, True)
+
+
+_private_worker_tmpdir()
 
 GEO_LEAVES = ["01001000100", "01001000200", "01003000100", "02005000100", "02005000200", "02005000300"]
 

@@ -36,6 +36,7 @@ plan (attributes, sizes, cliques) only; a unit's result depends on that unit's i
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -144,8 +145,16 @@ def junction_tree(attributes, cliques, sizes: dict[str, int]) -> JunctionTree:
     the maximal cliques of the chordal completion (`_elimination_cliques`), joined by Kruskal's maximum spanning
     tree on their overlaps (ties by the cliques' order; parts that share nothing joined by empty separators),
     ordered breadth first from the largest clique. Running intersection holds: an attribute's cliques form a
-    connected part of the tree."""
-    attributes = tuple(attributes)
+    connected part of the tree. Made once per set of arguments (an AIM round asks for it when it lists its
+    candidates and again when it fits: `_junction_tree`, cached; the tree is immutable)."""
+    return _junction_tree(tuple(attributes), tuple(tuple(c) for c in cliques),
+                          tuple(sorted(sizes.items())))
+
+
+@functools.lru_cache(maxsize=64)
+def _junction_tree(attributes: tuple[str, ...], cliques: tuple[Clique, ...],
+                   size_items: tuple[tuple[str, int], ...]) -> JunctionTree:
+    sizes = dict(size_items)
     maximal = _maximal_cliques(attributes, cliques, sizes)
     pairs = sorted(((i, j) for i in range(len(maximal)) for j in range(i + 1, len(maximal))),
                    key=lambda p: -len(set(maximal[p[0]]) & set(maximal[p[1]])))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -20,10 +21,14 @@ ADULT_SPEC = REPO / "examples" / "adult" / "spec.yaml"
 def _private_worker_tmpdir() -> None:
     """Under pytest-xdist (the README's `-n 2`), each worker process gets its own TMPDIR, inherited by every
     subprocess it starts (CLI runs, Spark's JVM, Beam's workers): the tests that check a run leaves nothing in
-    TMPDIR, or that the next run removes what a killed one left there, must not see another worker's live runs."""
+    TMPDIR, or that the next run removes what a killed one left there, must not see another worker's live runs.
+    Its `__main__` gets a file (`tests/xdist_main.py`) so that importing pyspark's connect module does not exit."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if not worker or os.environ.get("DPRELEASE_TEST_TMPDIR_OF") == worker:
         return
+    main = sys.modules["__main__"]
+    if getattr(main, "__spec__", None) is None and not hasattr(main, "__file__"):
+        main.__file__ = str(Path(__file__).with_name("xdist_main.py"))  # see that file
     private = tempfile.mkdtemp(prefix=f"pytest-worker-{worker}-")
     os.environ.update(TMPDIR=private, DPRELEASE_TEST_TMPDIR_OF=worker)
     tempfile.tempdir = private

@@ -29,8 +29,9 @@ def _private_worker_tmpdir() -> None:
     main = sys.modules["__main__"]
     if getattr(main, "__spec__", None) is None and not hasattr(main, "__file__"):
         main.__file__ = str(Path(__file__).with_name("xdist_main.py"))  # see that file
+    system = tempfile.gettempdir()
     private = tempfile.mkdtemp(prefix=f"pytest-worker-{worker}-")
-    os.environ.update(TMPDIR=private, DPRELEASE_TEST_TMPDIR_OF=worker)
+    os.environ.update(TMPDIR=private, DPRELEASE_TEST_TMPDIR_OF=worker, DPRELEASE_TEST_SYSTEM_TMPDIR=system)
     tempfile.tempdir = private
     atexit.register(shutil.rmtree, private, True)
 

@@ -61,7 +61,8 @@ def start_server():
         if os.environ.get("CI"):
             pytest.fail("PostgreSQL server binaries not found (.ci/run installs Debian's postgresql)")
         pytest.skip("PostgreSQL server binaries not installed")
-    directory = Path(tempfile.mkdtemp(prefix="dprelease-pg-"))
+    # in the system's temporary directory: a pytest-xdist worker's own TMPDIR is 0700 root, closed to the postgres user
+    directory = Path(tempfile.mkdtemp(prefix="dprelease-pg-", dir=os.environ.get("DPRELEASE_TEST_SYSTEM_TMPDIR")))
     data = directory / "data"
     if os.geteuid() == 0:
         shutil.chown(directory, "postgres", "postgres")

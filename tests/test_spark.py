@@ -97,7 +97,7 @@ def test_shuffled_blobs_stay_under_the_binary_offset_limit(demo, monkeypatch):
         encode = engine._encode_shard_function(source.reader(), tasks, plan, source.unit_column, 7, 3)
         batches = list(encode(iter([pa.record_batch({"task": list(range(len(tasks)))})])))
         records = {}
-        for part in range(3):
+        for part in engine.partition_labels(3):  # each shard's label (one shard to a Spark partition)
             mine = [b.filter(pa.compute.equal(b.column("part"), part)) for b in batches]
             codes, rows, units = engine._blob_records(mine, plan.encoded_columns(), source.unit_column)
             table = pa.table({**codes, "unit": units.combine_chunks()})
@@ -113,7 +113,8 @@ def test_shuffled_blobs_stay_under_the_binary_offset_limit(demo, monkeypatch):
         sizes = [len(blob) for blob in batch.column("blob").to_pylist()]
         assert sum(sizes) <= 16384 or len(sizes) == 1
         assert max(sizes) < 4096 + 2048  # the IPC stream's schema and framing over the records' bytes
-    assert all(capped[p].equals(whole[p]) for p in range(3)) and sum(t.num_rows for t in whole.values()) > 0
+    assert capped.keys() == whole.keys() and all(capped[p].equals(whole[p]) for p in whole)
+    assert sum(t.num_rows for t in whole.values()) > 0
     assert "spark.sql.execution.arrow.maxBytesPerBatch" in engine.ARROW_SETTINGS  # the batches Spark hands back
 
 
@@ -319,6 +320,14 @@ def test_python_api_runs_on_the_callers_session_and_leaves_it_running(demo, tmp_
         nation = result.table("population.nation")
         assert abs(int(nation["count"].iloc[0]) - ROWS) < 0.01 * ROWS
         assert spark.range(5).count() == 5  # still running
+        # the shards' labels go one to a partition under Spark's own hash partitioning (`partition_labels`)
+        from dprelease.pipelines.engines.spark import partition_labels
+        for partitions in (1, 2, 5, 7, 64):
+            labels = spark.createDataFrame([(v,) for v in partition_labels(partitions)], "part int")
+            slots = [r[0] for r in labels.selectExpr(f"pmod(hash(part), {partitions})").collect()]
+            assert slots == list(range(partitions))
+            spread = labels.repartition(partitions, "part").rdd.glom().map(len).collect()
+            assert spread == [1] * partitions
         assert spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch") == "1000"
         assert [p.name for p in tmp_path.iterdir()] == ["demo-2026"]
         assert list((tmp_path.parent / "staging").iterdir()) == []  # the staged input copy is gone

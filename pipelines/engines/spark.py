@@ -85,9 +85,46 @@ def _encode_shard_function(reader, tasks: list, plan: Plan, unit: str | None, sa
                         continue
                     part = unit_shards(table.column(UNIT), partitions, salt) if unit else \
                         np.full(table.num_rows, index % partitions)
-                    yield from _blob_batches(_part_blobs(shard_pieces(table, part, partitions)))
+                    yield from _blob_batches((labels[p], blob)
+                                             for p, blob in _part_blobs(shard_pieces(table, part, partitions)))
 
+    labels = partition_labels(partitions)
     return public_failures("read and encode", encode_shard)
+
+
+def _murmur3_int(value: int, seed: int = 42) -> int:
+    """Spark's hash of an int column (`Murmur3_x86_32.hashInt`, the seed of `hash()` and of hash partitioning),
+    as a signed 32-bit int."""
+    mask = 0xFFFFFFFF
+
+    def rotl(x: int, r: int) -> int:
+        return ((x << r) | (x >> (32 - r))) & mask
+
+    k1 = rotl((value & mask) * 0xCC9E2D51 & mask, 15) * 0x1B873593 & mask
+    h1 = (rotl(seed ^ k1, 13) * 5 + 0xE6546B64) & mask
+    h1 ^= 4
+    h1 ^= h1 >> 16
+    h1 = h1 * 0x85EBCA6B & mask
+    h1 ^= h1 >> 13
+    h1 = h1 * 0xC2B2AE35 & mask
+    h1 ^= h1 >> 16
+    return h1 - (1 << 32) if h1 >= 1 << 31 else h1
+
+
+def partition_labels(partitions: int) -> list[int]:
+    """For each shard 0 .. partitions-1, the smallest int that Spark's hash partitioning (`repartition(partitions,
+    col)`: pmod(hash, partitions)) sends to the partition of the same number: shards labelled so go one to a
+    partition (the shards' own numbers collide: two in one task, another task empty). Only the balance depends
+    on it: all of a unit's records carry one label whatever the hash, so they meet in one partition."""
+    labels: list[int | None] = [None] * partitions
+    left, value = partitions, 0
+    while left:
+        slot = _murmur3_int(value) % partitions
+        if labels[slot] is None:
+            labels[slot] = value
+            left -= 1
+        value += 1
+    return labels
 
 
 BLOB_BYTES = 64 << 20
@@ -435,6 +472,15 @@ def _group_column(heads: dict[int, int]):
     return grouped
 
 
+def _task_numbers(spark, count: int):
+    """The read tasks' numbers 0 .. count-1 as a one-column frame ("task"), one number per partition, so every
+    read task runs as its own Spark task. (A hash repartition of the numbers put both of a 10M-row input's two
+    read tasks in one partition and left the other empty: one core read the whole input.)"""
+    from pyspark.sql import functions as F
+
+    return spark.range(0, count, 1, numPartitions=max(1, count)).select(F.col("id").cast("int").alias("task"))
+
+
 def _stage_partitions(groups: int) -> int:
     """Partitions of a post-processing stage: one per group (a group is up to `--group-work` cells, so a
     task sorts and holds one group's rows, whatever the release's size)."""
@@ -519,7 +565,7 @@ class SparkEngine(Engine):
         plain = _plain_schema(source.dataset.schema, source.columns) if source.format == "parquet" else \
             pa.schema([pa.field(c, pa.string()) for c in source.columns])
         tasks = source.read_tasks(spark.sparkContext.defaultParallelism)
-        listed = spark.createDataFrame([(i,) for i in range(len(tasks))], "task int").repartition(len(tasks), "task")
+        listed = _task_numbers(spark, len(tasks))
         return listed.mapInArrow(_read_function(source.reader(), tasks, plain),
                                  from_arrow_schema(plain)).select(*source.columns)
 
@@ -685,7 +731,7 @@ class SparkEngine(Engine):
 
         tasks = source.read_tasks(spark.sparkContext.defaultParallelism)
         partitions = max(spark.sparkContext.defaultParallelism, -(-source.estimated_rows() // ROWS_PER_PARTITION))
-        listed = spark.createDataFrame([(i,) for i in range(len(tasks))], "task int").repartition(len(tasks), "task")
+        listed = _task_numbers(spark, len(tasks))
         blobs = listed.mapInArrow(_encode_shard_function(source.reader(), tasks, plan, source.unit_column,
                                                          shard_salt(key), partitions), "part int, blob binary")
         return blobs.repartition(partitions, "part")

@@ -58,6 +58,11 @@ def _boot_id() -> str:
         return "0"
 
 
+# a child forked after `unshare(CLONE_NEWPID)` is in another namespace than the parent whose reads it inherits
+# (found by review: its leftovers were tagged with the parent's namespace and swept by the parent while alive)
+os.register_at_fork(after_in_child=lambda: (_pid_namespace.cache_clear(), _boot_id.cache_clear()))
+
+
 def _plain_name(text: str) -> str:
     """`text` with every character but letters, digits, '.' and '-' written `_xx` (hex): a host name can never carry
     a tag's separators ('@', '+', '~'), and two names stay two names."""

@@ -443,6 +443,49 @@ def test_kept_records_the_launcher_cannot_see_stop_the_selection(tmp_path, monke
                     beam_options=["--direct_running_mode=in_memory"])
 
 
+def test_a_bad_temp_location_is_refused_before_the_selection_is_charged(tmp_path):
+    """Found by review: the store --temp_location was first checked when the first pipeline started, after a
+    selection's charge (never refunded): the run failed charged, publishing nothing. It is checked when the engine
+    is made now, before any key, budget or data."""
+    from fractions import Fraction
+
+    from dprelease.accounting.ledger import history, open_ledger, set_budget
+
+    from .test_mst import mst_case
+
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "test-data", "rho", Fraction(100))
+    path = mst_case(tmp_path / "c", budget={"definition": "zcdp", "rho": "1/2", "delta": 1e-9})
+    with pytest.raises(SpecError, match="--temp_location"):
+        run_release(path, key_file=tmp_path / "k.key", ledger=book, out_dir=tmp_path / "out", engine="beam",
+                    beam_options=["--direct_running_mode=in_memory", "--temp_location=s3://b/t/../release"])
+    assert history(open_ledger(book), "test-data")[1] == [] and not (tmp_path / "k.key").exists()
+
+
+def test_a_temp_location_inside_a_published_release_is_refused(case, tmp_path, s3, credentials):
+    """Found by review: a plain store --temp_location inside a published release was accepted, and the run's key
+    files, noisy values and kept records would have been written among its files (a local one was refused only
+    after a selection's charge). Refused when the engine is made, in a store and on disk; so is a store location
+    inside the run's own release prefix."""
+    import pyarrow.fs as pafs
+
+    store = pafs.S3FileSystem(endpoint_override=s3, scheme="http", allow_bucket_creation=True)
+    store.create_dir("pub")
+    with store.open_output_stream("pub/releases/2026-10/manifest.json") as handle:
+        handle.write(b"{}")
+    published = tmp_path / "published"
+    published.mkdir()
+    (published / "manifest.json").write_text("{}")
+    out = f"s3://pub/out?endpoint_override={s3}&scheme=http"
+    for temp, out_dir in (("s3://pub/releases/2026-10/t", tmp_path / "out"), (str(published / "t"), tmp_path / "out"),
+                          ("s3://pub/out/test-release/t", out)):
+        with pytest.raises(SpecError, match="--temp_location.*inside the release"):
+            run_release(case(), key_file=tmp_path / "k.key", ledger=None, out_dir=out_dir, engine="beam",
+                        beam_options=["--direct_running_mode=in_memory", f"--temp_location={temp}",
+                                      f"--s3_endpoint_url=http://{s3}"])
+    assert not (tmp_path / "k.key").exists()
+
+
 @pytest.mark.parametrize("as_uri", [False, True])
 def test_a_local_temp_location_keeps_nothing_and_loses_what_killed_runs_left(case, tmp_path, monkeypatch, as_uri):
     """Found by review: result directories under a local --temp_location were named by a random id only, so a

@@ -364,3 +364,23 @@ def test_a_host_name_with_the_tags_separators_is_written_plain(tmp_path, monkeyp
     dead.mkdir()
     assert housekeeping.remove_stale(tmp_path, "dprelease-publish@") == [dead]
     assert housekeeping._plain_name("a+b") != housekeeping._plain_name("a_b")
+
+
+def test_a_forked_child_reads_its_own_pid_namespace_and_boot_again():
+    """Found by review: the boot id and PID namespace, read once per process, were inherited by a child forked after
+    `unshare(CLONE_NEWPID)`, which is in another namespace: its leftovers were tagged with the parent's and swept by
+    the parent while alive. A forked child reads them again."""
+    import os
+
+    from dprelease.pipelines import housekeeping
+
+    housekeeping.host_identity()
+    assert housekeeping._pid_namespace.cache_info().currsize == 1
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write, str(housekeeping._pid_namespace.cache_info().currsize + housekeeping._boot_id.cache_info().currsize).encode())
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 8) == b"0"
+    os.waitpid(pid, 0)

@@ -177,6 +177,38 @@ REMOTE_RESULTS = "dprelease-beam+"
 URI is user info), so the next run on the host can tell a killed launcher's."""
 
 
+def check_temp_location(options) -> None:
+    """Refuse (SpecError, exit 2) a --temp_location the run's confidential files must not go to, when the engine is
+    made (before any key, budget or data): a store location that is not plain or holds user info or a query
+    (`_checked_store_temp`), and any location inside a published release (a manifest at it or above it; a local
+    one as `private_directory` would refuse it later)."""
+    from apache_beam.options.pipeline_options import GoogleCloudOptions
+
+    from ..storage import check_outside_releases, is_uri, local_path
+
+    temp = options.view_as(GoogleCloudOptions).temp_location
+    if not temp:
+        return
+    why = "the run's key files, noisy values and kept records never go inside a release"
+    if not is_uri(temp):
+        check_outside_releases(Path(local_path(temp, "--temp_location")).absolute() / "x", "--temp_location", temp, why)
+        return
+    opened = _temp_store(options, _checked_store_temp(temp))
+    if opened is None:
+        return
+    import pyarrow as pa
+
+    from ..storage.objects import RemoteRelease, _release_above
+
+    store, path = opened
+    try:
+        holder = _release_above(RemoteRelease(store, f"{path}/x"))
+    except (pa.ArrowException, OSError):
+        holder = None  # cannot be listed here: the workers' writes will say so
+    if holder is not None:
+        raise SpecError(f"--temp_location = {shown(temp)!r}: inside the release {shown(holder)}; {why}")
+
+
 def _checked_store_temp(temp: str) -> str:
     """A store --temp_location without its trailing '/', refused (SpecError, exit 2) where it carries user info or a
     query (which could be credentials, and options are recorded) or a path that is not plain ('..', '.' or empty
@@ -203,6 +235,9 @@ def _remove_stale_results(options, temp: str) -> list[str]:
     from ..housekeeping import process_alive
     from ..storage import remove_stale_remote
 
+    if temp in _SWEPT:  # once per location and process (a selection runs several pipelines)
+        return []
+    _SWEPT.add(temp)
     opened = _temp_store(options, temp)
     if opened is None:
         logging.getLogger("dprelease").info("--temp_location's store cannot be listed here: result directories "
@@ -212,12 +247,17 @@ def _remove_stale_results(options, temp: str) -> list[str]:
     return remove_stale_remote(store, path, REMOTE_RESULTS, process_alive)
 
 
+_SWEPT: set[str] = set()
+"""The store --temp_locations this process has swept (`_remove_stale_results`)."""
+
+
 def _temp_store(options, temp: str):
     """(a pyarrow store, the path of `temp` in it) for a store --temp_location, opened with the connection settings
     Beam's own options give (`--s3_endpoint_url`, `--s3_region_name`, `--s3_disable_ssl`, and any credentials
     given as options; otherwise the environment's, as Beam's client reads them); None for a store that is not an
     object store (hdfs: a prefix there could be a link, which a recursive delete would follow) or one pyarrow
     cannot open."""
+    import datetime
     from urllib.parse import urlsplit
 
     import pyarrow as pa
@@ -238,9 +278,9 @@ def _temp_store(options, temp: str):
                 connect_timeout=5, request_timeout=20,
                 retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2))
             return Store(filesystem, "s3://"), rest
-        if scheme.lower() in ("gs", "gcs"):
-            filesystem, path = pafs.FileSystem.from_uri(temp)
-            return Store(filesystem, f"{scheme}://"), path
+        if scheme.lower() in ("gs", "gcs"):  # retries bounded (found by review: the default retried for minutes)
+            filesystem = pafs.GcsFileSystem(retry_time_limit=datetime.timedelta(seconds=5))
+            return Store(filesystem, f"{scheme}://"), rest
         return None  # a file system with links (hdfs): never swept by name from here
     except (pa.ArrowException, OSError, ValueError):
         return None
@@ -478,11 +518,25 @@ class BeamEngine(Engine):
 
     def __init__(self, runner: str | None = None, options: list[str] | None = None, workers: int | None = None):
         self.options = pipeline_options(runner, list(options or []), workers)
+        check_temp_location(self.options)  # before any key, budget or data (found by review: it ran after the charge)
         self.workers = workers or os.cpu_count() or 1
         self._directory: str | None = None
         self._key_inputs: dict[int, object] = {}
         self._kept: tuple | None = None
         """(signature, directory, is_local, paths) of the bounded records a selection keeps for its later passes."""
+
+    def temp_inside(self, release_uri: str) -> bool:
+        """Whether a store --temp_location lies in (or is) the release's own prefix `release_uri`, where the run's
+        confidential files would be uploaded with it (refused by the run before anything is charged)."""
+        from apache_beam.options.pipeline_options import GoogleCloudOptions
+
+        from ..storage import is_uri
+
+        temp = self.options.view_as(GoogleCloudOptions).temp_location
+        if not temp or not is_uri(temp):
+            return False
+        temp, release = temp.rstrip("/"), release_uri.rstrip("/")
+        return temp == release or temp.startswith(release + "/")
 
     def _key_input(self, pipeline, key: ReleaseKey):
         """The key as this run's workers get it: a singleton read when the pipeline runs from a private file in the

@@ -347,9 +347,9 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
         raise
     try:
         check_engine_selects(plan, engine_)
-        if remote is not None and getattr(engine_, "temp_inside", None) and engine_.temp_inside(remote.uri.split("?")[0]):
-            raise SpecError(f"--temp_location: inside the release's own prefix {shown(remote.uri)}; the run's key files, "
-                            "noisy values and kept records never go inside a release")
+        if remote is not None and engine_.temp_inside(remote.store.uri(remote.path)):
+            raise SpecError(f"--temp_location: inside the release's own prefix {shown(remote.uri)}; the run's key "
+                            "files, noisy values and kept records never go inside a release")
         signer = load_private_key(read_named(sign_key, MAX_KEY_BYTES, "--sign-key"), sign_key) if sign_key else None
         if internal_dir is not None:
             private_directory(internal_dir, "--internal-dir")

@@ -98,6 +98,13 @@ class Engine(ABC):
     def close(self) -> None:
         """Release what the engine started for this run (a run calls it once, whatever the outcome)."""
 
+    def temp_inside(self, release_uri: str) -> bool:
+        """Whether the engine's own location for the run's confidential files (key files, noisy values, kept
+        records) lies in the release's prefix `release_uri` (a store URI without options), where they would be
+        uploaded with it: the run refuses that before anything is charged. None but Beam's store --temp_location
+        can."""
+        return False
+
     def check_input_schema(self, source: InputSource) -> None:
         """Refuse (InputSchemaError, exit 2) input column types this engine cannot read; called before any
         budget is reserved. Privacy: looks at file schemas only (public), never at values."""

@@ -153,8 +153,8 @@ def _result_directory(options) -> tuple[str, bool]:
     directory under --temp_location when given (shared storage on a cluster; a local path is made a private
     directory by the storage layer, never inside a release; a store's prefix must be as private as the key),
     else a private local temporary directory (DirectRunner). A directory is named after the process, and those of
-    launchers killed on this host (and boot and PID namespace) are removed first, local or in a store
-    (`_remove_stale_results`). Returns (path, is_local)."""
+    launchers killed on this host (and boot and PID namespace) are removed first (in a store, once per engine, when
+    it is made: `prepare_temp_location`). Returns (path, is_local)."""
     from apache_beam.options.pipeline_options import GoogleCloudOptions
 
     from ..storage import is_uri, local_path, private_directory
@@ -162,7 +162,6 @@ def _result_directory(options) -> tuple[str, bool]:
     temp = options.view_as(GoogleCloudOptions).temp_location
     if temp and is_uri(temp):
         temp = _checked_store_temp(temp)
-        _remove_stale_results(options, temp)
         return f"{temp}/{REMOTE_RESULTS}{store_leftover_tag()}{uuid.uuid4().hex}", False
     if temp:
         temp = local_path(temp, "--temp_location")  # file:///p is the local path /p, made private as any
@@ -177,11 +176,12 @@ REMOTE_RESULTS = "dprelease-beam+"
 URI is user info), so the next run on the host can tell a killed launcher's."""
 
 
-def check_temp_location(options) -> None:
-    """Refuse (SpecError, exit 2) a --temp_location the run's confidential files must not go to, when the engine is
-    made (before any key, budget or data): a store location that is not plain or holds user info or a query
+def prepare_temp_location(options) -> None:
+    """When the engine is made (before any key, budget or data): refuse (SpecError, exit 2) a --temp_location the
+    run's confidential files must not go to: a store location that is not plain or holds user info or a query
     (`_checked_store_temp`), and any location inside a published release (a manifest at it or above it; a local
-    one as `private_directory` would refuse it later)."""
+    one as `private_directory` would refuse it later). Then remove, from a store location, the result directories
+    of launchers killed on this host (`_remove_stale_results`), through the store opened for the check."""
     from apache_beam.options.pipeline_options import GoogleCloudOptions
 
     from ..storage import check_outside_releases, is_uri, local_path
@@ -195,6 +195,8 @@ def check_temp_location(options) -> None:
         return
     opened = _temp_store(options, _checked_store_temp(temp))
     if opened is None:
+        logging.getLogger("dprelease").info("--temp_location's store cannot be listed here: result directories "
+                                            "of killed launchers there, if any, are left")
         return
     import pyarrow as pa
 
@@ -207,6 +209,7 @@ def check_temp_location(options) -> None:
         holder = None  # cannot be listed here: the workers' writes will say so
     if holder is not None:
         raise SpecError(f"--temp_location = {shown(temp)!r}: inside the release {shown(holder)}; {why}")
+    _remove_stale_results(store, path)
 
 
 def _checked_store_temp(temp: str) -> str:
@@ -225,30 +228,16 @@ def _checked_store_temp(temp: str) -> str:
     return temp.rstrip("/")
 
 
-def _remove_stale_results(options, temp: str) -> list[str]:
-    """Remove the result directories under a store's --temp_location whose launcher on this host is gone (a
-    SIGKILLed run's key files, noisy ranges and kept records); another host's, a live launcher's and a name that
-    does not parse are left. Listed and removed through pyarrow with short timeouts, not Beam's filesystems (whose
-    S3 listing retries an empty or failed listing with backoff for minutes); a store that cannot be opened or
-    listed (hdfs://, whose names may be links; a gs:// without credentials) removes nothing, and that is logged by count only. Returns the URIs
-    removed."""
+def _remove_stale_results(store, path: str) -> list[str]:
+    """Remove the result directories under a store's --temp_location (`path` in `store`, from `_temp_store`) whose
+    launcher on this host is gone (a SIGKILLed run's key files, noisy ranges and kept records); another host's, a
+    live launcher's and a name that does not parse are left. Listed and removed through pyarrow with short timeouts,
+    not Beam's filesystems (whose S3 listing retries an empty or failed listing with backoff for minutes); a listing
+    that fails removes nothing. Returns the URIs removed."""
     from ..housekeeping import process_alive
     from ..storage import remove_stale_remote
 
-    if temp in _SWEPT:  # once per location and process (a selection runs several pipelines)
-        return []
-    _SWEPT.add(temp)
-    opened = _temp_store(options, temp)
-    if opened is None:
-        logging.getLogger("dprelease").info("--temp_location's store cannot be listed here: result directories "
-                                            "of killed launchers there, if any, are left")
-        return []
-    store, path = opened
     return remove_stale_remote(store, path, REMOTE_RESULTS, process_alive)
-
-
-_SWEPT: set[str] = set()
-"""The store --temp_locations this process has swept (`_remove_stale_results`)."""
 
 
 def _temp_store(options, temp: str):
@@ -518,7 +507,7 @@ class BeamEngine(Engine):
 
     def __init__(self, runner: str | None = None, options: list[str] | None = None, workers: int | None = None):
         self.options = pipeline_options(runner, list(options or []), workers)
-        check_temp_location(self.options)  # before any key, budget or data (found by review: it ran after the charge)
+        prepare_temp_location(self.options)  # before any key, budget or data (found by review: it ran after the charge)
         self.workers = workers or os.cpu_count() or 1
         self._directory: str | None = None
         self._key_inputs: dict[int, object] = {}
@@ -526,8 +515,7 @@ class BeamEngine(Engine):
         """(signature, directory, is_local, paths) of the bounded records a selection keeps for its later passes."""
 
     def temp_inside(self, release_uri: str) -> bool:
-        """Whether a store --temp_location lies in (or is) the release's own prefix `release_uri`, where the run's
-        confidential files would be uploaded with it (refused by the run before anything is charged)."""
+        """Whether a store --temp_location lies in (or is) the release's own prefix `release_uri`."""
         from apache_beam.options.pipeline_options import GoogleCloudOptions
 
         from ..storage import is_uri

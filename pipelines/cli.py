@@ -403,7 +403,8 @@ def validate(spec: Path, base_dir, internal_dir: Path, input_path, engine, maste
                    "committed there at the cost it states, and this very manifest is one recorded at publication.")
 @click.option("--recompute", is_flag=True,
               help="Re-run the post-processing from measurements/ and demand the published tables exactly (floating "
-                   "point: a release made on another CPU or numpy build could differ in a rounding tie).")
+                   "point: a release made on another CPU, numpy build or dprelease version could differ in a rounding "
+                   "tie).")
 def verify(release_dir: str, public_key, ledger_location, recompute: bool) -> None:
     """Recompute hashes, accounting, budget totals and every structural property of a release; exit 1 on
     any mismatch. Reads only regular files inside the release directory. RELEASE_DIR may be an object-store

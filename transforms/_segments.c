@@ -2,8 +2,8 @@
  * Per-segment post-processing kernels: the least-squares projection onto {x >= 0, sum x = total} and
  * controlled rounding to integers adding up to an integer total, one contiguous segment at a time.
  *
- * Each segment is computed from its own values only, in one fixed order (its values sorted by value,
- * ties by position), so a segment's result is bit for bit the same whatever other segments the call holds:
+ * Each segment is computed from its own values only, in one fixed order (index order, or its values sorted
+ * by value, ties by position), so a segment's result is bit for bit the same whatever other segments the call holds:
  * a geographic unit's published values do not depend on how units are batched, on which worker or engine.
  * (A global cumulative sum over all segments, as a vectorised numpy version takes, would make a segment's
  * floating-point result depend on the segments before it.)
@@ -30,7 +30,10 @@ static int by_key_then_index(const void *a, const void *b)
     return (x->index > y->index) - (x->index < y->index);
 }
 
-/* The closest x >= 0 with sum(x) = total to values[0..n) (Duchi et al. 2008): x_i = max(v_i - tau, 0). */
+/* The closest x >= 0 with sum(x) = total to values[0..n) (Duchi et al. 2008): x_i = max(v_i - tau, 0).
+ * When every value stays above tau = (sum(v) - total) / n, every cell is in the support and that tau is the
+ * projection's (a fitted joint already on the simplex, up to rounding): no sort. Otherwise tau from the values
+ * sorted in decreasing order. Either way the result depends on this segment's values alone. */
 static void project_segment(const double *values, int64_t n, double total, entry_t *scratch, double *out)
 {
     if (n == 0)
@@ -40,17 +43,27 @@ static void project_segment(const double *values, int64_t n, double total, entry
             out[i] = 0.0;
         return;
     }
+    double sum = 0.0, smallest = values[0];
     for (int64_t i = 0; i < n; i++) {
-        scratch[i].key = values[i];
-        scratch[i].index = i;
+        sum += values[i];
+        if (values[i] < smallest)
+            smallest = values[i];
     }
-    qsort(scratch, (size_t)n, sizeof(entry_t), by_key_then_index);
-    double cumulative = 0.0, tau = 0.0;
-    for (int64_t k = 0; k < n; k++) {
-        cumulative += scratch[k].key;
-        double candidate = (cumulative - total) / (double)(k + 1);
-        if (scratch[k].key - candidate > 0)
-            tau = candidate;
+    double tau = (sum - total) / (double)n;
+    if (!(smallest - tau > 0)) {
+        for (int64_t i = 0; i < n; i++) {
+            scratch[i].key = values[i];
+            scratch[i].index = i;
+        }
+        qsort(scratch, (size_t)n, sizeof(entry_t), by_key_then_index);
+        double cumulative = 0.0;
+        tau = 0.0;
+        for (int64_t k = 0; k < n; k++) {
+            cumulative += scratch[k].key;
+            double candidate = (cumulative - total) / (double)(k + 1);
+            if (scratch[k].key - candidate > 0)
+                tau = candidate;
+        }
     }
     for (int64_t i = 0; i < n; i++) {
         double x = values[i] - tau;
@@ -58,7 +71,65 @@ static void project_segment(const double *values, int64_t n, double total, entry
     }
 }
 
-/* Integers >= 0 adding up to `total`: floors, then +1 to the largest fractional parts (ties by position). */
+static inline int before(const entry_t *x, const entry_t *y)
+{
+    return x->key > y->key || (x->key == y->key && x->index < y->index);
+}
+
+static inline void swap_entries(entry_t *a, entry_t *b)
+{
+    entry_t t = *a;
+    *a = *b;
+    *b = t;
+}
+
+/* Reorder scratch[0..n) so that its first k entries are the k first in the order of `before` (larger key,
+ * then smaller index: a strict total order, so the set is unique), in O(n) expected time (quickselect,
+ * median-of-three pivots, insertion sort below 16 entries). */
+static void select_first(entry_t *scratch, int64_t n, int64_t k)
+{
+    int64_t lo = 0, hi = n - 1;
+    while (hi - lo > 16) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (before(&scratch[mid], &scratch[lo]))
+            swap_entries(&scratch[mid], &scratch[lo]);
+        if (before(&scratch[hi], &scratch[lo]))
+            swap_entries(&scratch[hi], &scratch[lo]);
+        if (before(&scratch[hi], &scratch[mid]))
+            swap_entries(&scratch[hi], &scratch[mid]);
+        entry_t pivot = scratch[mid];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (before(&scratch[i], &pivot))
+                i++;
+            while (before(&pivot, &scratch[j]))
+                j--;
+            if (i <= j) {
+                swap_entries(&scratch[i], &scratch[j]);
+                i++;
+                j--;
+            }
+        }
+        if (k - 1 <= j)
+            hi = j;
+        else if (k - 1 >= i)
+            lo = i;
+        else
+            return;
+    }
+    for (int64_t a = lo + 1; a <= hi; a++) {
+        entry_t e = scratch[a];
+        int64_t b = a - 1;
+        while (b >= lo && before(&e, &scratch[b])) {
+            scratch[b + 1] = scratch[b];
+            b--;
+        }
+        scratch[b + 1] = e;
+    }
+}
+
+/* Integers >= 0 adding up to `total`: floors, then +1 to the largest fractional parts (ties by position),
+ * found by selection (the same cells a full sort would give: the order is strict). */
 static void round_segment(const double *values, int64_t n, int64_t total, entry_t *scratch, int64_t *out)
 {
     int64_t floors = 0;
@@ -73,8 +144,10 @@ static void round_segment(const double *values, int64_t n, int64_t total, entry_
     int64_t shortfall = total - floors;
     if (shortfall <= 0 || n == 0)
         return;
-    qsort(scratch, (size_t)n, sizeof(entry_t), by_key_then_index);
-    for (int64_t k = 0; k < n && k < shortfall; k++)
+    int64_t raised = shortfall < n ? shortfall : n;
+    if (raised < n)
+        select_first(scratch, n, raised);
+    for (int64_t k = 0; k < raised; k++)
         out[scratch[k].index] += 1;
 }
 

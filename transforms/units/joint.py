@@ -27,7 +27,7 @@ from ..segments import project_segments, round_segments
 CHUNK_CELLS = 1 << 21
 """Joint cells per chunk array (16 MiB of doubles): a chunk holds max(2, min(256, CHUNK_CELLS // joint cells))
 units, a public function of the joint's size, so every engine and batch computes a unit in the same shape."""
-START_SWEEPS = 20
+START_SWEEPS = 10
 RAKE_FLOOR = 1e-3
 START_FLOOR = 1e-3
 MIN_VARIANCE = 1e-9
@@ -210,10 +210,13 @@ def _all_margins(joint: np.ndarray, shape: JointShape, groups) -> list[np.ndarra
     return margins
 
 
-def _updated(joint: np.ndarray, shape: JointShape, groups, exponents: list[np.ndarray]) -> np.ndarray:
-    """joint * exp(-step * gradient) for a chunk: the product over tables of each table's factor broadcast
-    into the joint, each group's factors multiplied in its intermediate shape first."""
+def _updated(joint: np.ndarray, shape: JointShape, groups, exponents: list[np.ndarray],
+             scale: np.ndarray) -> np.ndarray:
+    """joint * scale * exp(-step * gradient) for a chunk (`scale` per unit): the product over tables of each
+    table's factor broadcast into the joint, each group's factors multiplied in its intermediate shape first,
+    the scale multiplied into the first factor (no pass of its own over the joint)."""
     out = None
+    scale = scale.reshape((1,) * len(shape.sizes) + (scale.size,))
     for kept, members in groups:
         if len(kept) == len(shape.sizes):
             factors = [_broadcast(np.exp(exponents[i]), shape, shape.tables[i]) for i in members]
@@ -229,31 +232,40 @@ def _updated(joint: np.ndarray, shape: JointShape, groups, exponents: list[np.nd
             factors = [np.expand_dims(partial, dropped)]
         for factor in factors:
             if out is None:
-                out = joint * factor
+                out = joint * (factor * scale)
             else:
                 out *= factor
     return out
 
 
-def _loss_terms(joint: np.ndarray, shape: JointShape, noisy: list[np.ndarray], variances: list[float], groups=None):
+def _loss_terms(joint: np.ndarray, shape: JointShape, noisy: list[np.ndarray], variances: list[float], groups=None,
+                total: np.ndarray | None = None):
     """Per unit loss sum_t ||margin_t - y_t||^2 / v_t, and per table the gradient factor's exponent
-    2 (margin_t - y_t) / v_t."""
+    2 (margin_t - y_t) / v_t. Given `total`, of the joint scaled to sum to it: (loss, gradients, the scale),
+    the scale applied to the (small) margins only."""
     width = joint.shape[-1]
     loss = np.zeros(width)
     gradients = []
     margins = _all_margins(joint, shape, groups if groups is not None else shape.groups())
+    scale = None
+    if total is not None:
+        scale = _scale_to(margins[0].reshape(-1, width).sum(axis=0), total)
+        margins = [m * scale for m in margins]
     for table, y, variance, margin in zip(shape.tables, noisy, variances, margins):
         residual = margin - y
         loss += (residual * residual).reshape(-1, width).sum(axis=0) / variance
         gradients.append(2.0 * residual / variance)
-    return loss, gradients
+    return (loss, gradients) if scale is None else (loss, gradients, scale)
+
+
+def _scale_to(sums: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """Per unit, the factor taking a joint summing to `sums` to `total` (0 for an empty joint)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(sums > 0, total / np.where(sums > 0, sums, 1.0), 0.0)
 
 
 def _normalised(joint: np.ndarray, total: np.ndarray) -> np.ndarray:
-    sums = joint.reshape(-1, joint.shape[-1]).sum(axis=0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        scale = np.where(sums > 0, total / np.where(sums > 0, sums, 1.0), 0.0)
-    joint *= scale
+    joint *= _scale_to(joint.reshape(-1, joint.shape[-1]).sum(axis=0), total)
     return joint
 
 
@@ -269,22 +281,26 @@ def _mirror_descent(shape: JointShape, total: np.ndarray, noisy: list[np.ndarray
     mean = (total / shape.cells).reshape((1,) * len(shape.sizes) + (width,))
     joint = _normalised(np.maximum(start, START_FLOOR * mean), total)
     loss, gradients = _loss_terms(joint, fit, ys, variances, groups)
+    scale = np.ones(width)  # the joint is `joint * scale`: each step's normalisation rides on the next update
     largest = np.zeros(width)
     for g in gradients:
         largest += np.abs(g).reshape(-1, width).max(axis=0)
     step = 1.0 / np.maximum(largest, 1e-12)
     for _ in range(iterations):
         exponents = [np.clip(-step * g, -EXPONENT_CLIP, EXPONENT_CLIP) for g in gradients]
-        candidate = _normalised(_updated(joint, fit, groups, exponents), total)
-        candidate_loss, candidate_gradients = _loss_terms(candidate, fit, ys, variances, groups)
+        candidate = _updated(joint, fit, groups, exponents, scale)
+        candidate_loss, candidate_gradients, candidate_scale = _loss_terms(candidate, fit, ys, variances, groups,
+                                                                           total)
         better = candidate_loss <= loss
         if better.all():
-            joint, loss, gradients = candidate, candidate_loss, candidate_gradients
+            joint, loss, gradients, scale = candidate, candidate_loss, candidate_gradients, candidate_scale
         else:
             joint = np.where(better, candidate, joint)
             loss = np.where(better, candidate_loss, loss)
+            scale = np.where(better, candidate_scale, scale)
             gradients = [np.where(better, new, old) for new, old in zip(candidate_gradients, gradients)]
         step = np.where(better, np.minimum(step * 1.5, MAX_STEP), step / 2.0)
+    joint *= scale
     return joint
 
 

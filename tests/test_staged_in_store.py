@@ -271,3 +271,28 @@ def test_the_files_a_plan_expects_are_those_the_embedded_engine_writes(spec_path
     manifest = json.loads((done.release_dir / "manifest.json").read_text())
     written = {f["path"] for f in manifest["files"] if not f["path"].startswith("domains/")}
     assert written == expected_part_files(build_plan(*load_spec(spec)), layout)
+
+
+def test_a_store_that_cannot_be_listed_removes_nothing_and_says_where(caplog):
+    """The sweep of killed runs' prefixes against an S3 endpoint nobody answers (a closed port of 127.0.0.1):
+    nothing is removed, and a warning names the location (no secret) and the kind of error."""
+    import logging
+    import socket
+
+    import pyarrow.fs as pafs
+
+    from dprelease.pipelines.storage import remove_stale_remote
+    from dprelease.pipelines.storage.uris import Store
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    filesystem = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", access_key="key-id",
+                                   secret_key="not-shown", region="us-east-1", connect_timeout=1, request_timeout=1,
+                                   retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
+    with caplog.at_level(logging.WARNING, logger="dprelease"):
+        removed = remove_stale_remote(Store(filesystem, "s3://"), "bucket/releases", ".r.staging+",
+                                      lambda host, token: False)
+    assert removed == []
+    assert "could not list s3://bucket/releases" in caplog.text and "nothing removed" in caplog.text
+    assert "not-shown" not in caplog.text

@@ -27,6 +27,7 @@ directories (`pipelines.housekeeping`).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from dprelease.accounting.redact import shown
 from .local import safe_relative
 from .objects import RemoteRelease, list_prefix, open_release
 from .uris import Store
+
+LOG = logging.getLogger("dprelease")
 
 STAGING_MARKER = ".dprelease-staging"
 """An object (or a file, in a local staging directory) holding a random token of its run: a worker writes a part
@@ -187,10 +190,13 @@ def remove_stale_remote(store: Store, parent: str, name_prefix: str, process_ali
     its release, a Beam launcher's result directory under its --temp_location) whose process (`process_alive(host,
     token)`) is known to be gone; a prefix of another host, a live run's, or one whose name does not parse is left
     alone. One listing of `parent`, not recursive, through pyarrow (no client-side backoff on an empty listing); a
-    store that cannot be listed removes nothing. Returns the URIs removed."""
+    store that cannot be listed removes nothing and says so (a warning naming the location and the kind of error).
+    Returns the URIs removed."""
     try:
         infos = store.filesystem.get_file_info(pafs.FileSelector(parent, recursive=False, allow_not_found=True))
-    except (pa.ArrowException, OSError):
+    except (pa.ArrowException, OSError) as error:
+        LOG.warning("could not list %s to remove what killed runs left there (%s); nothing removed",
+                    shown(store.uri(parent)), type(error).__name__)
         return []
     removed = []
     for info in infos:

@@ -41,6 +41,28 @@ def demo(tmp_path_factory):
     return {"root": root, "data": data, "key": key, "embedded": embedded.release_dir}
 
 
+def run_cli_to_files(arguments: list, stem: Path) -> subprocess.CompletedProcess:
+    """`dprelease ARGUMENTS` with its output in files (STEM.stdout, STEM.stderr), read back as text: returns when
+    the command exits (with pipes, it would wait until every process holding them, a lingering JVM too, exits)."""
+    with open(f"{stem}.stdout", "w") as stdout, open(f"{stem}.stderr", "w") as stderr:
+        done = subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", *map(str, arguments)], stdout=stdout,
+                              stderr=stderr)
+    return subprocess.CompletedProcess(done.args, done.returncode, Path(f"{stem}.stdout").read_text(),
+                                       Path(f"{stem}.stderr").read_text())
+
+
+def processes_marked(mark: str) -> list[int]:
+    """PIDs of the live processes whose environment holds `mark` (NAME=VALUE), from /proc (Linux)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if mark.encode() in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
 def assert_same_release(a: Path, b: Path, engine: str) -> None:
     files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
     files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
@@ -64,18 +86,25 @@ def test_spark_local_is_byte_identical_to_embedded(demo):
 def test_spark_retries_redraw_nothing(demo, monkeypatch):
     """The hook really fails attempt 0 (no retry on local[2]: exit 1), and what Spark prints of the executor's
     failure (log4j's task lines, the driver's error) names the step and the exception's type, never its text;
-    with retries the release is the embedded engine's."""
+    with retries the release is the embedded engine's. Failed or not, the command returns only once the JVM it
+    launched and that JVM's Python workers (which held records and the key) are gone."""
     monkeypatch.setenv("DPRELEASE_TEST_FAIL_FIRST_ATTEMPT", "noise")
-    failed = subprocess.run([sys.executable, "-m", "dprelease.pipelines.cli", "run", DEMO_SPEC, "--no-ledger",
-                             "--input", demo["data"], "--out", demo["root"] / "no-retry", "--key-file", demo["key"],
-                             "--engine", "spark", "--master", "local[2]"], capture_output=True, text=True)
+    mark = f"DPRELEASE_TEST_RUN={os.urandom(8).hex()}"  # inherited by every process the run starts
+    monkeypatch.setenv(*mark.split("="))
+    failed = run_cli_to_files(["run", DEMO_SPEC, "--no-ledger", "--input", demo["data"], "--out",
+                               demo["root"] / "no-retry", "--key-file", demo["key"], "--engine", "spark",
+                               "--master", "local[2]"], demo["root"] / "no-retry.out")
     assert failed.returncode == 1, failed.stderr[-2000:]
     assert "noise failed in a worker: RuntimeError" in failed.stderr  # log4j's lines: the public text only
     assert "test hook" not in failed.stdout + failed.stderr
     assert not (demo["root"] / "no-retry").exists() or not any((demo["root"] / "no-retry").rglob("manifest.json"))
-    result = run_release(DEMO_SPEC, input_path=str(demo["data"]), out_dir=demo["root"] / "retried",
-                         key_file=demo["key"], engine="spark", master="local[2,4]")
-    assert_same_release(demo["embedded"], result.release_dir, "spark")
+    assert processes_marked(mark) == []
+    retried = run_cli_to_files(["run", DEMO_SPEC, "--no-ledger", "--input", demo["data"], "--out",
+                                demo["root"] / "retried", "--key-file", demo["key"], "--engine", "spark",
+                                "--master", "local[2,4]"], demo["root"] / "retried.out")
+    assert retried.returncode == 0, retried.stderr[-2000:]
+    assert processes_marked(mark) == []  # the JVM and its Python workers exited before the command returned
+    assert_same_release(demo["embedded"], next((demo["root"] / "retried").iterdir()), "spark")
 
 
 def test_shuffled_blobs_stay_under_the_binary_offset_limit(demo, monkeypatch):

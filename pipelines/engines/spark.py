@@ -18,11 +18,14 @@ clusters (see deploy/spark/README.md).
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
+import functools
 import itertools
 import os
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Iterator
 
@@ -90,6 +93,35 @@ def _encode_shard_function(reader, tasks: list, plan: Plan, unit: str | None, sa
 
     labels = partition_labels(partitions)
     return public_failures("read and encode", encode_shard)
+
+
+JVM_EXIT_SECONDS = 30
+"""How long the end of a process waits for the JVM it launched for Spark to exit before killing it."""
+
+
+def _end_launched_jvm() -> None:
+    """At the end of the process: the JVM it launched for Spark (the driver, and local mode's executors, whose Python
+    workers held records and the key) is told to exit (its stdin closed: pyspark's gateway exits on EOF) and waited
+    for, so a command returns only once it is gone (otherwise it outlives the command by a few seconds, orphaned);
+    killed after JVM_EXIT_SECONDS. A JVM this process did not launch (spark-submit's) is left to its launcher."""
+    from pyspark import SparkContext
+
+    process = getattr(SparkContext._gateway, "proc", None)
+    if process is None or process.poll() is not None:
+        return
+    with contextlib.suppress(OSError):
+        process.stdin.close()
+    try:
+        process.wait(timeout=JVM_EXIT_SECONDS)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@functools.cache
+def _end_launched_jvm_at_exit() -> None:
+    """Register `_end_launched_jvm` once per process (atexit runs it before pyspark's own exit hooks)."""
+    atexit.register(_end_launched_jvm)
 
 
 def _murmur3_int(value: int, seed: int = 42) -> int:
@@ -527,6 +559,7 @@ class SparkEngine(Engine):
             builder = builder.master(self.master)
         elif "PYSPARK_GATEWAY_PORT" not in os.environ:  # not under spark-submit, which sets the master
             builder = builder.master("local[*]")
+        _end_launched_jvm_at_exit()
         self.started_session = builder.getOrCreate()
         return self.started_session
 

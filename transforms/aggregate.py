@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Iterable, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -156,6 +156,18 @@ def bounded_counts(layouts: list[TableLayout], codes: dict[str, np.ndarray], row
     if keep is not None and any(layout.statistic == "units" for layout in layouts):
         unit_ids = dense_unit_ids(units.filter(pa.array(keep)))
     return [layout.measure_vector(codes, n_rows, unit_ids) for layout in layouts]
+
+
+def kept_counts(layouts: list[TableLayout], batches: Iterable[tuple[dict[str, np.ndarray], int]]) -> list[np.ndarray]:
+    """Measurement vectors of count tables over records already bounded (`bounded_records`' codes, kept for a
+    selection's later passes), given as (codes, rows) batches: the records' contributions were bounded once,
+    over every encoded column, so counting them again adds no unit more than it contributed. No unit or measure
+    statistics (the kept codes hold neither units nor measures)."""
+    totals = [np.zeros(layout.n_measured, dtype=np.int64) for layout in layouts]
+    for codes, rows in batches:
+        for total, layout in zip(totals, layouts):
+            total += layout.measure_vector(codes, rows)
+    return totals
 
 
 def bounded_records(codes: dict[str, np.ndarray], rows: int, sizes: list[int],

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from dprelease.transforms.aggregate import bounded_counts
+from dprelease.transforms.aggregate import bounded_counts, kept_counts
 from dprelease.transforms.bound import shard_pieces, shard_salt, unit_shards
 from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.encode import UNIT, ColumnEncoder, encoded_table
@@ -277,16 +277,15 @@ class EmbeddedEngine(Engine):
     @staticmethod
     def _counts_from(kept: Path, plan: Plan) -> dict[str, np.ndarray]:
         """Count tables of `plan` over the bounded records kept by `true_counts` (no unit or measure statistics)."""
-        counts = {t.name: np.zeros(t.layout.n_measured, dtype=np.int64) for t in plan.tables}
-        for path in sorted(kept.glob("bounded-*.arrow")):
-            with pa.memory_map(str(path)) as source:
-                reader = pa.ipc.open_file(source)
-                for i in range(reader.num_record_batches):
-                    batch = reader.get_batch(i)
-                    codes = {c: batch.column(c).to_numpy() for c in plan.encoded_columns()}
-                    for t in plan.tables:
-                        counts[t.name] += t.layout.measure_vector(codes, batch.num_rows)
-        return counts
+        def batches():
+            for path in sorted(kept.glob("bounded-*.arrow")):
+                with pa.memory_map(str(path)) as source:
+                    reader = pa.ipc.open_file(source)
+                    for i in range(reader.num_record_batches):
+                        batch = reader.get_batch(i)
+                        yield {c: batch.column(c).to_numpy() for c in plan.encoded_columns()}, batch.num_rows
+
+        return dict(zip((t.name for t in plan.tables), kept_counts([t.layout for t in plan.tables], batches())))
 
     def close(self) -> None:
         """Remove the selection's spill of bounded records (if any)."""

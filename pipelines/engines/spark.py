@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from dprelease.accounting.errors import DPReleaseError, InputSchemaError, SpecError
 from dprelease.accounting.redact import shown
-from dprelease.transforms.aggregate import bounded_counts, bounded_records
+from dprelease.transforms.aggregate import bounded_counts, bounded_records, kept_counts
 from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.bound import shard_pieces, shard_salt, unit_shards
 from dprelease.transforms.encode import UNIT, ColumnEncoder, encoded_table
@@ -312,11 +312,8 @@ def _count_kept_function(plan: Plan, table_ids: list[int], steps: list[int]):
     layouts = [plan.tables[i].layout for i in table_ids]
 
     def count(batches):
-        totals = [np.zeros(layout.n_measured, dtype=np.int64) for layout in layouts]
-        for batch in batches:
-            codes = {c: batch.column(i).to_numpy() for i, c in enumerate(columns)}
-            for total, layout in zip(totals, layouts):
-                total += layout.measure_vector(codes, batch.num_rows)
+        totals = kept_counts(layouts, (({c: batch.column(i).to_numpy() for i, c in enumerate(columns)}, batch.num_rows)
+                                       for batch in batches))
         for table_id, counts in zip(table_ids, totals):
             if counts.any():
                 yield _sparse_counts(table_id, counts, steps)

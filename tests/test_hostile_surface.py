@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -165,11 +164,9 @@ def world(tmp_path_factory):
     (root / "outside.txt").write_text("OUTSIDE-SECRET-7f3a\n")
     (root / "outside-dir").mkdir(mode=0o755)
     os.chmod(root / "outside-dir", 0o755)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)  # port: the system's pick
     server.start()
+    port = server.get_host_and_port()[1]
     old_env = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     made = World(root, spec, spec.parent / "input.parquet", ledger, root / "agency.pem", root / "agency.pub.pem",

@@ -3,7 +3,6 @@
 on local disk, markers are skipped, credentials in a URI and missing objects are exit-2 errors."""
 from __future__ import annotations
 
-import socket
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -21,13 +20,11 @@ moto_server = pytest.importorskip("moto.server")
 
 @pytest.fixture(scope="module")
 def s3():
-    """A moto S3 server on a free port of 127.0.0.1; yields its endpoint (host:port)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    """A moto S3 server on a free port of 127.0.0.1 (port 0: the system picks it when the server binds, so two test
+    processes never race for one); yields its endpoint (host:port)."""
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
-    yield f"127.0.0.1:{port}"
+    yield "127.0.0.1:%d" % server.get_host_and_port()[1]
     server.stop()
 
 

@@ -1,9 +1,12 @@
 """A block-level release on Spark (blocks_spec.yaml: hierarchy nation > state > county > tract > block and a
 PL94-like histogram of 1,584 cells per block), at growing numbers of blocks: wall time per stage, published
 cells per second, and the peak resident memory of the driver (this Python process) and of its JVM (in
-local mode the JVM holds the executors too), sampled every 0.1 s. The driver's JVM gets `--driver-memory`
-(default 1g). Usage:
-    python benchmarks/spark_blocks.py [--blocks N ...] [--rows R] [--master URL] [--driver-memory 1g]
+local mode the JVM holds the executors too), sampled every 0.1 s, and the peak bytes under the driver's
+temporary directory (a fresh one per run: what the driver stages on its own disk). The driver's JVM gets
+`--driver-memory` (default 1g). `--out` publishes elsewhere, an object store for one
+(s3://bucket/releases?endpoint_override=127.0.0.1:PORT&scheme=http, credentials from the environment); with
+`--master spark://...` the executors of a standalone cluster (deploy/spark/start-cluster.sh) write the parts. Usage:
+    python benchmarks/spark_blocks.py [--blocks N ...] [--rows R] [--master URL] [--driver-memory 1g] [--out DIR|URI]
 Data (persons and geography) is generated once per size under benchmarks/out/blocks-N/.
 """
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -37,18 +41,33 @@ def children(pid: int) -> list[int]:
     return found
 
 
-class PeakMemory(threading.Thread):
-    """Largest RSS of this process, of its JVM (a `java` child) and of all Python workers together."""
+def tree_bytes(root: Path) -> int:
+    """Bytes of the regular files below `root` (links not followed)."""
+    total = 0
+    for directory, _, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(directory, name)).st_size
+            except OSError:
+                pass
+    return total
 
-    def __init__(self) -> None:
+
+class PeakMemory(threading.Thread):
+    """Largest RSS of this process, of its JVM (a `java` child) and of all Python workers together, and the
+    largest size of the driver's temporary directory."""
+
+    def __init__(self, temporary: Path) -> None:
         super().__init__(daemon=True)
-        self.driver = self.jvm = self.workers = 0
+        self.driver = self.jvm = self.workers = self.staged = 0
+        self.temporary = temporary
         self.running = True
 
     def run(self) -> None:
         me = os.getpid()
         while self.running:
             self.driver = max(self.driver, resident_bytes(me))
+            self.staged = max(self.staged, tree_bytes(self.temporary))
             workers = 0
             for child in children(me):
                 name = Path(f"/proc/{child}/comm").read_text().strip() if Path(f"/proc/{child}/comm").exists() else ""
@@ -71,7 +90,7 @@ def data_for(blocks: int, rows: int) -> Path:
     return data
 
 
-def measure(blocks: int, rows: int, master: str) -> None:
+def measure(blocks: int, rows: int, master: str, target: str | None) -> None:
     from dprelease.pipelines.plan import build_plan
     from dprelease.pipelines.run import run_release
     from dprelease.pipelines.spec import load_spec
@@ -81,21 +100,26 @@ def measure(blocks: int, rows: int, master: str) -> None:
     spec_path = HERE / "blocks_spec.yaml"
     spec, base = load_spec(spec_path)
     cells = build_plan(spec, base).n_cells
-    out = HERE / "out" / "spark-blocks"
-    shutil.rmtree(out, ignore_errors=True)
+    out = target or HERE / "out" / "spark-blocks"
+    if target is None:
+        shutil.rmtree(out, ignore_errors=True)
     marks: list[tuple[str, float]] = []
-    peak = PeakMemory()
+    temporary = Path(tempfile.mkdtemp(prefix="spark-blocks-driver-"))
+    os.environ["TMPDIR"] = tempfile.tempdir = str(temporary)  # the driver's (and its JVM's) temporary files
+    peak = PeakMemory(temporary)
     peak.start()
     start = time.perf_counter()
     run_release(spec_path, input_path=str(data / "persons.parquet"), out_dir=out, engine="spark", master=master,
-                ledger=None, key_file=HERE / "out" / "keys" / f"blocks-{blocks}.key",
+                ledger=None, key_file=HERE / "out" / "keys" / f"blocks-{blocks}.key", overwrite=target is not None,
                 progress=lambda stage, done, total: marks.append((f"{stage} {done}/{total}", time.perf_counter())))
     wall = time.perf_counter() - start
     peak.running = False
     peak.join()
     gib = 1 << 30
     print(f"{blocks:>9,} blocks {cells:>13,} cells {rows:>11,} rows  wall {wall:8.1f} s  {cells / wall:>11,.0f} cells/s  "
-          f"driver {peak.driver / gib:.2f} GiB  JVM {peak.jvm / gib:.2f} GiB  python workers {peak.workers / gib:.2f} GiB")
+          f"driver {peak.driver / gib:.2f} GiB  JVM {peak.jvm / gib:.2f} GiB  python workers {peak.workers / gib:.2f} GiB  "
+          f"driver's temporary directory at most {peak.staged / (1 << 20):.1f} MiB")
+    shutil.rmtree(temporary, ignore_errors=True)
     previous = start
     for label, at in marks:
         print(f"    {label:<24} {at - previous:8.1f} s")
@@ -109,11 +133,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=5_000_000)
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--driver-memory", default="1g")
+    parser.add_argument("--out", help="publish here (a directory or a store URI; replaced each run) instead of "
+                                      "benchmarks/out/spark-blocks")
     args = parser.parse_args()
     os.environ["PYSPARK_SUBMIT_ARGS"] = f"--driver-memory {args.driver_memory} pyspark-shell"
     (HERE / "out" / "blocks").mkdir(parents=True, exist_ok=True)
     for blocks in args.blocks:
-        measure(blocks, args.rows, args.master)
+        measure(blocks, args.rows, args.master, args.out)
 
 
 if __name__ == "__main__":

@@ -307,6 +307,25 @@ def test_joint_fit_is_nonnegative_keeps_totals_and_is_closer_than_the_measuremen
         np.testing.assert_allclose(fitted_margin, margin, atol=0.05)
 
 
+def test_joint_fit_keeps_every_unit_total_when_its_steps_underflow():
+    """Measurements no joint with the total can meet (every cell of 21 tables far below the total), so the step
+    grows until each table's factor is clipped at exp(-100) and their product underflows to 0: a step to an
+    empty joint is never taken, whatever its loss (found by review: the fit returned 0 for a total of 10^6)."""
+    import itertools
+
+    from dprelease.transforms.units.joint import JointShape, JointTable, fit_joints
+
+    k = 6
+    tables = [JointTable(f"a{i}", (i,), 1.0) for i in range(k)] + \
+        [JointTable(f"p{i}{j}", (i, j), 1.0) for i, j in itertools.combinations(range(k), 2)]
+    shape = JointShape((2,) * k, tuple(tables))
+    totals = np.array([10 ** 6, 10 ** 4, 0])
+    noisy = [np.full((3, 2 ** len(t.axes)), 1e4) for t in tables]
+    fitted = fit_joints(shape, totals, noisy, noisy, iterations=50)
+    assert np.all(np.isfinite(fitted)) and np.all(fitted >= 0)
+    np.testing.assert_allclose(fitted.sum(axis=1), totals, rtol=1e-9)
+
+
 def test_verify_refuses_to_replan_over_the_cell_limit(release, monkeypatch):
     monkeypatch.setenv("DPRELEASE_MAX_CELLS", "5")
     problems = verify_release(release).problems

@@ -120,7 +120,7 @@ def _end_launched_jvm() -> None:
 
 @functools.cache
 def _end_launched_jvm_at_exit() -> None:
-    """Register `_end_launched_jvm` once per process (atexit runs it before pyspark's own exit hooks)."""
+    """Register `_end_launched_jvm` once per process."""
     atexit.register(_end_launched_jvm)
 
 

@@ -27,7 +27,7 @@ from ..segments import project_segments, round_segments
 CHUNK_CELLS = 1 << 21
 """Joint cells per chunk array (16 MiB of doubles): a chunk holds max(2, min(256, CHUNK_CELLS // joint cells))
 units, a public function of the joint's size, so every engine and batch computes a unit in the same shape."""
-START_SWEEPS = 10
+START_SWEEPS = 20
 RAKE_FLOOR = 1e-3
 START_FLOOR = 1e-3
 MIN_VARIANCE = 1e-9
@@ -258,6 +258,12 @@ def _loss_terms(joint: np.ndarray, shape: JointShape, noisy: list[np.ndarray], v
     return (loss, gradients) if scale is None else (loss, gradients, scale)
 
 
+def _shifted(exponents: np.ndarray) -> np.ndarray:
+    """A table's exponents less their largest per unit: every factor at most 1, so their product never overflows
+    (the normalisation that follows cancels a per-unit constant factor)."""
+    return exponents - exponents.reshape(-1, exponents.shape[-1]).max(axis=0)
+
+
 def _scale_to(sums: np.ndarray, total: np.ndarray) -> np.ndarray:
     """Per unit, the factor taking a joint summing to `sums` to `total` (0 for an empty joint)."""
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -287,11 +293,13 @@ def _mirror_descent(shape: JointShape, total: np.ndarray, noisy: list[np.ndarray
         largest += np.abs(g).reshape(-1, width).max(axis=0)
     step = 1.0 / np.maximum(largest, 1e-12)
     for _ in range(iterations):
-        exponents = [np.clip(-step * g, -EXPONENT_CLIP, EXPONENT_CLIP) for g in gradients]
+        exponents = [_shifted(np.clip(-step * g, -EXPONENT_CLIP, EXPONENT_CLIP)) for g in gradients]
         candidate = _updated(joint, fit, groups, exponents, scale)
         candidate_loss, candidate_gradients, candidate_scale = _loss_terms(candidate, fit, ys, variances, groups,
                                                                            total)
-        better = candidate_loss <= loss
+        # a step is kept when it does not raise the loss and leaves a joint to scale: factors clipped at
+        # exp(-EXPONENT_CLIP) each can underflow a whole unit's joint to 0, whose loss may be the lower one
+        better = (candidate_loss <= loss) & ((candidate_scale > 0) | (total == 0))
         if better.all():
             joint, loss, gradients, scale = candidate, candidate_loss, candidate_gradients, candidate_scale
         else:

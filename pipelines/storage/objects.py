@@ -20,6 +20,7 @@ import hashlib
 import json
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Iterator, Sequence
@@ -40,6 +41,8 @@ MAX_MANIFEST_BYTES = 64 << 20
 UNLISTED_READ = 1 << 20
 """Bytes read of an object the manifest does not list (enough for verify to name it as unlisted)."""
 COPY_BLOCK = 8 << 20
+COPY_THREADS = 8
+"""Staged parts copied into a release (and read back) at once: each copy waits on the store, not on this process."""
 
 
 @dataclass(frozen=True)
@@ -163,8 +166,8 @@ def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool,
     """Publish the staged release at `local_dir` to the store: with `overwrite`, what the prefix holds is removed
     first (a manifest first, so it stops being a release); then every part the workers staged in the same store
     (`staged_parts`: (its path in the store, its name in the release, the SHA-256 its worker reported)) is copied
-    inside the store and read back (DPReleaseError unless its bytes are those reported, which the manifest
-    lists), every local file uploaded, the manifest last: a reader never sees a manifest whose files are not all
+    inside the store and read back, COPY_THREADS at once (DPReleaseError unless its bytes are those reported,
+    which the manifest lists), every local file uploaded, the manifest last: a reader never sees a manifest whose files are not all
     there, nor one that lists other bytes than the release holds."""
     old = check_remote_target(release, overwrite)  # no odd names: every object removed is the one listed
     filesystem = release.store.filesystem
@@ -172,13 +175,23 @@ def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool,
         filesystem.delete_file(release.object_path(MANIFEST))
     if old:  # plain names only (checked): the prefix emptied whole, with the directory markers a client leaves
         filesystem.delete_dir_contents(release.path, missing_dir_ok=True)
-    for source, relative, sha256 in staged_parts:
+    for _, relative, _ in staged_parts:
         if safe_relative(relative) is None or relative == MANIFEST:
             raise ValueError(f"{relative!r}: not a part's name")
+
+    def copy(part: tuple[str, str, str]) -> None:
+        source, relative, sha256 = part
         filesystem.copy_file(source, release.object_path(relative))
         if _object_sha256(filesystem, release.object_path(relative)) != sha256:
             raise DPReleaseError(f"release file {relative}: copied into {shown(release.uri)} with other bytes than "
                                  "its worker wrote (rewritten while the run published?)")
+
+    pool = ThreadPoolExecutor(max_workers=COPY_THREADS)
+    try:
+        for _ in pool.map(copy, staged_parts):
+            pass
+    finally:  # the first failure raises once the copies under way end; those not started never start
+        pool.shutdown(wait=True, cancel_futures=True)
     files = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file())
     for relative in [f for f in files if f != MANIFEST] + [MANIFEST]:
         _upload_file(local_dir / relative, filesystem, release.object_path(relative))

@@ -55,6 +55,9 @@ def read_batches(source, fmt: str, columns: list[str], row_groups: tuple[int, in
     malformed rows skipped (by policy, never an error)."""
     if fmt == "parquet":
         parquet = pq.ParquetFile(source)
+        stored = dictionary_columns(parquet, columns)
+        if stored:
+            parquet = pq.ParquetFile(source, read_dictionary=stored)
         groups = None if row_groups is None else list(range(*row_groups))
         if groups == []:
             return
@@ -67,6 +70,19 @@ def read_batches(source, fmt: str, columns: list[str], row_groups: tuple[int, in
         convert_options=csv_convert_options(columns, include=True),
     )
     yield from reader
+
+
+def dictionary_columns(parquet: pq.ParquetFile, columns: list[str]) -> list[str]:
+    """The columns among `columns` that the file stores dictionary-encoded (its first row group says): read as
+    dictionary arrays, a text column is never materialised value by value (encoding then looks up each batch's
+    dictionary, as for a file whose Arrow schema says dictionary). Columns stored plain are read as they are
+    (building a dictionary for them would hash every value). A public property of the file's layout."""
+    metadata = parquet.metadata
+    if metadata.num_row_groups == 0:
+        return []
+    first = metadata.row_group(0)
+    encodings = {first.column(i).path_in_schema: first.column(i).encodings for i in range(first.num_columns)}
+    return [c for c in columns if any("DICTIONARY" in e for e in encodings.get(c, ()))]
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,47 @@ def test_directory_of_parquet_files(case, tmp_path):
     assert read(result.release_dir, "tables", "pop.nation").to_pydict()["count"] == [3]
 
 
+def test_text_stored_dictionary_encoded_is_read_as_dictionaries_and_releases_the_same(case, tmp_path):
+    """A Parquet file of plain strings (no Arrow schema saying dictionary, as Spark or DuckDB write them) whose
+    text columns are stored dictionary-encoded is read as dictionary arrays (`source.dictionary_columns`: no string
+    materialised per value); a column stored plain is read as it is. The same rows as Arrow dictionaries, as
+    dictionary-encoded strings and as plain-encoded strings encode to the same codes (invalid UTF-8 and values
+    outside the domain included), and each publishes."""
+    from dprelease.pipelines.plan import build_plan
+    from dprelease.pipelines.source import read_batches
+    from dprelease.pipelines.spec import load_spec
+    from dprelease.transforms.encode import ColumnEncoder, encoded_table
+
+    rng = np.random.default_rng(5)
+    n = 2000
+    geo = np.array(GEO_LEAVES + ["bogus"], dtype=object)[rng.integers(0, len(GEO_LEAVES) + 1, n)]
+    sex = pa.array(np.array([b"F", b"M", b"\xff\xfe"], dtype=object)[rng.integers(0, 3, n)], pa.binary())
+    rows = {"pid": np.arange(n), "geo": pa.array(geo, pa.string()), "age": rng.integers(0, 100, n),
+            "sex": sex.cast(pa.string(), safe=False)}
+    spec = case(rows=rows)
+    table = pq.read_table(spec.parent / "input.parquet")
+    forms = {"dictionary": table.set_column(1, "geo", table.column("geo").dictionary_encode()),
+             "encoded": table, "plain": table}
+    plan = build_plan(*load_spec(spec))
+    encoders = {c: ColumnEncoder(plan.domains[c]) for c in plan.encoded_columns()}
+    codes = {}
+    for form, data in forms.items():
+        path = spec.parent / f"{form}.parquet"
+        pq.write_table(data, path, use_dictionary=form != "plain", store_schema=form == "dictionary")
+        batches = list(read_batches(str(path), "parquet", ["pid", "geo", "sex", "age"]))
+        assert pa.types.is_dictionary(batches[0].schema.field("sex").type) == (form != "plain")
+        assert pa.types.is_integer(batches[0].schema.field("age").type)
+        encoded = pa.concat_tables(encoded_table(b, encoders, "pid") for b in batches)
+        codes[form] = {c: encoded.column(c).to_numpy() for c in encoded.column_names if c in encoders}
+        result = run_release(spec, input_path=str(path), out_dir=tmp_path / form, key_file=tmp_path / f"{form}.key",
+                             ledger=None)
+        assert verify_release(result.release_dir).ok
+    for form in ("encoded", "plain"):
+        assert codes[form].keys() == codes["dictionary"].keys()
+        for column, values in codes["dictionary"].items():
+            np.testing.assert_array_equal(codes[form][column], values)
+
+
 @pytest.mark.parametrize("engine", ["embedded", "embedded-workers", "spark"])
 def test_a_unit_stored_as_a_dictionary_in_one_file_and_as_text_in_another_is_one_unit(case, tmp_path, monkeypatch,
                                                                                         engine):

@@ -208,6 +208,15 @@ def terminate_as_exit():
         _TERMINATION.update(active=False, raised=False)
 
 
+def raise_if_terminated() -> None:
+    """Raise `Terminated` if this process's SIGTERM was handled but its exception never arrived. A handler runs
+    between any two bytecodes of the main thread, callbacks whose exceptions Python prints and drops included
+    (logging's at-fork hook as a worker pool forks, a finalizer): the run would go on and publish. Called on the
+    normal path before anything irreversible (the ledger commit, the rename into place)."""
+    if _TERMINATION["active"] and _TERMINATION["raised"]:
+        raise Terminated(128 + signal.SIGTERM)
+
+
 def write_failure(internal_dir: Path, stage: str) -> Path | None:
     """The exception being handled, its traceback in a private file of the internal directory
     (failure-<stage>-<pid>.txt); None when it cannot be written (the directory not private, among others)."""

@@ -22,7 +22,7 @@ from dprelease.transforms.csprng import ReleaseKey
 from .engines.base import Engine, ProgressHook, no_progress
 from .engines.embedded import EmbeddedEngine, spill_prefix
 from .housekeeping import (RUN_TEMPORARY_PREFIXES, input_copy_prefix, owner, process_alive, remove_stale,
-                           run_temporary_directory, store_leftover_tag, terminate_as_exit)
+                           raise_if_terminated, run_temporary_directory, store_leftover_tag, terminate_as_exit)
 from .keys import check_key_location, default_key_path, load_or_generate
 from .manifest import plan_fingerprint, selection_fingerprint
 from .limits import check_plan_limits
@@ -392,6 +392,7 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                                             key_saved, release_key, final_dir, progress, invocation, reservation,
                                             signer, layout, remote)
                 try:
+                    raise_if_terminated()  # a SIGTERM whose exception a callback dropped still stops the run here
                     if reservation:
                         commit(book, reservation, staged.manifest_sha256, staged.measurements_sha256)
                     committed = True

@@ -233,6 +233,41 @@ def _alive(pid: int) -> bool:
         return False
 
 
+DROPPED_SIGTERM = """
+import os, signal
+import dprelease.pipelines.run as run
+real = run.post_process
+
+class Dropper:
+    def __del__(self):  # the SIGTERM handler runs here, and Python prints and drops what it raises
+        os.kill(os.getpid(), signal.SIGTERM)
+
+def post_process(*args, **kwargs):
+    Dropper()
+    return real(*args, **kwargs)
+
+run.post_process = post_process
+from dprelease.pipelines.cli import main
+main()
+"""
+
+
+def test_a_sigterm_whose_exception_a_callback_dropped_publishes_nothing(case, tmp_path):
+    """Found under load in CI: a SIGTERM that arrives while Python runs a callback whose exceptions it drops
+    (logging's at-fork hook as the worker pool forks; here a finalizer) lost its `Terminated`, and the run went on
+    to commit and publish, exit 0. The run now checks for a handled SIGTERM before committing: nothing is charged
+    or published, and it exits as terminated."""
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "test-data", "epsilon", Fraction(10))
+    ran = subprocess.run([sys.executable, "-c", DROPPED_SIGTERM, "run", str(case()), "--ledger", str(book),
+                          "--key-file", str(tmp_path / "k.key"), "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=120)
+    assert "Exception ignored" in ran.stderr and "Terminated" in ran.stderr  # the exception was dropped
+    assert ran.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), ran.stderr[-2000:]
+    assert not (tmp_path / "out" / "test-release").exists()
+    assert [r.status for r in history(open_ledger(book), "test-data")[1]] == [ABORTED]
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
 def test_a_killed_run_leaves_nothing_behind_after_the_next_run(tmp_path, signum, workers):

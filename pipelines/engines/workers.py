@@ -50,8 +50,15 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
+TERMINATE_SECONDS = 2.0
+"""How long a worker gets to die of SIGTERM before it is killed (SIGKILL)."""
+
+
 def _terminate(pool: ProcessPoolExecutor) -> None:
-    """Cancel what is queued and stop every worker now (running work is not waited for)."""
+    """Cancel what is queued and stop every worker now (running work is not waited for): SIGTERM, then SIGKILL for
+    a worker still alive after TERMINATE_SECONDS. A worker forked a moment before still runs the parent's SIGTERM
+    handler until `_start_worker` resets it, and that handler can lose its exception in an at-fork callback (found
+    under load: the worker lived on, and the run hung joining it)."""
     processes = list((getattr(pool, "_processes", None) or {}).values())  # CPython keeps its workers here
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
@@ -59,4 +66,7 @@ def _terminate(pool: ProcessPoolExecutor) -> None:
             process.terminate()
     for process in processes:
         with contextlib.suppress(Exception):
-            process.join()
+            process.join(TERMINATE_SECONDS)
+            if process.is_alive():
+                process.kill()
+                process.join()

@@ -203,6 +203,7 @@ def terminate_as_exit():
     _TERMINATION.update(active=True, raised=False)
     try:
         yield
+        raise_if_terminated()  # a SIGTERM whose exception was dropped ends the block as one that arrived would
     finally:
         signal.signal(signal.SIGTERM, previous)
         _TERMINATION.update(active=False, raised=False)
@@ -212,7 +213,8 @@ def raise_if_terminated() -> None:
     """Raise `Terminated` if this process's SIGTERM was handled but its exception never arrived. A handler runs
     between any two bytecodes of the main thread, callbacks whose exceptions Python prints and drops included
     (logging's at-fork hook as a worker pool forks, a finalizer): the run would go on and publish. Called on the
-    normal path before anything irreversible (the ledger commit, the rename into place)."""
+    normal path before anything irreversible (the ledger commit, the rename into place), and as a
+    `terminate_as_exit` block ends, so every command under one exits as terminated."""
     if _TERMINATION["active"] and _TERMINATION["raised"]:
         raise Terminated(128 + signal.SIGTERM)
 

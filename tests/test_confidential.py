@@ -268,6 +268,22 @@ def test_a_sigterm_whose_exception_a_callback_dropped_publishes_nothing(case, tm
     assert [r.status for r in history(open_ledger(book), "test-data")[1]] == [ABORTED]
 
 
+def test_any_command_ends_as_terminated_after_a_dropped_sigterm():
+    """The mechanism itself (`housekeeping.terminate_as_exit`, under every command that writes): a block whose
+    SIGTERM exception a finalizer dropped ends as terminated (exit 143), not as a success."""
+    code = ("import os, signal\n"
+            "from dprelease.pipelines.housekeeping import terminate_as_exit\n"
+            "class Dropper:\n"
+            "    def __del__(self):\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "with terminate_as_exit():\n"
+            "    Dropper()\n"
+            "print('finished')\n")
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "Exception ignored" in ran.stderr and ran.returncode == 128 + signal.SIGTERM
+    assert "finished" not in ran.stdout
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
 def test_a_killed_run_leaves_nothing_behind_after_the_next_run(tmp_path, signum, workers):

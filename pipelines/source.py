@@ -56,8 +56,8 @@ def read_batches(source, fmt: str, columns: list[str], row_groups: tuple[int, in
     if fmt == "parquet":
         parquet = pq.ParquetFile(source)
         stored = dictionary_columns(parquet, columns)
-        if stored:
-            parquet = pq.ParquetFile(source, read_dictionary=stored)
+        if stored:  # the footer already read is reused
+            parquet = pq.ParquetFile(source, metadata=parquet.metadata, read_dictionary=stored)
         groups = None if row_groups is None else list(range(*row_groups))
         if groups == []:
             return

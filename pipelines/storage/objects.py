@@ -167,8 +167,8 @@ def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool,
     first (a manifest first, so it stops being a release); then every part the workers staged in the same store
     (`staged_parts`: (its path in the store, its name in the release, the SHA-256 its worker reported)) is copied
     inside the store and read back, COPY_THREADS at once (DPReleaseError unless its bytes are those reported,
-    which the manifest lists), every local file uploaded, the manifest last: a reader never sees a manifest whose files are not all
-    there, nor one that lists other bytes than the release holds."""
+    which the manifest lists), every local file uploaded, the manifest last: a reader never sees a manifest whose
+    files are not all there, nor one that lists other bytes than the release holds."""
     old = check_remote_target(release, overwrite)  # no odd names: every object removed is the one listed
     filesystem = release.store.filesystem
     if MANIFEST in old:

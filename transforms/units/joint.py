@@ -241,8 +241,8 @@ def _updated(joint: np.ndarray, shape: JointShape, groups, exponents: list[np.nd
 def _loss_terms(joint: np.ndarray, shape: JointShape, noisy: list[np.ndarray], variances: list[float], groups=None,
                 total: np.ndarray | None = None):
     """Per unit loss sum_t ||margin_t - y_t||^2 / v_t, and per table the gradient factor's exponent
-    2 (margin_t - y_t) / v_t. Given `total`, of the joint scaled to sum to it: (loss, gradients, the scale),
-    the scale applied to the (small) margins only."""
+    2 (margin_t - y_t) / v_t, and the scale: given `total`, each of those is of the joint scaled to sum to it, the
+    scale (per unit) applied to the (small) margins only; None without."""
     width = joint.shape[-1]
     loss = np.zeros(width)
     gradients = []
@@ -255,7 +255,7 @@ def _loss_terms(joint: np.ndarray, shape: JointShape, noisy: list[np.ndarray], v
         residual = margin - y
         loss += (residual * residual).reshape(-1, width).sum(axis=0) / variance
         gradients.append(2.0 * residual / variance)
-    return (loss, gradients) if scale is None else (loss, gradients, scale)
+    return loss, gradients, scale
 
 
 def _shifted(exponents: np.ndarray) -> np.ndarray:
@@ -286,7 +286,7 @@ def _mirror_descent(shape: JointShape, total: np.ndarray, noisy: list[np.ndarray
     width = total.size
     mean = (total / shape.cells).reshape((1,) * len(shape.sizes) + (width,))
     joint = _normalised(np.maximum(start, START_FLOOR * mean), total)
-    loss, gradients = _loss_terms(joint, fit, ys, variances, groups)
+    loss, gradients, _ = _loss_terms(joint, fit, ys, variances, groups)  # the start sums to the totals
     scale = np.ones(width)  # the joint is `joint * scale`: each step's normalisation rides on the next update
     largest = np.zeros(width)
     for g in gradients:

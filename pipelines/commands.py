@@ -56,7 +56,7 @@ def verify(location: str | Path, public_key: str | Path | None = None, ledger: s
     public_key = arguments.path(public_key, "public_key")
     ledger = ledger_location(ledger)
     recompute = arguments.flag(recompute, "recompute")
-    with public_errors(stage="verify"), local_release(location) as copy:
+    with terminate_as_exit(), public_errors(stage="verify"), local_release(location) as copy:
         report = verify_release(copy.path, public_key, ledger=None if ledger is None else str(ledger),
                                 recompute=recompute)
         for problem in _odd_objects(copy):
@@ -87,7 +87,7 @@ def write_report(location: str | Path, out: str | Path | None = None, overwrite:
     public_key = arguments.path(public_key, "public_key")
     ledger = ledger_location(ledger)
     recompute = arguments.flag(recompute, "recompute")
-    with public_errors(stage="report"), local_release(location) as copy:
+    with terminate_as_exit(), public_errors(stage="report"), local_release(location) as copy:
         target = check_output_file(out or _beside(location, ".report.html"), overwrite, "--out")
         page, report = render_report(copy.path, public_key, ledger, recompute, _odd_objects(copy))
         path = write_atomically(target, overwrite, lambda handle: handle.write(page))
@@ -113,7 +113,7 @@ def synthesize(location: str | Path, out: str | Path | None = None, overwrite: b
     out = arguments.path(out, "out")
     overwrite = arguments.flag(overwrite, "overwrite")
     max_records = arguments.count(max_records, "max_records", optional=False)
-    with public_errors(stage="synthesize"), local_release(location) as copy:
+    with terminate_as_exit(), public_errors(stage="synthesize"), local_release(location) as copy:
         _verified_only(copy, location)
         target = check_output_file(out or _beside(location, ".synthetic.parquet"), overwrite, "--out")
         report_path = check_output_file(target.with_name(target.name + ".utility.json"), overwrite, "--out")
@@ -168,7 +168,7 @@ def demo_data(rows: int, out: str | Path, overwrite: bool = False, seed: int = 1
         except ValueError as error:
             raise SpecError(f"geography sizes: {error}") from None
     data_file = out if out.suffix in (".parquet", ".csv") else out / "persons.parquet"
-    with public_errors(stage="demo-data"):
+    with terminate_as_exit(), public_errors(stage="demo-data"):
         data_target = check_output_file(data_file, overwrite, "--out")
         domain_target = check_output_file(data_target.parent / "geography.txt", overwrite, "--out")
         return write_demo_data(data_target, domain_target, rows, overwrite, seed=seed, dirty_rate=dirty_rate,

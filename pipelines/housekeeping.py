@@ -10,6 +10,7 @@ everything else a run creates is removed on its own exit paths, SIGTERM included
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -17,6 +18,7 @@ import shutil
 import signal
 import socket
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -177,46 +179,79 @@ def remove_stale(parent: Path, prefix: str) -> list[Path]:
 
 
 class Terminated(SystemExit):
-    """Raised in the main thread on SIGTERM so that every `finally` (spill, staging, reservation) runs."""
+    """Raised in the main thread on SIGTERM (or SIGHUP) so that every `finally` (spill, staging, reservation) runs."""
 
 
-_TERMINATION = {"active": False, "raised": False}
-"""Process-wide: whether a `terminate_as_exit` block is active, and whether its SIGTERM was raised already."""
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""Signals a `terminate_as_exit` block turns into `Terminated` (exit 128 + the signal): a supervisor's stop and a
+dropped terminal or ssh session both clean up as a failure does."""
+
+REPEAT_SECONDS = 5.0
+"""A later signal within this long of the one raised is ignored (the clean-up it started runs to its end); one
+after it raises again: a clean-up that blocks (a runner joining workers that never exit), or a `Terminated` a
+callback dropped, never leaves the process stoppable only by SIGKILL."""
+
+_TERMINATION = {"active": False, "raised": None, "signal": None}
+"""Process-wide: whether a `terminate_as_exit` block is active, and when (monotonic seconds) and by which signal
+its last `Terminated` was raised (None: not yet)."""
+
+_ON_TERMINATE: list = []
+"""Callables the handler runs before it raises (`on_terminate`): quick, never raising (each is guarded)."""
+
+
+@contextmanager
+def on_terminate(action):
+    """Run `action()` first when a terminating signal arrives during the block: stopping what the clean-up would
+    otherwise wait for forever (Beam's runner joins its SDK worker processes in a `finally` of its own)."""
+    _ON_TERMINATE.append(action)
+    try:
+        yield
+    finally:
+        _ON_TERMINATE.remove(action)
 
 
 @contextmanager
 def terminate_as_exit():
-    """While active, the first SIGTERM raises `Terminated` (exit 143) instead of killing the process outright; later
-    ones are ignored until the outermost block ends, so the clean-up it starts is never cut short. Nested blocks
-    (the API's around `run_release`'s) share the outermost one's handler."""
+    """While active, the first SIGTERM or SIGHUP raises `Terminated` (exit 128 + the signal) instead of killing the
+    process outright, after the `on_terminate` actions; a later one within REPEAT_SECONDS is ignored, so the clean-up
+    it starts is not cut short, and one after that raises again. Nested blocks (the API's around `run_release`'s)
+    share the outermost one's handler. A block entered outside the main thread installs nothing (Python delivers
+    signals to the main thread only)."""
     if threading.current_thread() is not threading.main_thread() or _TERMINATION["active"]:
         yield
         return
 
     def handler(signum, frame):
-        if _TERMINATION["raised"]:  # a later SIGTERM during the clean-up is ignored: the clean-up runs to its end
-            return
-        _TERMINATION["raised"] = True
+        raised = _TERMINATION["raised"]
+        if raised is not None and time.monotonic() - raised < REPEAT_SECONDS:
+            return  # a repeated signal during the clean-up: the clean-up runs to its end
+        _TERMINATION.update(raised=time.monotonic(), signal=signum)
+        for action in list(_ON_TERMINATE):
+            with contextlib.suppress(Exception):
+                action()
         raise Terminated(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    _TERMINATION.update(active=True, raised=False)
+    previous = {number: signal.signal(number, handler) for number in TERMINATING_SIGNALS}
+    _TERMINATION.update(active=True, raised=None, signal=None)
     try:
         yield
         raise_if_terminated()  # a SIGTERM whose exception was dropped ends the block as one that arrived would
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        _TERMINATION.update(active=False, raised=False)
+        for number, handling in previous.items():  # None: set outside Python, which Python cannot put back
+            signal.signal(number, handling if handling is not None else signal.SIG_DFL)
+        _TERMINATION.update(active=False, raised=None, signal=None)
 
 
 def raise_if_terminated() -> None:
-    """Raise `Terminated` if this process's SIGTERM was handled but its exception never arrived. A handler runs
-    between any two bytecodes of the main thread, callbacks whose exceptions Python prints and drops included
+    """Raise `Terminated` if this process's SIGTERM (or SIGHUP) was handled but its exception never arrived. A handler
+    runs between any two bytecodes of the main thread, callbacks whose exceptions Python prints and drops included
     (logging's at-fork hook as a worker pool forks, a finalizer): the run would go on and publish. Called on the
-    normal path before anything irreversible (the ledger commit, the rename into place), and as a
-    `terminate_as_exit` block ends, so every command under one exits as terminated."""
-    if _TERMINATION["active"] and _TERMINATION["raised"]:
-        raise Terminated(128 + signal.SIGTERM)
+    normal path before each irreversible step (the reservation, a charge before publication, staging in a store,
+    the ledger commit, the rename into place), and as a `terminate_as_exit` block ends, so every command under one
+    exits as terminated. Only the main thread raises (the one the handler raised in)."""
+    if _TERMINATION["active"] and _TERMINATION["raised"] is not None \
+            and threading.current_thread() is threading.main_thread():
+        raise Terminated(128 + _TERMINATION["signal"])
 
 
 def write_failure(internal_dir: Path, stage: str) -> Path | None:

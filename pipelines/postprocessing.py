@@ -24,6 +24,7 @@ from dprelease.transforms.estimation import CountTable, generalised_least_square
 from dprelease.transforms.postprocess import clamp_nonnegative
 from dprelease.transforms.units import integers
 from dprelease.transforms.units.joint import JointShape, JointTable, marginal_tables
+from dprelease.transforms.units.kernels import JOINT_ITERATIONS
 from dprelease.transforms.units.groups import GROUP_WORK, transitions
 from dprelease.transforms.units.passes import TreeVariances, blocks_of, down_job, estimate_tree, run_tree
 from dprelease.transforms.units.tree import HierarchyQuery as TreeHierarchy
@@ -37,9 +38,6 @@ from .spec import CountUnitsQuery, HierarchyQuery, MarginalsQuery, MeanQuery, Qu
 JOINT_UNIT_LIMIT = 4_000_000
 """Largest joint table of one unit (attribute cells) fitted for exactly consistent integer marginals; the
 joint of a query is fitted a chunk of units at a time, so the query's whole joint may be far larger."""
-
-JOINT_ITERATIONS = 50
-"""Mirror-descent iterations of the joint fit from its raked start (per unit, each with its own step)."""
 
 JOINT_SPREAD_LIMIT = 16
 """Largest ratio of a unit's joint cells to its largest table's cells for the joint path: rounding a

@@ -327,18 +327,21 @@ def finish_release(plan: Plan, staging: Path, entries: list[dict], *, engine: st
     (staging / "manifest.json").write_bytes(manifest_bytes)
     if sign_key is not None:
         (staging / SIGNATURE_FILE).write_bytes(sign(sign_key, manifest_bytes))
-    os.chmod(staging, 0o755)
     measured = [[e["path"], e["sha256"]] for e in entries if e["path"].startswith(f"{MEASUREMENTS_DIR}/")]
     return StagedRelease(staging, hashlib.sha256(manifest_bytes).hexdigest(),
                          hashlib.sha256(json.dumps(measured).encode()).hexdigest())
 
 
 def publish(staged: StagedRelease, final_dir: Path, overwrite: bool) -> None:
-    """Rename the staged release into place, atomically. Without `overwrite` an existing directory is
-    never replaced, even one that appeared after the run started (a concurrent run of the same
-    release): the rename itself refuses. With `overwrite` the old release is moved aside first and
-    removed afterwards; a failure to remove it is logged, not raised (the new release is published)."""
+    """Rename the staged release into place, atomically, readable by others only from now (after the ledger's
+    commit: a run killed before it leaves no readable uncharged release). Without `overwrite` an existing
+    directory is never replaced, even one that appeared after the run started (a concurrent run of the same
+    release): the rename itself refuses. With `overwrite` the staged and the old release are exchanged in one
+    rename (Linux renameat2 RENAME_EXCHANGE; a signal at any point leaves one of them in place, never neither) and
+    the old one, now under the staging name, is removed; a failure to remove it is logged, not raised (the new
+    release is published; a later run sweeps it)."""
     check_target(final_dir, overwrite)
+    os.chmod(staged.staging, 0o755)
     if not overwrite or not final_dir.exists():
         try:
             rename_no_replace(staged.staging, final_dir)
@@ -346,18 +349,26 @@ def publish(staged: StagedRelease, final_dir: Path, overwrite: bool) -> None:
             raise SpecError(f"output: release directory {final_dir} appeared while this run was writing "
                             "(another run of the same release?); nothing was replaced") from None
         return
-    old = final_dir.parent / f"{replaced_prefix(final_dir.name)}{leftover_tag()}{os.urandom(4).hex()}"
-    os.rename(final_dir, old)
-    try:
-        rename_no_replace(staged.staging, final_dir)
-    except BaseException:
-        os.rename(old, final_dir)
-        raise
+    old = staged.staging if rename_exchange(staged.staging, final_dir) else _replace_in_two_renames(staged, final_dir)
     try:
         shutil.rmtree(old)
     except OSError as error:
         LOG.warning("published %s; the replaced release could not be removed from %s (%s)", final_dir, old,
                     type(error).__name__)
+
+
+def _replace_in_two_renames(staged: StagedRelease, final_dir: Path) -> Path:
+    """Where renameat2 is missing: the old release moved aside, the staged one renamed in; on any exception
+    (a signal included) the old one is put back unless the new one is in place. Returns where the old one is."""
+    old = final_dir.parent / f"{replaced_prefix(final_dir.name)}{leftover_tag()}{os.urandom(4).hex()}"
+    try:
+        os.rename(final_dir, old)
+        rename_no_replace(staged.staging, final_dir)
+    except BaseException:
+        if old.exists() and not final_dir.exists():
+            os.rename(old, final_dir)
+        raise
+    return old
 
 
 _RENAME_NOREPLACE = 1
@@ -384,6 +395,23 @@ def rename_no_replace(source: Path, target: Path) -> None:
         if error.errno in (errno.ENOTEMPTY, errno.EEXIST):
             raise FileExistsError(error.errno, error.strerror, str(target)) from None
         raise
+
+
+_RENAME_EXCHANGE = 2
+
+
+def rename_exchange(source: Path, target: Path) -> bool:
+    """Exchange two existing paths in one rename(2) (Linux renameat2 RENAME_EXCHANGE): True when done, False where
+    the call or the flag is not supported (the caller falls back); any other failure raises OSError."""
+    libc = _libc()
+    if libc is None:
+        return False
+    if libc.renameat2(-100, os.fsencode(source), -100, os.fsencode(target), _RENAME_EXCHANGE) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(error, os.strerror(error), str(target))
 
 
 @functools.cache

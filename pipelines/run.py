@@ -313,10 +313,20 @@ def run_release_spec(
                             input_table=input_table)
 
 
+def checked_progress(progress: ProgressHook) -> ProgressHook:
+    """`progress` that first raises a SIGTERM whose exception a callback dropped (`raise_if_terminated`): each stage's
+    progress stops such a run, not only the check before its commit."""
+    def hook(stage: str, done: int, total: int) -> None:
+        raise_if_terminated()
+        progress(stage, done, total)
+    return hook
+
+
 def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_path, engine, workers, overwrite,
                  master, ledger, sign_key, progress, invocation, internal_dir, strict, runner, beam_options,
                  max_cells, layout, spark_session, input_table) -> RunResult:
     created_at = creation_time()
+    progress = checked_progress(progress or no_progress)
     plan = build_plan(spec, spec_dir)
     check_plan_limits(plan, max_cells, engine or spec.engine)
     LOG.info("planned release %s: %d tables, %d cells, %s budget", spec.release_id, len(plan.tables),
@@ -367,6 +377,7 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
         key, reused = load_or_generate(key_path)
         release_key, input_fingerprint = bind_release_key(key, plan, source)  # every later read: these bytes
         clean_leftovers(root, spec.release_id, remote)
+        raise_if_terminated()  # a dropped SIGTERM: nothing reserved
         book, reservation = _reserve(ledger, plan, key, input_fingerprint,
                                      remote.uri if remote else str(final_dir.resolve()))
         LOG.info("key %s (%s)", key.key_id(), "reused" if reused else "new")
@@ -377,6 +388,7 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
             # on its draws), and workers staging parts in the release's store (noisy values written where a
             # killed driver, a late task or a versioned bucket could leave them readable)
             if plan.selections or _stages_in_store(plan, engine_, remote):
+                raise_if_terminated()  # a dropped SIGTERM: the reservation aborted, nothing charged
                 if not reused:
                     key.save(key_path)
                     key_saved = True
@@ -385,7 +397,7 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
             held = reservation and not reservation.charged_early  # a charged row has no lease to renew
             lease = LeaseKeeper(book, reservation, warn=LOG.warning) if held else contextlib.nullcontext()
             with lease:
-                plan = select_tables(plan, engine_, source, release_key, progress or no_progress)
+                plan = select_tables(plan, engine_, source, release_key, progress)
                 if plan.selections and reservation:
                     check_selection(book, reservation, selection_fingerprint(plan))
                 staged = _release_and_stage(plan, engine_, source, validation_record, created_at, key, key_path,

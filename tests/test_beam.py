@@ -3,8 +3,10 @@ worker processes, safe under bundle retries, with reusable PTransforms and pass-
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dprelease.accounting.errors import DPReleaseError, SpecError
+from dprelease.accounting.ledger import ABORTED, history, open_ledger, set_budget
 from dprelease.pipelines.commands import demo_data
 from dprelease.pipelines.plan import build_plan
 from dprelease.pipelines.run import run_release
@@ -509,3 +512,47 @@ def test_a_local_temp_location_keeps_nothing_and_loses_what_killed_runs_left(cas
                               f"--temp_location={temp.as_uri() if as_uri else temp}"])
     assert sorted(p.name for p in temp.iterdir()) == [live.name]
     assert not (tmp_path / "file:").exists()
+
+
+def _sdk_workers(pid: int) -> list[int]:
+    """Processes running Beam's SDK worker that `pid` started (directly or through a shell), from /proc."""
+    parents, commands = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+                commands[int(entry.name)] = (entry / "cmdline").read_bytes()
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier and child not in found}
+        found |= frontier
+    return sorted(child for child in found if b"sdk_worker_main" in commands.get(child, b""))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_signalled_beam_run_ends_and_leaves_no_sdk_worker(demo, tmp_path, signum):
+    """Found by review: a SIGTERM to a Beam run hung it for good (Beam's own clean-up joined SDK workers that never
+    exit, and later SIGTERMs were ignored); after a SIGKILL of the run, its SDK workers (holding records) lived on,
+    re-parented. Now a SIGTERM kills them first (the run exits 143, its reservation aborted), and a watch process
+    kills them when the run dies however it dies."""
+    from .test_confidential import _alive, _wait_for
+
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc (Linux)")
+    book = tmp_path / "ledger.sqlite"
+    set_budget(open_ledger(book), "demo-census", "rho", Fraction(10))
+    process = subprocess.Popen([sys.executable, "-m", "dprelease.pipelines.cli", "run", str(DEMO_SPEC), "--input",
+                                str(demo["data"]), "--ledger", str(book), "--key-file", str(tmp_path / "k.key"),
+                                "--out", str(tmp_path / "out"), "--engine", "beam", "--", *DIRECT],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert _wait_for(lambda: len(_sdk_workers(process.pid)) >= 2, timeout=120), "no SDK worker started"
+    workers = _sdk_workers(process.pid)
+    process.send_signal(signum)
+    process.communicate(timeout=60)
+    assert process.returncode in (-signum, 128 + signum)
+    assert _wait_for(lambda: not any(_alive(w) for w in workers), timeout=10), "an SDK worker outlived the run"
+    if signum == signal.SIGTERM:
+        assert [r.status for r in history(open_ledger(book), "demo-census")[1]] == [ABORTED]
+        assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []

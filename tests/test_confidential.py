@@ -234,38 +234,41 @@ def _alive(pid: int) -> bool:
 
 
 DROPPED_SIGTERM = """
-import os, signal
+import os, signal, sys
 import dprelease.pipelines.run as run
-real = run.post_process
+where = sys.argv.pop(1)
+real = getattr(run, where)
 
 class Dropper:
     def __del__(self):  # the SIGTERM handler runs here, and Python prints and drops what it raises
         os.kill(os.getpid(), signal.SIGTERM)
 
-def post_process(*args, **kwargs):
+def dropping(*args, **kwargs):
     Dropper()
     return real(*args, **kwargs)
 
-run.post_process = post_process
+setattr(run, where, dropping)
 from dprelease.pipelines.cli import main
 main()
 """
 
 
-def test_a_sigterm_whose_exception_a_callback_dropped_publishes_nothing(case, tmp_path):
+@pytest.mark.parametrize("where, rows", [("post_process", [ABORTED]), ("clean_leftovers", [])])
+def test_a_sigterm_whose_exception_a_callback_dropped_publishes_nothing(case, tmp_path, where, rows):
     """Found under load in CI: a SIGTERM that arrives while Python runs a callback whose exceptions it drops
     (logging's at-fork hook as the worker pool forks; here a finalizer) lost its `Terminated`, and the run went on
-    to commit and publish, exit 0. The run now checks for a handled SIGTERM before committing: nothing is charged
-    or published, and it exits as terminated."""
+    to commit and publish, exit 0. The run now checks for a handled SIGTERM before each irreversible step (found
+    by review: one dropped before the reservation still reserved and, for a selection, charged for good): nothing
+    is charged or published, and it exits as terminated. Dropped before the reservation, nothing is reserved."""
     book = tmp_path / "ledger.sqlite"
     set_budget(open_ledger(book), "test-data", "epsilon", Fraction(10))
-    ran = subprocess.run([sys.executable, "-c", DROPPED_SIGTERM, "run", str(case()), "--ledger", str(book),
+    ran = subprocess.run([sys.executable, "-c", DROPPED_SIGTERM, where, "run", str(case()), "--ledger", str(book),
                           "--key-file", str(tmp_path / "k.key"), "--out", str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=120)
     assert "Exception ignored" in ran.stderr and "Terminated" in ran.stderr  # the exception was dropped
     assert ran.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), ran.stderr[-2000:]
     assert not (tmp_path / "out" / "test-release").exists()
-    assert [r.status for r in history(open_ledger(book), "test-data")[1]] == [ABORTED]
+    assert [r.status for r in history(open_ledger(book), "test-data")[1]] == rows
 
 
 def test_any_command_ends_as_terminated_after_a_dropped_sigterm():
@@ -285,9 +288,10 @@ def test_any_command_ends_as_terminated_after_a_dropped_sigterm():
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL, signal.SIGHUP])
 def test_a_killed_run_leaves_nothing_behind_after_the_next_run(tmp_path, signum, workers):
-    """SIGTERM (sent twice, as a supervisor escalating does): the run cleans up itself (spill, reservation) at once.
+    """SIGTERM (sent twice, as a supervisor escalating does) or SIGHUP (a dropped session; found by review: it killed
+    the run outright): the run cleans up itself (spill, reservation) at once.
     SIGKILL: `ledger reconcile` releases the reservation and the next run of the release removes the dead run's
     spill directory. With 2 workers reading the input, no worker outlives the run (none holds records or the key
     after a SIGKILL of the main process)."""
@@ -311,7 +315,7 @@ def test_a_killed_run_leaves_nothing_behind_after_the_next_run(tmp_path, signum,
         children = _children(process.pid)
         assert spilling(), "the workers started after the input was counted"
     process.send_signal(signum)
-    if signum == signal.SIGTERM:
+    if signum != signal.SIGKILL:
         time.sleep(0.05)
         with contextlib.suppress(ProcessLookupError):
             process.send_signal(signum)
@@ -320,7 +324,7 @@ def test_a_killed_run_leaves_nothing_behind_after_the_next_run(tmp_path, signum,
     if workers > 1:
         assert _wait_for(lambda: not any(_alive(c) for c in children), timeout=10), "a worker outlived the run"
     rows = history(open_ledger(book), "demo-census")[1]
-    if signum == signal.SIGTERM:
+    if signum != signal.SIGKILL:
         assert not spilling() and [r.status for r in rows] == [ABORTED]
     else:
         assert spilling()

@@ -269,3 +269,61 @@ def test_spill_partitions_give_the_same_release(case, tmp_path, monkeypatch):
     for t in a.plan.tables:
         assert read(a.release_dir, "measurements", t.name) == read(b.release_dir, "measurements", t.name)
         assert read(a.release_dir, "measurements", t.name) == read(c.release_dir, "measurements", t.name)
+
+
+def _staged_pair(tmp_path):
+    """An old published release and a new staged one (private, as finish_release leaves it)."""
+    from dprelease.pipelines.release import StagedRelease, new_staging
+
+    final = tmp_path / "out" / "r"
+    final.mkdir(parents=True)
+    (final / "manifest.json").write_text("old")
+    staging, _ = new_staging(final)
+    (staging / "manifest.json").write_text("new")
+    return StagedRelease(staging, "", ""), final
+
+
+def _interrupted(function):
+    """`function`, then a SIGTERM's exception, as if the signal arrived right after it returned."""
+    from dprelease.pipelines.housekeeping import Terminated
+
+    def call(*args, **kwargs):
+        function(*args, **kwargs)
+        raise Terminated(143)
+    return call
+
+
+def test_overwrite_exchanges_the_releases_in_one_rename_and_a_signal_never_leaves_neither(tmp_path, monkeypatch):
+    """Found by review: `--overwrite` moved the old release aside, then renamed the new one in; a SIGTERM between the
+    two left neither in place (the next run's sweep then removed the old one), and one just after the second made
+    the put-back fail (exit 1, "not published", though it was). Now one rename exchanges them; wherever the signal
+    arrives, the release directory holds one complete release, and it is readable by others only once published."""
+    import os
+    import stat
+
+    from dprelease.pipelines.housekeeping import Terminated
+
+    staged, final = _staged_pair(tmp_path)
+    assert stat.S_IMODE(staged.staging.stat().st_mode) == 0o700
+    release_module.publish(staged, final, overwrite=True)
+    assert (final / "manifest.json").read_text() == "new" and not staged.staging.exists()
+    assert stat.S_IMODE(final.stat().st_mode) == 0o755 and os.listdir(final.parent) == ["r"]
+    # a signal right after the exchange: the new release is in place, the old one under the staging name
+    staged, final = _staged_pair(tmp_path / "a")
+    monkeypatch.setattr(release_module, "rename_exchange", _interrupted(release_module.rename_exchange))
+    with pytest.raises(Terminated):
+        release_module.publish(staged, final, overwrite=True)
+    assert (final / "manifest.json").read_text() == "new" and (staged.staging / "manifest.json").read_text() == "old"
+    # without renameat2: two renames; a signal after the first puts the old release back
+    monkeypatch.setattr(release_module, "rename_exchange", lambda source, target: False)
+    staged, final = _staged_pair(tmp_path / "b")
+    with monkeypatch.context() as patched:
+        patched.setattr(release_module.os, "rename", _interrupted(os.rename))
+        with pytest.raises(Terminated):
+            release_module.publish(staged, final, overwrite=True)
+    assert (final / "manifest.json").read_text() == "old" and (staged.staging / "manifest.json").read_text() == "new"
+    # ... and one after the second leaves the new release in place
+    monkeypatch.setattr(release_module, "rename_no_replace", _interrupted(release_module.rename_no_replace))
+    with pytest.raises(Terminated):
+        release_module.publish(staged, final, overwrite=True)
+    assert (final / "manifest.json").read_text() == "new"

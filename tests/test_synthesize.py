@@ -235,3 +235,24 @@ def test_three_way_marginals_without_a_joint_give_records_from_their_pairs(tmp_p
     synthetic = synthesize(result.release_dir)
     assert synthetic.records.num_rows == sum(published(result.release_dir, "pop.state", ["state"]).values())
     assert {row["table"] for row in synthetic.utility} >= {"m.edu-inc-c1", "m.age-sex-edu"}
+
+
+def test_a_sigterm_while_synthesize_writes_leaves_no_partial_file(tmp_path):
+    """Found by review: `synthesize` (like `report` and `demo-data`) ran under no `terminate_as_exit`, so a SIGTERM
+    killed it outright and its temporary `.partial` file stayed. Now it cleans up and exits 143."""
+    root = release(tmp_path).release_dir
+    script = ("import os, signal, sys\n"
+              "import dprelease.pipelines.synthesize as s\n"
+              "real = s.write_synthetic\n"
+              "def write_synthetic(synthetic, handle):\n"
+              "    handle.write(b'PAR1')\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    return real(synthetic, handle)\n"
+              "s.write_synthetic = write_synthetic\n"
+              "from dprelease.pipelines.cli import main\n"
+              "main()\n")
+    ran = subprocess.run([sys.executable, "-c", script, "synthesize", str(root), "--out", str(tmp_path / "s.parquet")],
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 143, ran.stderr[-2000:]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".s.parquet")] == []
+    assert not (tmp_path / "s.parquet").exists()

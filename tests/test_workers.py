@@ -3,6 +3,7 @@ once (queued work cancelled), and a main process killed outright takes them with
 records and the release key)."""
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -68,3 +69,78 @@ def test_nested_termination_blocks_raise_once_and_never_cut_the_clean_up_short()
                 time.sleep(0.2)
                 cleaned.append(True)
     assert cleaned == [True]
+
+
+def test_a_worker_started_but_not_yet_registered_is_terminated_too():
+    """Found by review: a SIGTERM between a worker's fork and the pool's registering it (`_processes`) left that
+    worker out of the termination; the interpreter's exit then joined it forever (the run hung, the worker a fork
+    holding records and the key). Every child started since the pool was made is now terminated."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc (Linux)")
+    script = ("import os, signal, time\n"
+              "import multiprocessing.process as mpp\n"
+              "from dprelease.pipelines.engines.workers import worker_pool\n"
+              "from dprelease.pipelines.housekeeping import terminate_as_exit\n"
+              "real = mpp.BaseProcess.start\n"
+              "def start(self):\n"
+              "    real(self)\n"
+              "    print(self.pid, flush=True)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)  # raised before the pool registers the worker\n"
+              "    for _ in range(1000):\n"
+              "        pass\n"
+              "mpp.BaseProcess.start = start\n"
+              "with terminate_as_exit():\n"
+              "    with worker_pool(2) as pool:\n"
+              "        pool.submit(time.sleep, 60).result()\n")
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    workers = [int(pid) for pid in ran.stdout.split()]
+    assert ran.returncode == 143 and workers, ran.stderr[-2000:]
+    assert _wait_for(lambda: not any(_alive(pid) for pid in workers), timeout=10)
+
+
+SIGNALLED_BLOCK = """
+import os, signal, sys, time
+from dprelease.pipelines import housekeeping
+housekeeping.REPEAT_SECONDS = 0.3
+class Dropper:
+    def __del__(self):  # the handler runs here, and Python prints and drops what it raises
+        os.kill(os.getpid(), signal.SIGTERM)
+with housekeeping.terminate_as_exit():
+    with housekeeping.on_terminate(lambda: print("action ran", flush=True)):
+        Dropper()
+        print("after the drop", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)  # within REPEAT_SECONDS: ignored
+        print("repeat ignored", flush=True)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)  # after: raised again
+        time.sleep(5)
+        print("not stopped", flush=True)
+"""
+
+
+def test_a_signal_after_a_dropped_one_stops_the_block_and_actions_run_first():
+    """Found by review: after a SIGTERM whose exception a callback dropped, every later SIGTERM was ignored, so the
+    run went on computing on confidential data until its check before the commit (and a clean-up that blocked,
+    Beam's joining its workers, could be stopped only by SIGKILL). A signal REPEAT_SECONDS after the last one
+    raises again; one sooner is still ignored (the clean-up it started runs to its end); the `on_terminate` actions
+    run before each raise."""
+    ran = subprocess.run([sys.executable, "-c", SIGNALLED_BLOCK], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 143, ran.stderr[-2000:]
+    assert ran.stdout.split("\n")[:4] == ["action ran", "after the drop", "repeat ignored", "action ran"]
+    assert "not stopped" not in ran.stdout
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_terminating_signal_exits_as_that_signal_after_the_clean_up(signum):
+    """SIGHUP (a dropped ssh session or terminal) cleans up as SIGTERM does (found by review: it killed the run
+    outright, the reservation left open); the exit status says which signal (128 + its number)."""
+    script = ("import os, signal, time\n"
+              "from dprelease.pipelines.housekeeping import terminate_as_exit\n"
+              "with terminate_as_exit():\n"
+              "    try:\n"
+              f"        os.kill(os.getpid(), {int(signum)})\n"
+              "        time.sleep(5)\n"
+              "    finally:\n"
+              "        print('cleaned', flush=True)\n")
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 128 + signum and ran.stdout == "cleaned\n", ran.stderr[-2000:]

@@ -14,6 +14,7 @@ The same spec, input and key give a byte-identical release on every engine.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -21,6 +22,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -31,11 +34,13 @@ from dprelease.accounting.redact import shown
 from dprelease.transforms.csprng import ReleaseKey
 from dprelease.transforms.worker_errors import public_failures
 
-from ..housekeeping import leftover_tag, remove_stale, run_temporary_directory, store_leftover_tag
+from ..housekeeping import leftover_tag, on_terminate, remove_stale, run_temporary_directory, store_leftover_tag
 from ..plan import Plan
 from ..source import InputSource
 from ..storage import InputChanged
 from .base import Engine, ProgressHook, checked_scores, kept_records_signature, no_progress
+from . import launcher_watch
+from .launcher_watch import MARK_VARIABLE, kill_marked
 
 REQUIRED_OPTIONS = {
     "DataflowRunner": ("project", "region", "temp_location"),
@@ -143,6 +148,31 @@ def portable_direct_runner(options):
         beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded)))
 
 
+@contextlib.contextmanager
+def _launching_workers():
+    """While a pipeline runs here, the SDK worker processes the DirectRunner starts are marked as this process's
+    (`launcher_watch`): a watch process kills them when this one exits, a SIGKILL included (a worker still
+    connecting then waited for it forever, holding nothing yet; one at work holds records); and a SIGTERM kills
+    them before Beam's own clean-up joins them (`housekeeping.on_terminate`): that clean-up waits for workers that
+    never exit on their own, and the run hung there for good."""
+    launcher = os.getpid()
+    previous = os.environ.get(MARK_VARIABLE)
+    os.environ[MARK_VARIABLE] = str(launcher)
+    watch = subprocess.Popen([sys.executable, "-I", launcher_watch.__file__, str(launcher)], stdin=subprocess.PIPE,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with on_terminate(lambda: kill_marked(launcher)):
+            yield
+    finally:
+        if previous is None:
+            os.environ.pop(MARK_VARIABLE, None)
+        else:
+            os.environ[MARK_VARIABLE] = previous
+        watch.stdin.close()  # the watch kills what is left of the workers, then exits
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            watch.wait(timeout=10)
+
+
 def _named(flags: list[str], option: str) -> bool:
     """Whether the user's flags set `--option` (even to its default value)."""
     return any(flag == f"--{option}" or flag.startswith(f"--{option}=") for flag in flags)
@@ -200,11 +230,11 @@ def prepare_temp_location(options) -> None:
         return
     import pyarrow as pa
 
-    from ..storage.objects import RemoteRelease, _release_above
+    from ..storage.objects import RemoteRelease, release_above
 
     store, path = opened
     try:
-        holder = _release_above(RemoteRelease(store, f"{path}/x"))
+        holder = release_above(RemoteRelease(store, f"{path}/x"))
     except (pa.ArrowException, OSError):
         holder = None  # cannot be listed here: the workers' writes will say so
     if holder is not None:
@@ -713,7 +743,7 @@ class BeamEngine(Engine):
         self._directory, self._key_inputs = directory, {}
         try:
             try:
-                with beam.Pipeline(runner=self._runner(), options=self.options) as pipeline:
+                with _launching_workers(), beam.Pipeline(runner=self._runner(), options=self.options) as pipeline:
                     build(pipeline, directory)
             except Exception as error:  # runner errors may quote data; keep the message public-only
                 raise InputChanged.in_worker(error) or DPReleaseError(f"{what} failed: {type(error).__name__}") \

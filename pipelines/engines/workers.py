@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing
 import os
 import signal
 import sys
@@ -23,12 +24,13 @@ def worker_pool(workers: int, initializer=None, initargs: tuple = ()):
     """A process pool of `workers` (each running `initializer(*initargs)` first) that is shut down normally when
     the block ends, and whose queued work is cancelled and workers terminated when the block raises (any
     exception, KeyboardInterrupt and SIGTERM's Terminated included)."""
+    before = set(multiprocessing.active_children())
     pool = ProcessPoolExecutor(max_workers=workers, initializer=_start_worker,
                                initargs=(os.getpid(), initializer, initargs))
     try:
         yield pool
     except BaseException:
-        _terminate(pool)
+        _terminate(pool, before)
         raise
     pool.shutdown(wait=True)
 
@@ -54,12 +56,14 @@ TERMINATE_SECONDS = 2.0
 """How long a worker gets to die of SIGTERM before it is killed (SIGKILL)."""
 
 
-def _terminate(pool: ProcessPoolExecutor) -> None:
+def _terminate(pool: ProcessPoolExecutor, before: set) -> None:
     """Cancel what is queued and stop every worker now (running work is not waited for): SIGTERM, then SIGKILL for
     a worker still alive after TERMINATE_SECONDS. A worker forked a moment before still runs the parent's SIGTERM
     handler until `_start_worker` resets it, and that handler can lose its exception in an at-fork callback (found
-    under load: the worker lived on, and the run hung joining it)."""
-    processes = list((getattr(pool, "_processes", None) or {}).values())  # CPython keeps its workers here
+    under load: the worker lived on, and the run hung joining it). The workers are the pool's registered ones and
+    every other process this one started since the pool was made (`before`: its children then): a worker started
+    but not registered yet (a signal between the fork and the registration) would be joined at exit forever."""
+    processes = _pool_processes(pool, before)
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         with contextlib.suppress(Exception):
@@ -70,3 +74,12 @@ def _terminate(pool: ProcessPoolExecutor) -> None:
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+def _pool_processes(pool: ProcessPoolExecutor, before: set) -> list:
+    """The pool's registered workers (CPython keeps them in `_processes`) and this process's other children started
+    since `before` was taken (multiprocessing clears a started process's arguments, so a worker the pool has not
+    registered cannot be told from another child started meanwhile; a run starts none)."""
+    registered = list((getattr(pool, "_processes", None) or {}).values())
+    return registered + [child for child in multiprocessing.active_children()
+                         if child not in before and child not in registered]

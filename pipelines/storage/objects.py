@@ -132,7 +132,7 @@ def check_remote_target(release: RemoteRelease, overwrite: bool) -> dict[str, in
     plain-named objects, `Listing.files`)."""
     try:
         listing = release.listing()
-        holder = _release_above(release)
+        holder = release_above(release)
     except (pa.ArrowException, OSError) as error:
         raise SpecError(f"output: {shown(release.uri)}: cannot be reached ({type(error).__name__})") from None
     if holder is not None:
@@ -149,7 +149,7 @@ def check_remote_target(release: RemoteRelease, overwrite: bool) -> dict[str, in
     return held
 
 
-def _release_above(release: RemoteRelease) -> str | None:
+def release_above(release: RemoteRelease) -> str | None:
     """The URI of a published release whose prefix holds `release`'s (a manifest at a prefix above it)."""
     parts = release.path.split("/")
     first = 1 if release.store.holds_objects else 0  # the bucket itself holds no manifest of ours

@@ -21,6 +21,7 @@ from .joint import JointShape, JointTable, marginal_tables
 from .tree import Level, UnitTree
 
 JOINT_ITERATIONS = 50
+"""Mirror-descent iterations of the joint fit from its raked start (per unit, each with its own step)."""
 
 
 @dataclass

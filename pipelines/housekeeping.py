@@ -184,7 +184,8 @@ class Terminated(SystemExit):
 
 TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 """Signals a `terminate_as_exit` block turns into `Terminated` (exit 128 + the signal): a supervisor's stop and a
-dropped terminal or ssh session both clean up as a failure does."""
+dropped terminal or ssh session both clean up as a failure does. SIGHUP only where it would kill the process
+(its default action): one ignored (`nohup`) or handled by a host program is left as it was."""
 
 REPEAT_SECONDS = 5.0
 """A later signal within this long of the one raised is ignored (the clean-up it started runs to its end); one
@@ -231,7 +232,8 @@ def terminate_as_exit():
                 action()
         raise Terminated(128 + signum)
 
-    previous = {number: signal.signal(number, handler) for number in TERMINATING_SIGNALS}
+    previous = {number: signal.signal(number, handler) for number in TERMINATING_SIGNALS
+                if number == signal.SIGTERM or signal.getsignal(number) == signal.SIG_DFL}
     _TERMINATION.update(active=True, raised=None, signal=None)
     try:
         yield

@@ -2,7 +2,9 @@
 worker processes, safe under bundle retries, with reusable PTransforms and pass-through runner options."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -556,3 +558,41 @@ def test_a_signalled_beam_run_ends_and_leaves_no_sdk_worker(demo, tmp_path, sign
     if signum == signal.SIGTERM:
         assert [r.status for r in history(open_ledger(book), "demo-census")[1]] == [ABORTED]
         assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+WATCHED = """
+import json, os, subprocess, sys, time
+from dprelease.pipelines.engines.beam import _launching_workers, _run_token, pipeline_options
+from dprelease.pipelines.engines.launcher_watch import run_mark
+options = pipeline_options(None, [], 2)
+token = _run_token(options)
+assert token != _run_token(pipeline_options(None, [], 2))  # each run its own
+sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+with _launching_workers(options):
+    marked = subprocess.Popen(sleeper, env=dict(os.environ, PIPELINE_OPTIONS=json.dumps({"experiments": [run_mark(token)]})))
+    other = subprocess.Popen(sleeper)  # started by the host during the run, not the runner's
+    print(marked.pid, other.pid, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_the_watch_kills_only_the_runs_marked_workers_when_the_launcher_is_killed():
+    """Found by review: the workers were marked through the process's environment, so every process any thread
+    started during a Beam run was killed at its end, and two runs in one process killed each other's workers. Now a
+    run's token travels in its pipeline options only (the runner gives them to its SDK workers): after a SIGKILL of
+    the launcher, the watch kills the processes carrying that token and no other."""
+    from .test_confidential import _alive, _wait_for
+
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc (Linux)")
+    launcher = subprocess.Popen([sys.executable, "-c", WATCHED], stdout=subprocess.PIPE, text=True)
+    marked, other = (int(pid) for pid in launcher.stdout.readline().split())
+    try:
+        launcher.kill()
+        launcher.wait()
+        assert _wait_for(lambda: not _alive(marked), timeout=10), "the run's marked worker outlived its launcher"
+        assert _alive(other), "a process the run did not mark was killed"
+    finally:
+        for pid in (marked, other):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -144,3 +144,36 @@ def test_a_terminating_signal_exits_as_that_signal_after_the_clean_up(signum):
               "        print('cleaned', flush=True)\n")
     ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert ran.returncode == 128 + signum and ran.stdout == "cleaned\n", ran.stderr[-2000:]
+
+
+def test_an_ignored_sighup_stays_ignored_and_the_hosts_children_are_not_the_pools():
+    """Found by review: the block caught SIGHUP even where it was ignored (`nohup dprelease run` then died with its
+    terminal, exit 129), and a failing pool terminated every child the process started meanwhile (a host program's
+    own). Now an ignored or handled SIGHUP is left alone, and only the pool's own workers are terminated."""
+    import multiprocessing
+    import os
+
+    from dprelease.pipelines.housekeeping import terminate_as_exit
+
+    script = ("import os, signal, time\n"
+              "from dprelease.pipelines.housekeeping import terminate_as_exit\n"
+              "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+              "with terminate_as_exit():\n"
+              "    os.kill(os.getpid(), signal.SIGHUP)\n"
+              "    time.sleep(0.2)\n"
+              "print('survived', flush=True)\n")
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0 and ran.stdout == "survived\n", ran.stderr[-2000:]
+    host = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    try:
+        with pytest.raises(KeyError), terminate_as_exit():
+            with worker_pool(2) as pool:
+                pool.submit(time.sleep, 60)
+                assert _wait_for(lambda: len(pool._processes) >= 1, timeout=10)
+                host.start()  # the host's own child, started while the pool works
+                raise KeyError("the run failed")
+        assert host.is_alive()
+    finally:
+        if host.pid:
+            os.kill(host.pid, signal.SIGKILL)
+            host.join()

@@ -40,7 +40,7 @@ from ..source import InputSource
 from ..storage import InputChanged
 from .base import Engine, ProgressHook, checked_scores, kept_records_signature, no_progress
 from . import launcher_watch
-from .launcher_watch import MARK_VARIABLE, kill_marked
+from .launcher_watch import MARK_PREFIX, kill_marked, run_mark
 
 REQUIRED_OPTIONS = {
     "DataflowRunner": ("project", "region", "temp_location"),
@@ -90,6 +90,9 @@ def pipeline_options(runner: str | None, options: list[str], workers: int | None
     if sampling:
         raise SpecError(f"pipeline options {', '.join(sampling)}: Beam would send the elements it samples (confidential "
                         "records) to the runner; a release never samples its data")
+    if MARK_PREFIX.rstrip("=") in asked:
+        raise SpecError(f"pipeline options: the experiment {MARK_PREFIX.rstrip('=')} is the engine's own (it marks a "
+                        "run's worker processes); pass none")
     if given.get("runner") and runner and given["runner"] != runner:
         raise SpecError(f"--runner = {runner!r} but the pipeline options say --runner={given['runner']}; give one")
     name = runner or given.get("runner") or "DirectRunner"
@@ -109,6 +112,7 @@ def pipeline_options(runner: str | None, options: list[str], workers: int | None
             flags.append("--default_sdk_harness_log_level=WARNING")
         if not _named(flags, "direct_num_workers"):
             flags.append(f"--direct_num_workers={workers or os.cpu_count() or 1}")
+        flags.append(f"--experiments={run_mark(os.urandom(16).hex())}")  # the run's SDK workers, for its watch
     built = PipelineOptions(flags)
     assert built.view_as(StandardOptions).runner == name
     return built
@@ -149,28 +153,38 @@ def portable_direct_runner(options):
 
 
 @contextlib.contextmanager
-def _launching_workers():
-    """While a pipeline runs here, the SDK worker processes the DirectRunner starts are marked as this process's
-    (`launcher_watch`): a watch process kills them when this one exits, a SIGKILL included (a worker still
-    connecting then waited for it forever, holding nothing yet; one at work holds records); and a SIGTERM kills
-    them before Beam's own clean-up joins them (`housekeeping.on_terminate`): that clean-up waits for workers that
-    never exit on their own, and the run hung there for good."""
-    launcher = os.getpid()
-    previous = os.environ.get(MARK_VARIABLE)
-    os.environ[MARK_VARIABLE] = str(launcher)
-    watch = subprocess.Popen([sys.executable, "-I", launcher_watch.__file__, str(launcher)], stdin=subprocess.PIPE,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _launching_workers(options):
+    """While a pipeline of a run marked by `run_mark` (a DirectRunner's) runs here: a watch process kills the
+    run's SDK workers when this process exits however it exits, a SIGKILL included (a worker still connecting then
+    waited for it forever, one at work holds records), and a SIGTERM kills them before Beam's own clean-up joins
+    them (`housekeeping.on_terminate`: that clean-up waited for workers that never exit, and the run hung for
+    good). Only processes carrying the run's own token are killed (`launcher_watch`). Elsewhere: nothing."""
+    token = _run_token(options)
+    if token is None:
+        yield
+        return
     try:
-        with on_terminate(lambda: kill_marked(launcher)):
+        watch = subprocess.Popen([sys.executable, "-I", launcher_watch.__file__, token, str(os.getpid())],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError:
+        watch = None  # the SIGTERM path still kills them; a SIGKILL then may leave them
+    try:
+        with on_terminate(lambda: kill_marked(token)):
             yield
     finally:
-        if previous is None:
-            os.environ.pop(MARK_VARIABLE, None)
-        else:
-            os.environ[MARK_VARIABLE] = previous
-        watch.stdin.close()  # the watch kills what is left of the workers, then exits
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            watch.wait(timeout=10)
+        if watch is not None:
+            watch.kill()
+            watch.wait()
+
+
+def _run_token(options) -> str | None:
+    """The run's token among the pipeline options' experiments (`pipeline_options` adds one for the DirectRunner)."""
+    from apache_beam.options.pipeline_options import DebugOptions
+
+    for experiment in options.view_as(DebugOptions).experiments or []:
+        if experiment.startswith(MARK_PREFIX):
+            return experiment[len(MARK_PREFIX):]
+    return None
 
 
 def _named(flags: list[str], option: str) -> bool:
@@ -743,7 +757,7 @@ class BeamEngine(Engine):
         self._directory, self._key_inputs = directory, {}
         try:
             try:
-                with _launching_workers(), beam.Pipeline(runner=self._runner(), options=self.options) as pipeline:
+                with _launching_workers(self.options), beam.Pipeline(runner=self._runner(), options=self.options) as pipeline:
                     build(pipeline, directory)
             except Exception as error:  # runner errors may quote data; keep the message public-only
                 raise InputChanged.in_worker(error) or DPReleaseError(f"{what} failed: {type(error).__name__}") \

@@ -24,15 +24,33 @@ def worker_pool(workers: int, initializer=None, initargs: tuple = ()):
     """A process pool of `workers` (each running `initializer(*initargs)` first) that is shut down normally when
     the block ends, and whose queued work is cancelled and workers terminated when the block raises (any
     exception, KeyboardInterrupt and SIGTERM's Terminated included)."""
-    before = set(multiprocessing.active_children())
-    pool = ProcessPoolExecutor(max_workers=workers, initializer=_start_worker,
+    context = _TrackedContext(multiprocessing.get_context())
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_start_worker,
                                initargs=(os.getpid(), initializer, initargs))
     try:
         yield pool
     except BaseException:
-        _terminate(pool, before)
+        _terminate(pool, context.made)
         raise
     pool.shutdown(wait=True)
+
+
+class _TrackedContext:
+    """A multiprocessing context that keeps every process it makes (`made`): a pool's workers, each known from the
+    moment it exists, before the pool registers it (a signal between the fork and the registration left one out of
+    the termination: the exit then joined it forever). Everything else is the wrapped context's."""
+
+    def __init__(self, context):
+        self._context = context
+        self.made: list = []
+
+    def Process(self, *args, **kwargs):  # noqa: N802 - the name ProcessPoolExecutor calls
+        process = self._context.Process(*args, **kwargs)
+        self.made.append(process)
+        return process
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
 
 
 def _start_worker(parent: int, initializer, initargs: tuple) -> None:
@@ -56,30 +74,19 @@ TERMINATE_SECONDS = 2.0
 """How long a worker gets to die of SIGTERM before it is killed (SIGKILL)."""
 
 
-def _terminate(pool: ProcessPoolExecutor, before: set) -> None:
+def _terminate(pool: ProcessPoolExecutor, workers: list) -> None:
     """Cancel what is queued and stop every worker now (running work is not waited for): SIGTERM, then SIGKILL for
     a worker still alive after TERMINATE_SECONDS. A worker forked a moment before still runs the parent's SIGTERM
     handler until `_start_worker` resets it, and that handler can lose its exception in an at-fork callback (found
-    under load: the worker lived on, and the run hung joining it). The workers are the pool's registered ones and
-    every other process this one started since the pool was made (`before`: its children then): a worker started
-    but not registered yet (a signal between the fork and the registration) would be joined at exit forever."""
-    processes = _pool_processes(pool, before)
+    under load: the worker lived on, and the run hung joining it). `workers`: every process the pool made, those it
+    has not registered yet included (`_TrackedContext`); no other process of the host is touched."""
     pool.shutdown(wait=False, cancel_futures=True)
-    for process in processes:
-        with contextlib.suppress(Exception):
+    for process in workers:
+        with contextlib.suppress(Exception):  # one not started yet has nothing to stop
             process.terminate()
-    for process in processes:
+    for process in workers:
         with contextlib.suppress(Exception):
             process.join(TERMINATE_SECONDS)
             if process.is_alive():
                 process.kill()
                 process.join()
-
-
-def _pool_processes(pool: ProcessPoolExecutor, before: set) -> list:
-    """The pool's registered workers (CPython keeps them in `_processes`) and this process's other children started
-    since `before` was taken (multiprocessing clears a started process's arguments, so a worker the pool has not
-    registered cannot be told from another child started meanwhile; a run starts none)."""
-    registered = list((getattr(pool, "_processes", None) or {}).values())
-    return registered + [child for child in multiprocessing.active_children()
-                         if child not in before and child not in registered]

@@ -17,6 +17,7 @@ import re
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -192,9 +193,9 @@ REPEAT_SECONDS = 5.0
 after it raises again: a clean-up that blocks (a runner joining workers that never exit), or a `Terminated` a
 callback dropped, never leaves the process stoppable only by SIGKILL."""
 
-_TERMINATION = {"active": False, "raised": None, "signal": None}
-"""Process-wide: whether a `terminate_as_exit` block is active, and when (monotonic seconds) and by which signal
-its last `Terminated` was raised (None: not yet)."""
+_TERMINATION = {"active": False, "raised": None, "signal": None, "shielded": 0, "deferred": None}
+"""Process-wide: whether a `terminate_as_exit` block is active, when (monotonic seconds) and by which signal its
+last `Terminated` was raised (None: not yet), how many `shielded` sections are open and the signal one deferred."""
 
 _ON_TERMINATE: list = []
 """Callables the handler runs before it raises (`on_terminate`): quick, never raising (each is guarded)."""
@@ -223,6 +224,9 @@ def terminate_as_exit():
         return
 
     def handler(signum, frame):
+        if _TERMINATION["shielded"]:
+            _TERMINATION["deferred"] = signum  # raised as the section ends
+            return
         raised = _TERMINATION["raised"]
         if raised is not None and time.monotonic() - raised < REPEAT_SECONDS:
             return  # a repeated signal during the clean-up: the clean-up runs to its end
@@ -241,7 +245,27 @@ def terminate_as_exit():
     finally:
         for number, handling in previous.items():  # None: set outside Python, which Python cannot put back
             signal.signal(number, handling if handling is not None else signal.SIG_DFL)
-        _TERMINATION.update(active=False, raised=None, signal=None)
+        _TERMINATION.update(active=False, raised=None, signal=None, deferred=None)
+
+
+@contextmanager
+def shielded():
+    """A clean-up step a terminating signal must not cut short (terminating workers before their spill directory is
+    removed, aborting a reservation): a signal arriving during it is deferred to the end of the outermost section,
+    then raised (`Terminated`), or, where an exception is already being handled (the section is part of its
+    clean-up), recorded as raised (`raise_if_terminated` and the block's end see it)."""
+    _TERMINATION["shielded"] += 1
+    try:
+        yield
+    finally:
+        _TERMINATION["shielded"] -= 1
+        deferred = _TERMINATION["deferred"]
+        if not _TERMINATION["shielded"] and deferred is not None:
+            _TERMINATION["deferred"] = None
+            if _TERMINATION["active"]:
+                _TERMINATION.update(raised=time.monotonic(), signal=deferred)
+                if sys.exc_info()[0] is None:
+                    raise Terminated(128 + deferred)
 
 
 def raise_if_terminated() -> None:

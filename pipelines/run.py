@@ -21,8 +21,8 @@ from dprelease.transforms.csprng import ReleaseKey
 
 from .engines.base import Engine, ProgressHook, no_progress
 from .engines.embedded import EmbeddedEngine, spill_prefix
-from .housekeeping import (RUN_TEMPORARY_PREFIXES, input_copy_prefix, owner, process_alive, remove_stale,
-                           raise_if_terminated, run_temporary_directory, store_leftover_tag, terminate_as_exit)
+from .housekeeping import (RUN_TEMPORARY_PREFIXES, input_copy_prefix, owner, process_alive, raise_if_terminated,
+                           remove_stale, run_temporary_directory, shielded, store_leftover_tag, terminate_as_exit)
 from .keys import check_key_location, default_key_path, load_or_generate
 from .manifest import plan_fingerprint, selection_fingerprint
 from .limits import check_plan_limits
@@ -111,7 +111,8 @@ def _abort_quietly(book, reservation) -> None:
     """Abort a reservation of a run that published nothing; if the ledger cannot be reached the row
     stays reserved (never lost): `dprelease ledger reconcile` settles it later."""
     try:
-        abort(book, reservation)
+        with shielded():  # a later signal never leaves the row reserved halfway
+            abort(book, reservation)
     except Exception as error:  # noqa: BLE001 - the original failure is what the user must see
         LOG.warning("ledger: could not abort the reservation (%s); it stays reserved until "
                     "`dprelease ledger reconcile`", type(error).__name__)

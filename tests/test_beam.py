@@ -549,10 +549,17 @@ def test_a_signalled_beam_run_ends_and_leaves_no_sdk_worker(demo, tmp_path, sign
                                 str(demo["data"]), "--ledger", str(book), "--key-file", str(tmp_path / "k.key"),
                                 "--out", str(tmp_path / "out"), "--engine", "beam", "--", *DIRECT],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    assert _wait_for(lambda: len(_sdk_workers(process.pid)) >= 2, timeout=120), "no SDK worker started"
-    workers = _sdk_workers(process.pid)
-    process.send_signal(signum)
-    process.communicate(timeout=60)
+    try:
+        assert _wait_for(lambda: len(_sdk_workers(process.pid)) >= 2, timeout=120), "no SDK worker started"
+        workers = _sdk_workers(process.pid)
+        process.send_signal(signum)
+        process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:  # hung: leave nothing running behind the failure
+            for pid in _sdk_workers(process.pid) + [process.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            process.wait()
     assert process.returncode in (-signum, 128 + signum)
     assert _wait_for(lambda: not any(_alive(w) for w in workers), timeout=10), "an SDK worker outlived the run"
     if signum == signal.SIGTERM:

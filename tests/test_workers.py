@@ -177,3 +177,31 @@ def test_an_ignored_sighup_stays_ignored_and_the_hosts_children_are_not_the_pool
         if host.pid:
             os.kill(host.pid, signal.SIGKILL)
             host.join()
+
+
+def test_a_signal_during_a_shielded_clean_up_step_waits_for_its_end():
+    """Found by review: a signal more than REPEAT_SECONDS after the first could cut short the termination of the
+    workers (their spill then removed under them) or the ledger abort. Those steps are `shielded`: a signal during
+    one is raised as it ends, or, inside the clean-up of another exception, recorded so the run still ends as
+    terminated."""
+    script = ("import os, signal, time\n"
+              "from dprelease.pipelines.housekeeping import Terminated, shielded, terminate_as_exit, _TERMINATION\n"
+              "try:\n"
+              "    with terminate_as_exit():\n"
+              "        with shielded():\n"
+              "            os.kill(os.getpid(), signal.SIGTERM)\n"
+              "            time.sleep(0.2)\n"
+              "            print('step ended', flush=True)\n"
+              "        print('not reached', flush=True)\n"
+              "except Terminated as error:\n"
+              "    print('raised', error.code, flush=True)\n"
+              "with terminate_as_exit():\n"
+              "    try:\n"
+              "        raise KeyError('failed')\n"
+              "    except KeyError:\n"
+              "        with shielded():\n"
+              "            os.kill(os.getpid(), signal.SIGTERM)\n"
+              "            time.sleep(0.2)\n"
+              "        print('recorded', _TERMINATION['raised'] is not None, flush=True)\n")
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert ran.stdout.split("\n")[:3] == ["step ended", "raised 143", "recorded True"], ran.stdout + ran.stderr

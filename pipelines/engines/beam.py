@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -168,13 +169,30 @@ def _launching_workers(options):
                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except OSError:
         watch = None  # the SIGTERM path still kills them; a SIGKILL then may leave them
+    stopped = threading.Event()
+
+    def kill_workers() -> None:  # now, and those the runner's threads start meanwhile, until the block ends
+        kill_marked(token)
+        threading.Thread(target=_kill_until, args=(token, stopped), name="kill-sdk-workers", daemon=True).start()
+
     try:
-        with on_terminate(lambda: kill_marked(token)):
+        with on_terminate(kill_workers):
             yield
     finally:
+        stopped.set()
+        kill_marked(token)  # none of the run's workers outlives its pipeline
         if watch is not None:
             watch.kill()
             watch.wait()
+
+
+def _kill_until(token: str, stopped) -> None:
+    """`kill_marked` every KILL_SECONDS until `stopped` is set (a worker started after the first kill)."""
+    while not stopped.wait(KILL_SECONDS):
+        kill_marked(token)
+
+
+KILL_SECONDS = 0.2
 
 
 def _run_token(options) -> str | None:

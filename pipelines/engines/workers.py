@@ -16,6 +16,8 @@ import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
+from ..housekeeping import shielded
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -30,7 +32,8 @@ def worker_pool(workers: int, initializer=None, initargs: tuple = ()):
     try:
         yield pool
     except BaseException:
-        _terminate(pool, context.made)
+        with shielded():  # a later signal never cuts the termination short (the spill is removed after it)
+            _terminate(pool, context.made)
         raise
     pool.shutdown(wait=True)
 

@@ -302,9 +302,11 @@ def test_a_killed_run_leaves_nothing_behind_after_the_next_run(tmp_path, signum,
     book = tmp_path / "ledger.sqlite"
     set_budget(open_ledger(book), "demo-census", "rho", Fraction(10))
     # with 2 workers the input spills in 1 MiB partitions, so the workers read and count it
-    launch = ["-m", "dprelease.pipelines.cli"] if workers == 1 else [
-        "-c", "import sys; from dprelease.pipelines.engines import embedded; embedded.PARTITION_BYTES = 1 << 20; "
-        "from dprelease.pipelines.cli import main; main()"]
+    # SIGHUP at its default action, as in a terminal (a runner under nohup ignores it, and so would the run)
+    setup = "import signal; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+    if workers > 1:
+        setup += "from dprelease.pipelines.engines import embedded; embedded.PARTITION_BYTES = 1 << 20; "
+    launch = ["-c", setup + "from dprelease.pipelines.cli import main; main()"]
     command = [sys.executable, *launch, "run", str(spec), "--ledger", str(book),
                "--key-file", str(tmp_path / "k.key"), "--out", str(tmp_path / "out"), "--workers", str(workers)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -136,6 +136,7 @@ def test_a_terminating_signal_exits_as_that_signal_after_the_clean_up(signum):
     outright, the reservation left open); the exit status says which signal (128 + its number)."""
     script = ("import os, signal, time\n"
               "from dprelease.pipelines.housekeeping import terminate_as_exit\n"
+              "signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as in a terminal (a runner under nohup ignores it)\n"
               "with terminate_as_exit():\n"
               "    try:\n"
               f"        os.kill(os.getpid(), {int(signum)})\n"

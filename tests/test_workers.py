@@ -74,7 +74,7 @@ def test_nested_termination_blocks_raise_once_and_never_cut_the_clean_up_short()
 def test_a_worker_started_but_not_yet_registered_is_terminated_too():
     """Found by review: a SIGTERM between a worker's fork and the pool's registering it (`_processes`) left that
     worker out of the termination; the interpreter's exit then joined it forever (the run hung, the worker a fork
-    holding records and the key). Every child started since the pool was made is now terminated."""
+    holding records and the key). Every process the pool's context made is now terminated, registered or not."""
     if not Path("/proc/self/status").exists():
         pytest.skip("needs /proc (Linux)")
     script = ("import os, signal, time\n"

@@ -186,13 +186,14 @@ def _launching_workers(options):
             watch.wait()
 
 
+KILL_SECONDS = 0.2
+"""How often a terminated run looks again for SDK workers its runner started after the first kill."""
+
+
 def _kill_until(token: str, stopped) -> None:
     """`kill_marked` every KILL_SECONDS until `stopped` is set (a worker started after the first kill)."""
     while not stopped.wait(KILL_SECONDS):
         kill_marked(token)
-
-
-KILL_SECONDS = 0.2
 
 
 def _run_token(options) -> str | None:
@@ -775,7 +776,8 @@ class BeamEngine(Engine):
         self._directory, self._key_inputs = directory, {}
         try:
             try:
-                with _launching_workers(self.options), beam.Pipeline(runner=self._runner(), options=self.options) as pipeline:
+                with _launching_workers(self.options), \
+                        beam.Pipeline(runner=self._runner(), options=self.options) as pipeline:
                     build(pipeline, directory)
             except Exception as error:  # runner errors may quote data; keep the message public-only
                 raise InputChanged.in_worker(error) or DPReleaseError(f"{what} failed: {type(error).__name__}") \

@@ -71,13 +71,12 @@ def creation_time() -> str:
 ENGINES = ("embedded", "spark", "beam")
 
 
-def _reserve(ledger: str | Path | None, plan: Plan, key: ReleaseKey, input_fingerprint: str, location: str):
-    """Reserve the release's composed loss in the ledger (before any noise is drawn), if one is used;
+def _reserve(book, plan: Plan, key: ReleaseKey, input_fingerprint: str, location: str):
+    """Reserve the release's composed loss in the ledger `book` (before any noise is drawn), if one is used;
     the reservation binds the key to this release, spec and input (see accounting.ledger)."""
-    if ledger is None:
+    if book is None:
         LOG.warning("no ledger: this release's spend is not accounted against the dataset's budget")
-        return None, None
-    book = open_ledger(ledger)
+        return None
     unit, spend = plan.ledger_spend()
     spec = plan.spec
     reservation = reserve(book, spec.dataset_id, spec.release_id, key.key_id(), spec.spec_hash(), unit, spend,
@@ -86,7 +85,7 @@ def _reserve(ledger: str | Path | None, plan: Plan, key: ReleaseKey, input_finge
                           delta=None if plan.definition == "pure" else plan.delta)
     LOG.info("ledger: reserved %s %s of dataset %s", "nothing (re-run)" if reservation.rerun else spend, unit,
              spec.dataset_id)
-    return book, reservation
+    return reservation
 
 
 def bind_release_key(key: ReleaseKey, plan: Plan, source: InputSource) -> tuple[ReleaseKey, str]:
@@ -351,6 +350,15 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                             f"{shown(root)} (the validation report is confidential)")
         check_target(final_dir, overwrite)
     try:
+        # the run's own files and ledger are checked before an engine starts or a record is read: a refused key,
+        # signing key, internal directory or ledger costs no cluster session
+        signer = load_private_key(read_named(sign_key, MAX_KEY_BYTES, "--sign-key"), sign_key) if sign_key else None
+        if internal_dir is not None:
+            private_directory(internal_dir, "--internal-dir")
+        key_path = (Path(key_file) if key_file else default_key_path(spec_dir, spec.release_id, created_at)).absolute()
+        check_key_location(key_path, root)
+        key, reused = load_or_generate(key_path)
+        book = open_ledger(ledger) if ledger is not None else None
         engine_ = make_engine(engine or spec.engine, workers, master, runner, beam_options, spark_session)
     except BaseException:
         if remote:
@@ -361,9 +369,6 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
         if remote is not None and engine_.temp_inside(remote.store.uri(remote.path)):
             raise SpecError(f"--temp_location: inside the release's own prefix {shown(remote.uri)}; the run's key "
                             "files, noisy values and kept records never go inside a release")
-        signer = load_private_key(read_named(sign_key, MAX_KEY_BYTES, "--sign-key"), sign_key) if sign_key else None
-        if internal_dir is not None:
-            private_directory(internal_dir, "--internal-dir")
         if input_table is not None and engine_.name != "embedded":
             raise SpecError(f"engine = {engine_.name!r}: an in-memory table is read by the embedded engine; "
                             "write it where the workers read it and pass its path")
@@ -373,14 +378,10 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
         LOG.info("input: %d %s file(s); engine %s", len(source.files()), source.format, engine_.name)
         validation = check_input_schema(plan, source, internal_dir, strict)
         validation_record = check_input_values(plan, engine_, source, validation, created_at) if validation else None
-        key_path = (Path(key_file) if key_file else default_key_path(spec_dir, spec.release_id, created_at)).absolute()
-        check_key_location(key_path, root)
-        key, reused = load_or_generate(key_path)
         release_key, input_fingerprint = bind_release_key(key, plan, source)  # every later read: these bytes
         clean_leftovers(root, spec.release_id, remote)
         raise_if_terminated()  # a dropped SIGTERM: nothing reserved
-        book, reservation = _reserve(ledger, plan, key, input_fingerprint,
-                                     remote.uri if remote else str(final_dir.resolve()))
+        reservation = _reserve(book, plan, key, input_fingerprint, remote.uri if remote else str(final_dir.resolve()))
         LOG.info("key %s (%s)", key.key_id(), "reused" if reused else "new")
         committed = False
         try:

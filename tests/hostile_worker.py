@@ -2,11 +2,14 @@
 memory (RLIMIT_AS) and a deadline, and reports what happened (one JSON line per cell on stdout).
 
 A cell is {"kind": "cli", "args": [...]} (the CLI through click's runner, in-process) or {"kind": "api", "code":
-"..."} (a Python expression over the API), with a timeout in seconds. The worker holds no threads of its own when
+"..."} (a Python expression over the API), with a timeout in seconds. A cell marked "jvm" (Spark) runs without the
+memory bound (a JVM reserves more address space than it uses), with its console in a file that is checked as its
+output, and ends as a process would (its JVM gone). The worker holds no threads of its own when
 it forks (the S3 test server runs in the pytest process), so a child never inherits a lock held by one.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import resource
@@ -61,6 +64,23 @@ def _run(cell: dict) -> dict:
         return {"rc": None, "output": "", "crash": traceback.format_exc()}
 
 
+def _console_to_file(path: str) -> str:
+    """File descriptors 1 and 2 of a cell that launches a JVM (Spark) sent to `path`: the JVM and its Python
+    workers write there, not into the worker's protocol pipe, and what they wrote is checked as the cell's output."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return path
+
+
+def _console_text(path: str) -> str:
+    with open(path, errors="replace") as handle:
+        text = handle.read()
+    os.unlink(path)
+    return "\n" + text
+
+
 def _cell(cell: dict) -> dict:
     fd, result_path = tempfile.mkstemp(prefix="hostile-cell-")
     os.close(fd)
@@ -68,9 +88,15 @@ def _cell(cell: dict) -> dict:
     pid = os.fork()
     if pid == 0:
         try:
-            resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+            if cell.get("jvm"):
+                console = _console_to_file(result_path + ".console")
+            else:
+                resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
             os.chdir(cell.get("cwd") or os.getcwd())
             outcome = _run(cell)
+            if cell.get("jvm"):
+                atexit._run_exitfuncs()  # as the process's end would: the JVM it launched exits first
+                outcome["output"] += _console_text(console)
         except BaseException:  # noqa: BLE001
             outcome = {"rc": None, "output": "", "crash": traceback.format_exc()}
         with open(result_path, "w") as handle:

@@ -42,6 +42,8 @@ class Entry:
     verifies: bool = False
     """Verifies the release it is given (verify, report, synthesize, attack): a release that is not what it claims
     is a mismatch or an error (non-zero), never OK."""
+    jvm: bool = False
+    """Launches a JVM (Spark): run without the cell's address-space bound, its console checked as its output."""
     reads_tables: bool = False
     """Reads the tables of the release it is given (`.tables`): a table file that is not a regular file inside
     the release is an error."""
@@ -64,6 +66,15 @@ ENTRY_POINTS = [
     Entry("run to a store", CLI, ("run", "{spec}", "--no-ledger", "--key-file", "{key}", "--out", "{out_uri}")),
     Entry("run --overwrite to a store", CLI, ("run", "{spec}", "--no-ledger", "--key-file", "{key}", "--overwrite",
                                               "--out", "{out_uri_overwrite}")),
+    Entry("run on beam", CLI, ("run", "{spec}", "--engine", "beam", "--input", "{data}", "--key-file", "{key}", "--out",
+                               "{out_dir}", "--ledger", "{ledger}", "--internal-dir", "{internal}")),
+    Entry("run on beam from and to a store", CLI, ("run", "{spec}", "--engine", "beam", "--input", "{data_uri}",
+                                                   "--no-ledger", "--key-file", "{key}", "--out", "{out_uri}")),
+    Entry("run on spark", CLI, ("run", "{spec}", "--engine", "spark", "--input", "{data}", "--key-file", "{key}",
+                                "--out", "{out_dir}", "--ledger", "{ledger}", "--internal-dir", "{internal}"), jvm=True),
+    Entry("run on spark from and to a store", CLI, ("run", "{spec}", "--engine", "spark", "--input", "{data_uri}",
+                                                    "--no-ledger", "--key-file", "{key}", "--out", "{out_uri}"),
+          jvm=True),
     Entry("validate", CLI, ("validate", "{spec}", "--input", "{data}", "--internal-dir", "{internal}")),
     Entry("verify", CLI, ("verify", "{release}", "--public-key", "{public_key}", "--ledger", "{book}"), verifies=True),
     Entry("verify a store", CLI, ("verify", "{release_uri}"), verifies=True),
@@ -457,7 +468,7 @@ def test_hostile_surface(world, worker, tmp_path, entry, case, role):
     if role:
         values[role] = case.values[role](world, cell)
     outside_before = world.outside.read_bytes(), os.stat(world.outside_dir).st_mode, sorted(world.outside_dir.iterdir())
-    outcome = worker({**_invocation(entry, values), "timeout": 90, "cwd": str(cell)})
+    outcome = worker({**_invocation(entry, values), "timeout": 90, "cwd": str(cell), "jvm": entry.jvm})
     shown = f"{entry.kind}:{entry.name} with {case.name} as {role}: {outcome}"
     assert not outcome["hung"], shown
     assert outcome["crash"] is None, shown
@@ -510,3 +521,29 @@ def test_every_entry_point_takes_some_hostile_case():
     """A new entry point is one line of ENTRY_POINTS; this fails if it takes no role a case poisons."""
     for entry in ENTRY_POINTS:
         assert sum(1 for case in CASES for role in case.values if role and role in entry.roles) >= 1, entry.name
+
+
+@pytest.mark.parametrize("role", ["key", "sign_key", "internal", "ledger"])
+def test_a_run_refuses_its_own_files_and_ledger_before_an_engine_starts(tmp_path, monkeypatch, role):
+    """The key, signing key, internal directory and ledger of a run are public inputs: one that is refused is
+    refused before any engine starts (a Spark or Beam run spent its session's start, 6-14 s, reading the input
+    first) and before a record is read."""
+    from dprelease import DPReleaseError
+    from dprelease.pipelines import run as run_module
+
+    spec = write_case(tmp_path / "case", small_spec())
+    started = []
+    monkeypatch.setattr(run_module, "make_engine", lambda *args, **kwargs: started.append(args) or 1 / 0)
+    options = {"key_file": tmp_path / "k.key", "out_dir": tmp_path / "out", "ledger": None}
+    if role == "key":
+        options["key_file"] = _fifo(tmp_path / "k.key")
+    elif role == "sign_key":
+        options["sign_key"] = _private_file(tmp_path / "s.pem", b"not a key")
+    elif role == "internal":
+        options["internal_dir"] = _link(tmp_path / "internal", tmp_path)
+    else:
+        options["ledger"] = f"sqlite:///{tmp_path}/a-file/ledger.sqlite"
+        (tmp_path / "a-file").write_text("a file, not a directory")
+    with pytest.raises(DPReleaseError):
+        run_module.run_release(spec, engine="spark", **options)
+    assert started == [] and not (tmp_path / "out").exists()

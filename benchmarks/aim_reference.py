@@ -59,11 +59,13 @@ synth.df.to_csv({out!r}, index=False)
 def timed_child(python: str, code: str, cwd: Path) -> tuple[float, float]:
     """(wall seconds, peak resident GiB) of a child process running `code`."""
     start = time.perf_counter()
-    child = subprocess.Popen([python, "-c", code], cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(child.pid, 0)
-    seconds = time.perf_counter() - start
-    if status != 0:
-        raise RuntimeError(f"child failed: {child.stderr.read().decode()[-3000:]}")
+    with tempfile.TemporaryFile() as errors:  # a file, not a pipe: a pipe no one reads blocks a chatty child for good
+        child = subprocess.Popen([python, "-c", code], cwd=cwd, stdout=subprocess.DEVNULL, stderr=errors)
+        _, status, usage = os.wait4(child.pid, 0)
+        seconds = time.perf_counter() - start
+        if status != 0:
+            errors.seek(0)
+            raise RuntimeError(f"child failed: {errors.read().decode(errors='replace')[-3000:]}")
     return seconds, usage.ru_maxrss / 2**20
 
 

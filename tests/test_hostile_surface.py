@@ -55,7 +55,7 @@ class Entry:
 
 
 ROLES = ("spec", "data", "data_uri", "key", "sign_key", "public_key", "ledger", "book", "dataset", "release",
-         "release_uri", "out_dir", "out_file", "out_uri", "out_uri_overwrite", "internal")
+         "release_uri", "out_dir", "out_file", "out_uri", "out_uri_overwrite", "internal", "temp_location")
 
 ENTRY_POINTS = [
     Entry("plan", CLI, ("plan", "{spec}")),
@@ -70,6 +70,9 @@ ENTRY_POINTS = [
                                "{out_dir}", "--ledger", "{ledger}", "--internal-dir", "{internal}")),
     Entry("run on beam from and to a store", CLI, ("run", "{spec}", "--engine", "beam", "--input", "{data_uri}",
                                                    "--no-ledger", "--key-file", "{key}", "--out", "{out_uri}")),
+    Entry("run on beam with a --temp_location", CLI, ("run", "{spec}", "--engine", "beam", "--input", "{data}",
+                                                      "--no-ledger", "--key-file", "{key}", "--out", "{out_dir}", "--",
+                                                      "--temp_location={temp_location}")),
     Entry("run on spark", CLI, ("run", "{spec}", "--engine", "spark", "--input", "{data}", "--key-file", "{key}",
                                 "--out", "{out_dir}", "--ledger", "{ledger}", "--internal-dir", "{internal}"), jvm=True),
     Entry("run on spark from and to a store", CLI, ("run", "{spec}", "--engine", "spark", "--input", "{data_uri}",
@@ -338,13 +341,14 @@ CASES = [
     Case("fifo", {
         "spec": lambda w, c: _fifo(c / "spec.yaml"), "data": lambda w, c: _fifo(c / "persons.parquet"),
         "key": lambda w, c: _fifo(c / "fifo.key"), "sign_key": lambda w, c: _fifo(c / "sign.pem"),
-        "public_key": lambda w, c: _fifo(c / "public.pem"),
+        "public_key": lambda w, c: _fifo(c / "public.pem"), "temp_location": lambda w, c: _fifo(c / "beam-temp"),
         "release": lambda w, c: _release_with(w, c, lambda r: (r.joinpath("manifest.json").unlink(),
                                                                  _fifo(r / "manifest.json")))}, "refused"),
     Case("dev-zero", {
         "spec": lambda w, c: _link(c / "spec.yaml", "/dev/zero"), "data": lambda w, c: _link(c / "p.parquet", "/dev/zero"),
         "key": lambda w, c: _link(c / "zero.key", "/dev/zero"), "sign_key": lambda w, c: _link(c / "s.pem", "/dev/zero"),
         "public_key": lambda w, c: _link(c / "p.pem", "/dev/zero"),
+        "temp_location": lambda w, c: _link(c / "beam-temp", "/dev/zero"),
         "release": lambda w, c: _release_with(w, c, lambda r: (r.joinpath("manifest.json").unlink(),
                                                                  _link(r / "manifest.json", "/dev/zero")))}, "refused"),
     Case("link-out", {
@@ -353,14 +357,19 @@ CASES = [
                                                                  _link(r / "tables/pop.nation.parquet", w.data))),
         "out_file": lambda w, c: _link(c / "out.parquet", w.outside),
         "out_dir": lambda w, c: _release_dir_linked(c, w.outside_dir),
-        "internal": lambda w, c: _link(c / "internal", w.outside_dir)}, {"release": "read"}),
+        "internal": lambda w, c: _link(c / "internal", w.outside_dir),
+        "temp_location": lambda w, c: _link(c / "beam-temp", w.outside_dir)},
+         # a --temp_location is a parent the run makes its own private directory in (and removes): through a link
+         # (macOS's /tmp is one) as anywhere, nothing of it may stay there
+         {"release": "read", "temp_location": "harmless"}),
     Case("dotdot-on-disk", {
         "release": lambda w, c: _release_with(w, c, lambda r: _relist(r, "../../outside.txt", w.outside))},
          "checked"),
     Case("dotdot-in-store", {
         "data_uri": _store_input_with_odd_name, "release_uri": _store_release_with_odd_name,
         "out_uri_overwrite": _store_target_with_odd_name,
-        "out_uri": lambda w, c: w.uri(f"world/cells/{c.name}/../other/")}, {"release_uri": "checked"}),
+        "out_uri": lambda w, c: w.uri(f"world/cells/{c.name}/../other/"),
+        "temp_location": lambda w, c: w.uri(f"world/cells/{c.name}/../tmp/")}, {"release_uri": "checked"}),
     Case("mistyped-ledger", {"book": lambda w, c: f"sqlite:///{c}/no/such/dir/ledger.db"}, "refused"),
     Case("existing-target", {
         "out_file": lambda w, c: _kept_file(c / "out.parquet"),
@@ -374,6 +383,7 @@ CASES = [
         "internal": lambda w, c: _copy_release(w, c) / "internal",
         "key": lambda w, c: _copy_release(w, c) / "k.key",
         "ledger": lambda w, c: _copy_release(w, c) / "ledger.sqlite",
+        "temp_location": lambda w, c: _copy_release(w, c) / "beam-temp",
         "out_uri": lambda w, c: w.uri("world/rel/test-release/")}, "refused"),
     Case("a-release-itself", {"internal": lambda w, c: _private_release(w, c)}, "refused"),
     Case("secrets-in-the-spec", {
@@ -405,7 +415,9 @@ CASES = [
         "book": lambda w, c: f"postgresql+psycopg://agency:{SECRET}PW@127.0.0.1:9/l?pass%77ord={SECRET}Q",
         "out_uri": lambda w, c: w.uri(f"world/cells/{c.name}/") + f"&X-Amz-Signature={SECRET}",
         "data_uri": lambda w, c: f"s3://agency:{SECRET}@world/in/?endpoint_override={w.endpoint}&scheme=http",
-        "release_uri": lambda w, c: w.uri("world/rel/test-release") + f"&token={SECRET}"}, "harmless"),
+        "release_uri": lambda w, c: w.uri("world/rel/test-release") + f"&token={SECRET}",
+        "temp_location": lambda w, c: f"s3://agency:{SECRET}@world/tmp/?endpoint_override={w.endpoint}&scheme=http"},
+         "harmless"),
 ]
 
 
@@ -433,7 +445,8 @@ def _valid(world: World, cell: Path, role: str, value_needed: set[str]) -> dict[
         "release": world.release, "release_uri": world.uri("world/rel/test-release"),
         "data_uri": world.uri("world/in/"), "out_dir": cell / "out", "out_file": cell / "out.parquet",
         "out_uri": world.uri(f"world/cells/{cell.name}/out/"),
-        "out_uri_overwrite": world.uri(f"world/cells/{cell.name}/out/"), "internal": cell / "internal"}
+        "out_uri_overwrite": world.uri(f"world/cells/{cell.name}/out/"), "internal": cell / "internal",
+        "temp_location": cell / "beam-temp"}
     if "ledger" in value_needed and role != "ledger":
         set_budget(open_ledger(cell / "ledger.sqlite"), "test-data", "epsilon", Fraction(100))
     return values

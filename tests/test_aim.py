@@ -414,10 +414,11 @@ def test_verify_refuses_an_edited_aim_selection(tmp_path):
         assert checked.returncode == 1 and expected in " ".join((checked.stdout + checked.stderr).split()), \
             checked.stdout + checked.stderr
     manifest = json.loads(original)
-    manifest["manifest_version"] = 8  # re-planned with equal rounds: the recorded units are refused
-    (root / "manifest.json").write_text(json.dumps(manifest))
-    checked = cli("verify", str(root))
-    assert checked.returncode == 1 and "rounds are not annealed" in " ".join(checked.stderr.split())
+    manifest["manifest_version"] = 8  # re-planned with equal rounds: the recorded units are refused, or, where the
+    (root / "manifest.json").write_text(json.dumps(manifest))  # key's draws annealed the rounds into fewer tables
+    checked = cli("verify", str(root))  # than rounds, the tables first (equal rounds would have chosen more)
+    said = " ".join(checked.stderr.split())
+    assert checked.returncode == 1 and ("rounds are not annealed" in said or "rounds' budget (6) not spent" in said), said
     manifest = json.loads(original)
     manifest["manifest_version"] = 4
     (root / "manifest.json").write_text(json.dumps(manifest))

@@ -345,7 +345,7 @@ class Manifest(Strict):
     """A published release's manifest: no true counts, no row counts, no key. `dprelease verify` recomputes
     every field from the embedded spec or checks it for consistency, except those described as descriptive."""
 
-    manifest_version: Literal[1, 2, 3, 4, 5, 6, 7, 8, 9]
+    manifest_version: Literal[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     release_id: str
     dataset_id: str
     software: Software

@@ -177,15 +177,17 @@ def _path_lines(plan) -> list[str]:
             "tables": "no joint (over the per-unit limit): each table rounded on its own",
             "tree": "the tree of the chosen 2-way tables (MST): tables that add up, no joint formed",
             "junction": "the junction tree of the chosen tables (AIM-style): tables that add up, no joint formed",
-            "model": "a graphical model of the chosen tables (AIM; they may close cycles), fitted per unit: tables "
-                     "that add up, no joint formed"}
+            "model": "a graphical model of the chosen tables (AIM; they may close cycles), fitted per unit "
+                     "(1000 iterations): tables that add up, no joint formed",
+            "converged_model": "a graphical model of the chosen tables (AIM; they may close cycles), fitted per unit "
+                               "until it settles: tables that add up, no joint formed"}
     for q in plan.spec.queries:
         if isinstance(q, MarginalsQuery):
             units = plan.table(next(t.name for t in plan.tables if t.query == q.name)).dims[0].size if q.within else 1
             path = marginals_path(plan, q)
             lines.append(f"Marginals {q.name}: {what[path]}; {joint_size(plan, q) // units:,} joint cells per unit"
                          + (f", {joint_size(plan, q):,} in all, fitted a chunk of units at a time"
-                            if path not in ("tables", "tree", "junction", "model") else ""))
+                            if path not in ("tables", "tree", "junction", "model", "converged_model") else ""))
             if not q.selects:
                 lines.append(_strategy_line(plan, q))
             elif q.name in plan.spec.auto_selections:

@@ -24,7 +24,7 @@ from .plan import SelectionPlan, Plan, TablePlan
 from .debiased import local_section
 from .postprocessing import EstimateVariances, estimate_variances, steps_applied
 
-MANIFEST_VERSION = 9
+MANIFEST_VERSION = 10
 """2: one global least-squares estimate behind the count tables, its per-cell variance in the tables and
 the manifest. 3: the ledger block states what the release cost (`charged`, also for a free re-run) beside
 what the run added (`charged_by_this_run`) and every budget period charged; invariants state which
@@ -42,11 +42,15 @@ that keeps its graphical model within the cap, tables that close cycles included
 tables are post-processed as the margins of that model (`marginals_model`); releases of versions 5 to 7 are
 re-planned with the junction tree grown one attribute a round, as they were.
 9: such a query's rounds anneal their budgets (AIM's: a round gets the units `transforms.aim_model.next_units`
-gives, recorded per chosen table in `units`); releases of version 8 are re-planned with equal rounds."""
+gives, recorded per chosen table in `units`); releases of version 8 are re-planned with equal rounds.
+10: such a query's published tables are the margins of its model fitted until each unit's fit settles
+(`transforms.units.graphical.CONVERGENCE_TOLERANCE`, the 'converged_model' path); releases of version 9 are
+re-planned with the fit's fixed 1000 iterations ('model')."""
 SELECTION_LOSS_VERSION = 6
 OPTIMAL_MARGINALS_VERSION = 7
 AIM_CYCLES_VERSION = 8
 AIM_ANNEALING_VERSION = 9
+AIM_CONVERGED_FIT_VERSION = 10
 DEPENDENCIES = ["numpy", "pyarrow", "pydantic", "PyYAML", "cryptography", "click", "rich"]
 NEIGHBOURING_NOTE = {
     "add_remove": "neighbouring inputs differ by adding or removing one privacy unit with all its records",

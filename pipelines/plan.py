@@ -244,6 +244,10 @@ class Plan:
     aim_annealing: bool = True
     """`select: aim` queries over a capped model anneal their rounds' budgets (`SelectionPlan.annealing`); False
     re-plans a release of manifest version 8 or earlier, whose rounds had equal shares."""
+    aim_converged_fit: bool = True
+    """`select: aim` queries over a capped model publish the margins of their model fitted until it settles
+    (`postprocessing.marginals_path` 'converged_model'); False re-plans a release of manifest version 9 or
+    earlier, whose fit ran a fixed number of iterations ('model')."""
 
     def events(self) -> list[MeasurementEvent]:
         """Every measurement the release composes: its measured tables, its selections, and the tables still
@@ -710,16 +714,17 @@ def check_cycle_selection(query: MarginalsQuery, candidates, chosen, rounds: int
 def build_plan(spec: ReleaseSpec, base_dir: Path, reader: DomainReader | None = None,
                chosen: dict[str, tuple[Clique, ...]] | None = None, optimal_marginals: bool = True,
                aim_cycles: bool = True, units: dict[str, tuple[int, ...]] | None = None,
-               aim_annealing: bool = True) -> Plan:
+               aim_annealing: bool = True, aim_converged_fit: bool = True) -> Plan:
     """Plan a release from its spec. Privacy: sensitivity comes from `count_sensitivity` of the
     declared bounds; each table's mechanism is calibrated to its exact share of the budget. Domain files
     are read by `reader` (default: relative to `base_dir`). `chosen`: the tables each `select: mst` or `aim`
     query chose (from a run or a manifest); without them the plan is the one before data is read.
     `optimal_marginals`: False for a release of manifest version 6 or earlier (`Plan.optimal_marginals`);
     `aim_cycles`: False for one of version 7 or earlier (`Plan.aim_cycles`); `units`: each annealed selection's
-    rounds' budget units (`SelectionPlan.units`); `aim_annealing`: False for one of version 8 or earlier."""
+    rounds' budget units (`SelectionPlan.units`); `aim_annealing`: False for one of version 8 or earlier;
+    `aim_converged_fit`: False for one of version 9 or earlier."""
     return plan_over(spec, build_domains(spec, base_dir, reader), chosen, optimal_marginals, aim_cycles, units,
-                     aim_annealing)
+                     aim_annealing, aim_converged_fit)
 
 
 def with_selections(plan: Plan, chosen: dict[str, tuple[Clique, ...]],
@@ -727,7 +732,7 @@ def with_selections(plan: Plan, chosen: dict[str, tuple[Clique, ...]],
     """The plan once its selections are made: the chosen tables in place of the pending ones (the same budget,
     mechanisms and totals); `units`: each annealed selection's rounds' budget units."""
     return plan_over(plan.spec, plan.domains, chosen, plan.optimal_marginals, plan.aim_cycles, units,
-                     plan.aim_annealing)
+                     plan.aim_annealing, plan.aim_converged_fit)
 
 
 def candidate_tables(plan: Plan, selection: SelectionPlan, cliques=None, units: list[int] | None = None
@@ -827,7 +832,7 @@ def selection_cells(plan: Plan) -> int:
 
 def plan_over(spec: ReleaseSpec, domains: dict[str, Domain], chosen: dict[str, tuple[Clique, ...]] | None,
               optimal_marginals: bool = True, aim_cycles: bool = True, units: dict[str, tuple[int, ...]] | None = None,
-              aim_annealing: bool = True) -> Plan:
+              aim_annealing: bool = True, aim_converged_fit: bool = True) -> Plan:
     """`build_plan` over domains already built."""
     chosen = chosen or {}
     units = units or {}
@@ -886,7 +891,7 @@ def plan_over(spec: ReleaseSpec, domains: dict[str, Domain], chosen: dict[str, t
     totals = _at_filter_bounds(compose(events, spec.budget.definition, getattr(spec.budget, "delta", None)),
                                selections, {t.name: t.event for t in tables if t.event is not None})
     return Plan(spec, domains, bounds, sensitivity, total, tuple(tables), totals, tuple(means), tuple(selections),
-                optimal_marginals, aim_cycles, aim_annealing)
+                optimal_marginals, aim_cycles, aim_annealing, aim_converged_fit)
 
 
 __all__ = ["Plan", "TablePlan", "SelectionPlan", "Pair", "with_selections", "candidate_tables", "HierarchyLink", "MeanOutput", "Measure", "build_plan", "build_domains", "NATION"]

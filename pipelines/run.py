@@ -419,8 +419,8 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                         raise PublishError(
                             f"release {spec.release_id}: charged in the ledger but not published "
                             f"({public_text(error)}); re-run it with --key-file {key_path} and the same "
-                            "spec and input" + (" and --overwrite (the failed upload left objects under the "
-                                                "release's prefix)" if remote else "") +
+                            "spec and input" + (" and --overwrite (where the failed upload could not remove what "
+                                                "it copied under the release's prefix)" if remote else "") +
                             " to publish it at no further cost" + (f"; {left}" if left else "")) from error
                     if left is not None:
                         raise left from error

@@ -40,8 +40,9 @@ from dprelease.accounting.signing import (MAX_KEY_BYTES, SIGNATURE_FILE, check, 
                                           well_formed)
 
 from .limits import check_cell_limit
-from .manifest import (AIM_ANNEALING_VERSION, AIM_CYCLES_VERSION, AIM_VERSION, DESCRIPTIVE_FIELDS, MANIFEST_VERSION,
-                       OPTIMAL_MARGINALS_VERSION, WORKLOAD_VERSION, derived_section, domain_file_name, domain_file_names)
+from .manifest import (AIM_ANNEALING_VERSION, AIM_CONVERGED_FIT_VERSION, AIM_CYCLES_VERSION, AIM_VERSION,
+                       DESCRIPTIVE_FIELDS, MANIFEST_VERSION, OPTIMAL_MARGINALS_VERSION, WORKLOAD_VERSION,
+                       derived_section, domain_file_name, domain_file_names)
 from .plan import MAX_DOMAIN_FILE_BYTES, Plan, SelectionError, build_plan
 from .postprocessing import EstimateVariances, estimate_variances, unit_tree
 from .layout import Layout, layout_of, release_files
@@ -53,7 +54,7 @@ from .validation import manifest_record
 from .verify_tables import check_consistency, check_recomputed, check_table_files
 
 MANIFEST = "manifest.json"
-SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 HEX16 = re.compile(r"^[0-9a-f]{16}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_PROBLEMS = 1000
@@ -315,7 +316,9 @@ def _replan(root: Path, manifest: dict, report: VerifyReport):
         optimal = not (type(version) is int and version < OPTIMAL_MARGINALS_VERSION)  # noqa: E721
         cycles = not (type(version) is int and version < AIM_CYCLES_VERSION)  # noqa: E721
         annealing = not (type(version) is int and version < AIM_ANNEALING_VERSION)  # noqa: E721
-        return build_plan(original, root, _release_reader(root), chosen, optimal, cycles, units, annealing), original
+        converged = not (type(version) is int and version < AIM_CONVERGED_FIT_VERSION)  # noqa: E721
+        return build_plan(original, root, _release_reader(root), chosen, optimal, cycles, units, annealing,
+                          converged), original
     except SelectionError as error:
         report.problems.append(f"selections: {brief(str(error), 2000)}")
         return None

@@ -357,7 +357,8 @@ def _check_marginals(plan: Plan, query: MarginalsQuery, readers: dict[str, Table
         (reader for (g, lvl), reader in totals.items() if lvl == NATION), None)
     if source is not None and not _unit_rows(source, units):
         source = None
-    joint = marginals_path(plan, query) in ("joint", "tree", "junction", "model")  # each publishes tables that add up
+    adding_up = ("joint", "tree", "junction", "model", "converged_model")  # each publishes tables that add up
+    joint = marginals_path(plan, query) in adding_up
     labels = {t.name: [d.label for d in t.dims[offset:]] for t in tables}
     first = tables[0].name
     found: set[str] = set()

@@ -336,7 +336,8 @@ def test_a_version_8_aim_release_of_equal_rounds_still_verifies(tmp_path, monkey
     from dprelease.pipelines.verify import verify_release
 
     with monkeypatch.context() as patched:
-        patched.setattr(run_module, "build_plan", functools.partial(build_plan, aim_annealing=False))
+        patched.setattr(run_module, "build_plan", functools.partial(build_plan, aim_annealing=False,
+                                                                    aim_converged_fit=False))
         run_module.run_release(aim_case(tmp_path / "c"), key_file=tmp_path / "k.key", ledger=None,
                                out_dir=tmp_path / "equal")
     root = tmp_path / "equal" / "test-release"
@@ -348,6 +349,35 @@ def test_a_version_8_aim_release_of_equal_rounds_still_verifies(tmp_path, monkey
     (root / "manifest.json").write_text(json.dumps(manifest))
     assert verify_release(root).problems == []
     assert verify_release(root, recompute=True).problems == []
+
+
+def test_a_version_9_aim_release_of_a_fixed_fit_still_verifies(tmp_path, monkeypatch):
+    """Releases of manifest version 9 published the margins of a model fitted for a fixed 1000 iterations: one
+    made by those rules verifies (recomputing its tables) as version 9 and is refused as version 10, whose
+    tables come from a fit run until it settles; a version-10 release is refused relabelled as 9."""
+    import functools
+
+    from dprelease.pipelines import run as run_module
+    from dprelease.pipelines.verify import verify_release
+
+    with monkeypatch.context() as patched:
+        patched.setattr(run_module, "build_plan", functools.partial(build_plan, aim_converged_fit=False))
+        run_module.run_release(aim_case(tmp_path / "c"), key_file=tmp_path / "k.key", ledger=None,
+                               out_dir=tmp_path / "fixed")
+    run_module.run_release(aim_case(tmp_path / "c"), key_file=tmp_path / "k.key", ledger=None,
+                           out_dir=tmp_path / "settled")
+    fixed, settled = (tmp_path / name / "test-release" for name in ("fixed", "settled"))
+    steps = {name: json.loads((root / "manifest.json").read_text())["post_processing"][1]["step"]
+             for name, root in (("fixed", fixed), ("settled", settled))}
+    assert "1000 iterations" in steps["fixed"] and "until it settles" in steps["settled"]
+    for root, wrong, right in ((fixed, 10, 9), (settled, 9, 10)):
+        manifest = json.loads((root / "manifest.json").read_text())
+        manifest["manifest_version"] = wrong
+        (root / "manifest.json").write_text(json.dumps(manifest))
+        assert any("post_processing" in p for p in verify_release(root).problems), root
+        manifest["manifest_version"] = right
+        (root / "manifest.json").write_text(json.dumps(manifest))
+        assert verify_release(root, recompute=True).problems == [], root
 
 
 def test_an_annealed_aim_release_verifies_recomputes_and_synthesizes(tmp_path, monkeypatch):

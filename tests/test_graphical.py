@@ -149,6 +149,47 @@ def test_units_are_fitted_independently():
     assert all(np.isfinite(t).all() for t in together)
 
 
+def test_a_fit_to_convergence_stops_each_unit_on_its_own_when_its_loss_settles():
+    """With a tolerance, each unit stops at the first check (every CONVERGENCE_CHECK iterations) where its loss
+    fell by less than tolerance x the noise's loss: its model is the fixed-iteration fit's at that count, whatever
+    the other units of its chunk do (a unit that settles early is not moved by one that does not), and a longer
+    fit improves its loss by little against the noise's."""
+    rng = np.random.default_rng(11)
+    cliques = [("a", "b", "c"), ("b", "c", "d"), ("a", "d")]
+    _, measurements = _measurements(rng, 3, cliques, noise=50.0)
+    measurements[1] = g.Measurement(measurements[1].clique, measurements[1].values * [[[[1]]], [[[0.01]]], [[[40]]]],
+                                    measurements[1].variance)  # one unit nearly empty, one far larger
+    noise_loss = 0.5 * min(m.variance for m in measurements) * sum(m.values[0].size for m in measurements)
+    tree = g.junction_tree(ATTRIBUTES, cliques, SIZES)
+    together = g.fit(tree, SIZES, measurements, iterations=5000, tolerance=1e-3)
+    stopped = together.iterations
+    assert (stopped % g.CONVERGENCE_CHECK == 0).all() and (stopped < 5000).all() and len(set(stopped)) > 1
+    marginals = together.marginals()
+    smallest = min(m.variance for m in measurements)
+
+    def loss(model):
+        return sum(0.5 * smallest / m.variance * ((model.table(m.clique)[0] - m.values[unit]) ** 2).sum()
+                   for m in measurements)
+
+    for unit in range(3):
+        own = [g.Measurement(m.clique, m.values[unit:unit + 1], m.variance) for m in measurements]
+        alone = g.fit(tree, SIZES, own, iterations=5000, tolerance=1e-3)
+        fixed = g.fit(tree, SIZES, own, iterations=int(stopped[unit]))
+        assert alone.iterations[0] == stopped[unit]
+        for x, y, z in zip(marginals, alone.marginals(), fixed.marginals()):
+            assert np.array_equal(x[unit], y[0]) and np.array_equal(y[0], z[0])
+        longer = g.fit(tree, SIZES, own, iterations=10_000)
+        assert loss(longer) <= loss(alone) <= loss(longer) + 0.005 * noise_loss  # stopped at 300: 0.009
+
+
+def test_a_fit_without_a_tolerance_runs_every_iteration():
+    rng = np.random.default_rng(12)
+    cliques = [("a", "b"), ("b", "c")]
+    _, measurements = _measurements(rng, 2, cliques)
+    model = g.fit(g.junction_tree(ATTRIBUTES, cliques, SIZES), SIZES, measurements, iterations=321)
+    assert model.iterations.tolist() == [321, 321]
+
+
 @pytest.mark.parametrize("cliques", [
     [("a", "b"), ("b", "c"), ("c", "d"), ("a", "d"), ("d", "e"), ("e", "f"), ("b", "f")],
     [("a", "b"), ("b", "c"), ("a", "c"), ("c", "d"), ("e",), ("f",)],  # parts no table joins: triples across them

@@ -87,6 +87,11 @@ def test_an_interrupted_upload_leaves_no_release_stays_charged_and_republishes_f
         patched.setattr(remote_module, "_upload_file", fail_on_the_third)
         with pytest.raises(PublishError, match="charged in the ledger but not published"):
             run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=out)
+        assert objects(s3, "interrupted/releases/test-release") == []  # what it uploaded is removed
+        copied.clear()
+        patched.setattr(remote_module, "_remove_unpublished", lambda release: None)  # the store went away
+        with pytest.raises(PublishError, match="could not remove what it copied"):
+            run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=out)
     left = objects(s3, "interrupted/releases/test-release")
     assert len(left) == 2 and "manifest.json" not in left  # the manifest goes last: no release
     assert statuses(book) == [COMMITTED]

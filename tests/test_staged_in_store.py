@@ -209,7 +209,28 @@ def test_a_part_rewritten_in_the_store_after_the_check_is_never_published(s3, cr
     monkeypatch.setattr(run_module, "check_remote_staged", check_then_rewrite)
     with pytest.raises(DPReleaseError, match="other bytes than its worker wrote"):
         run_release(spec, key_file=tmp_path / "k.key", out_dir=bucket_uri(s3, "rewritten"), engine="beam")
-    assert "test-release/manifest.json" not in objects(s3, "rewritten/releases")
+    assert objects(s3, "rewritten/releases") == []  # neither the parts copied before the failure nor the staged ones
+
+
+def test_server_side_copies_wait_for_a_slow_store_with_the_same_credentials(s3, credentials):
+    """The S3 filesystem a release's parts are copied with: the same options and credentials as the store's, and a
+    request timeout long enough for a store that copies a large part before it answers (the SDK's 3 s default
+    ended a 200-million-cell release's copy); a longer timeout in the URI is kept."""
+    from dprelease.pipelines.storage import objects as objects_module
+    from dprelease.pipelines.storage.uris import open_store
+
+    store_, _ = open_store(bucket_uri(s3, "timeouts"), "--out")
+    copying = objects_module._copying(store_.filesystem)
+    before, after = store_.filesystem.__reduce__()[1][0], copying.__reduce__()[1][0]
+    assert after.pop("request_timeout") == objects_module.COPY_REQUEST_TIMEOUT
+    assert before.pop("request_timeout") < objects_module.COPY_REQUEST_TIMEOUT and before == after
+    assert after["endpoint_override"] == s3 and after["access_key"] is None  # credentials: the environment's chain
+    patient = pa.fs.S3FileSystem(endpoint_override=s3, scheme="http", request_timeout=2000)
+    assert objects_module._copying(patient) is patient
+    with store(s3).open_output_stream("timeouts/a") as handle:
+        handle.write(b"part")
+    copying.copy_file("timeouts/a", "timeouts/b")  # the rebuilt filesystem reaches the store
+    assert objects(s3, "timeouts") == ["a", "b"]
 
 
 def test_overwriting_a_release_in_a_store_leaves_no_directory_markers(s3, credentials, tmp_path):

@@ -43,6 +43,10 @@ UNLISTED_READ = 1 << 20
 COPY_BLOCK = 8 << 20
 COPY_THREADS = 8
 """Staged parts copied into a release (and read back) at once: each copy waits on the store, not on this process."""
+COPY_REQUEST_TIMEOUT = 900.0
+"""Seconds an S3 server-side copy of one staged part may go without a byte back. The AWS SDK's default (3 s, what
+pyarrow uses unless the URI sets `request_timeout`) ended the copy of a 100 MB part on a busy S3-compatible server
+(a 200-million-cell block release, 2026-11-28); a store copies a large object before it answers."""
 
 
 @dataclass(frozen=True)
@@ -179,22 +183,47 @@ def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool,
         if safe_relative(relative) is None or relative == MANIFEST:
             raise ValueError(f"{relative!r}: not a part's name")
 
+    copying = _copying(filesystem)
+
     def copy(part: tuple[str, str, str]) -> None:
         source, relative, sha256 = part
-        filesystem.copy_file(source, release.object_path(relative))
+        copying.copy_file(source, release.object_path(relative))
         if _object_sha256(filesystem, release.object_path(relative)) != sha256:
             raise DPReleaseError(f"release file {relative}: copied into {shown(release.uri)} with other bytes than "
                                  "its worker wrote (rewritten while the run published?)")
 
-    pool = ThreadPoolExecutor(max_workers=COPY_THREADS)
     try:
-        for _ in pool.map(copy, staged_parts):
-            pass
-    finally:  # the first failure raises once the copies under way end; those not started never start
-        pool.shutdown(wait=True, cancel_futures=True)
-    files = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file())
-    for relative in [f for f in files if f != MANIFEST] + [MANIFEST]:
-        _upload_file(local_dir / relative, filesystem, release.object_path(relative))
+        pool = ThreadPoolExecutor(max_workers=COPY_THREADS)
+        try:
+            for _ in pool.map(copy, staged_parts):
+                pass
+        finally:  # the first failure raises once the copies under way end; those not started never start
+            pool.shutdown(wait=True, cancel_futures=True)
+        files = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file())
+        for relative in [f for f in files if f != MANIFEST] + [MANIFEST]:
+            _upload_file(local_dir / relative, filesystem, release.object_path(relative))
+    except BaseException:
+        _remove_unpublished(release)
+        raise
+
+
+def _copying(filesystem: pafs.FileSystem) -> pafs.FileSystem:
+    """The store's filesystem for server-side copies: an S3 one with a request timeout of at least
+    COPY_REQUEST_TIMEOUT (its other options, credentials included, as they are); any other as it is."""
+    if not isinstance(filesystem, pafs.S3FileSystem):
+        return filesystem
+    rebuild, (options,) = filesystem.__reduce__()  # pyarrow's own pickling: every option the filesystem holds
+    if options.get("request_timeout", -1.0) >= COPY_REQUEST_TIMEOUT:
+        return filesystem
+    return rebuild({**options, "request_timeout": COPY_REQUEST_TIMEOUT})
+
+
+def _remove_unpublished(release: RemoteRelease) -> None:
+    """After a failed upload, what it wrote under the release's prefix (which held nothing of anyone else's: it
+    was empty, or emptied with --overwrite): removed, so a failure leaves no partial release; a store that cannot
+    be reached keeps it (the run's error says a re-run needs --overwrite)."""
+    with contextlib.suppress(pa.ArrowException, OSError):
+        release.store.filesystem.delete_dir_contents(release.path, missing_dir_ok=True)
 
 
 def _object_sha256(filesystem: pafs.FileSystem, path: str) -> str:

@@ -23,14 +23,14 @@ from dprelease.accounting.redact import shown
 URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 PUBLIC_OPTIONS = {
     "s3": frozenset({"region", "scheme", "endpoint_override", "allow_bucket_creation", "allow_bucket_deletion",
-                     "tls_ca_file_path", "connect_timeout", "request_timeout",
-                     "check_directory_existence_before_creation"}),
+                     "tls_ca_file_path"}),
     "gs": frozenset({"scheme", "endpoint_override", "retry_limit_seconds", "project_id"}),
     "hdfs": frozenset({"replication", "buffer_size", "default_block_size", "user"}),
 }
 """The stores an input URI may name, and the query options of each that are connection settings, not secrets.
 An allow-list: pyarrow passes other options on as credentials (s3 secret_key, gs access_token, Azure
-client_secret, SAS signatures) or, for HDFS, into Hadoop's configuration (hdfs_token), and a URI is published."""
+client_secret, SAS signatures) or, for HDFS, into Hadoop's configuration (hdfs_token), and a URI is published. Only
+options pyarrow's `from_uri` takes (it refuses an s3 URI's connect_timeout or request_timeout)."""
 PUBLIC_OPTIONS["gcs"] = PUBLIC_OPTIONS["gs"]
 
 

@@ -17,6 +17,7 @@ Post-processing: noisy tables, their public variances and public totals only.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -392,11 +393,13 @@ def _model_tree(shape: JointShape):
     return names, sizes, junction_tree(names, [tuple(names[a] for a in t.axes) for t in shape.tables], sizes)
 
 
-def _model_path(shape: JointShape, totals: np.ndarray, estimates: list[np.ndarray]) -> list[np.ndarray]:
+def _model_path(shape: JointShape, totals: np.ndarray, estimates: list[np.ndarray],
+                converged: bool = False) -> list[np.ndarray]:
     """The 'model' path: a `select: aim` query's 1-way tables and its chosen tables (which may close cycles) as
     the margins of one graphical model per unit (`graphical`): its junction tree fitted by weighted least squares
-    to their estimates (`graphical.fit`, FIT_ITERATIONS from `graphical.measured_start`, the unit totals fixed),
-    its maximal cliques' tables made
+    to their estimates (`graphical.fit`, FIT_ITERATIONS from `graphical.measured_start`, the unit totals fixed;
+    the 'converged_model' path, `converged`: until each unit's loss settles, CONVERGENCE_TOLERANCE, at most
+    CONVERGENCE_LIMIT iterations), its maximal cliques' tables made
     nonnegative integers adding up exactly (`graphical.integer_tables`) and each published table summed from the
     first clique holding it: every shared margin and total agrees exactly."""
     from . import graphical
@@ -409,7 +412,11 @@ def _model_path(shape: JointShape, totals: np.ndarray, estimates: list[np.ndarra
                     for t, estimate in zip(shape.tables, estimates)]
     measurements = [_in_order(m, names) for m in measurements]
     start = graphical.measured_start(tree, sizes, totals.astype(np.float64), measurements)
-    model = graphical.fit(tree, sizes, measurements, totals.astype(np.float64), start=start)
+    if converged:
+        model = graphical.fit(tree, sizes, measurements, totals.astype(np.float64), graphical.CONVERGENCE_LIMIT,
+                              start, graphical.CONVERGENCE_TOLERANCE)
+    else:
+        model = graphical.fit(tree, sizes, measurements, totals.astype(np.float64), start=start)
     integers = graphical.integer_tables(tree, sizes, model.marginals(), totals)
     out = []
     for t in shape.tables:
@@ -440,11 +447,13 @@ def marginal_tables(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarra
       'tables'         no joint: each table's estimate made nonnegative and rounded to the unit total;
       'tree'           a `select: mst` query (1-way tables and a spanning tree of pairs): `_tree_path`;
       'junction'       a `select: aim` query (1-way tables and a junction tree grown by rounds): `_junction_path`;
-      'model'          a `select: aim` query whose tables may close cycles: `_model_path`.
+      'model'          a `select: aim` query whose tables may close cycles: `_model_path` (manifest version 9
+                       or earlier: FIT_ITERATIONS of the fit);
+      'converged_model' the same, the fit run until it settles (version 10 on).
     `joints`, when given, receives each chunk's rounded joint (path 'joint')."""
     totals = np.asarray(totals, dtype=np.int64)
     out = [np.empty((totals.size, shape.table_cells(t)), dtype=np.int64) for t in shape.tables]
-    if path == "model":  # the fit holds about ten arrays of the model's cells
+    if path in ("model", "converged_model"):  # the fit holds about ten arrays of the model's cells
         _, sizes, tree = _model_tree(shape)
         width = chunk_units(10 * tree.cells(sizes))
     elif path in ("tree", "junction"):
@@ -454,8 +463,9 @@ def marginal_tables(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarra
     for start in range(0, totals.size, width):
         rows = slice(start, min(start + width, totals.size))
         unit_totals = totals[rows]
-        if path in ("tree", "junction", "model"):
-            kernel = {"tree": _tree_path, "junction": _junction_path, "model": _model_path}[path]
+        if path in ("tree", "junction", "model", "converged_model"):
+            kernel = {"tree": _tree_path, "junction": _junction_path, "model": _model_path,
+                      "converged_model": functools.partial(_model_path, converged=True)}[path]
             for i, table in enumerate(kernel(shape, unit_totals, [e[rows] for e in estimates])):
                 out[i][rows] = table
             continue

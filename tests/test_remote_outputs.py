@@ -106,6 +106,59 @@ def test_an_interrupted_upload_leaves_no_release_stays_charged_and_republishes_f
     assert result.verify(ledger=book).ok and statuses(book) == [COMMITTED]
 
 
+def _local_release(directory, tag: str):
+    directory.mkdir()
+    (directory / "tables").mkdir()
+    (directory / "tables" / "t.csv").write_text(tag)
+    (directory / "manifest.json").write_text('{"run": "%s"}' % tag)
+    return directory
+
+
+@pytest.mark.parametrize("other", ["inner", "same"])
+def test_a_failed_upload_removes_only_what_it_wrote(other, s3, credentials, tmp_path, monkeypatch):
+    """While run A uploads, run B publishes a release inside A's prefix ("inner", which A's check could not see:
+    A's manifest goes last) or the same release ("same", a retry); A's next upload then fails. A removes the
+    objects it wrote, by name (and their empty directory markers), never B's release; with B's manifest in A's
+    own prefix it removes nothing, since B's parts bear the names A wrote."""
+    bucket_uri(s3, f"raced-{other}")
+    uri = f"s3://raced-{other}/out/r?endpoint_override={s3}&scheme=http"
+    a, b = (remote_module.open_release(u, "--out") for u in (uri, uri.replace("/r?", "/r/inner?") if other == "inner"
+                                                               else uri))
+    real_upload = remote_module._upload_file
+    calls = []
+
+    def racing(local, filesystem, path):
+        calls.append(path)
+        if len(calls) > 1:
+            raise OSError("connection reset")
+        real_upload(local, filesystem, path)
+        with monkeypatch.context() as patched:
+            patched.setattr(remote_module, "_upload_file", real_upload)
+            remote_module.upload_release(_local_release(tmp_path / "b", "B"), b, other == "same")
+
+    monkeypatch.setattr(remote_module, "_upload_file", racing)
+    with pytest.raises(OSError, match="connection reset"):
+        remote_module.upload_release(_local_release(tmp_path / "a", "A"), a, False)
+    assert b.exists()
+    if other == "inner":
+        assert objects(s3, "raced-inner/out/r") == ["inner/manifest.json", "inner/tables/t.csv"]
+    else:
+        assert objects(s3, "raced-same/out/r") == ["manifest.json", "tables/t.csv"]
+    assert remote_module.list_prefix(a.store, a.path).odd == []  # no empty marker of A's left for a re-run
+
+
+def test_a_failed_upload_leaves_no_directory_marker_a_re_run_would_refuse(s3, credentials, tmp_path, monkeypatch):
+    bucket_uri(s3, "markers-left")
+    release = remote_module.open_release(f"s3://markers-left/out/r?endpoint_override={s3}&scheme=http", "--out")
+    real_upload = remote_module._upload_file
+    monkeypatch.setattr(remote_module, "_upload_file", lambda local, filesystem, path: (
+        real_upload(local, filesystem, path) if path.endswith(".csv") else (_ for _ in ()).throw(OSError("reset"))))
+    with pytest.raises(OSError, match="reset"):
+        remote_module.upload_release(_local_release(tmp_path / "a", "A"), release, False)
+    assert objects(s3, "markers-left/out/r") == []
+    assert remote_module.list_prefix(release.store, release.path).odd == []
+
+
 def test_the_python_api_publishes_to_s3_and_reads_the_tables_back(s3, credentials, tmp_path):
     """The release's local copy lives in a run temporary directory named after the process, so a run removes
     the ones (and the Beam engine's result directories) that killed runs on this host left."""

@@ -184,9 +184,11 @@ def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool,
             raise ValueError(f"{relative!r}: not a part's name")
 
     copying = _copying(filesystem)
+    written: list[str] = []  # every object this upload writes (or may have begun to write), by name
 
     def copy(part: tuple[str, str, str]) -> None:
         source, relative, sha256 = part
+        written.append(release.object_path(relative))
         copying.copy_file(source, release.object_path(relative))
         if _object_sha256(filesystem, release.object_path(relative)) != sha256:
             raise DPReleaseError(f"release file {relative}: copied into {shown(release.uri)} with other bytes than "
@@ -201,9 +203,10 @@ def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool,
             pool.shutdown(wait=True, cancel_futures=True)
         files = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file())
         for relative in [f for f in files if f != MANIFEST] + [MANIFEST]:
+            written.append(release.object_path(relative))
             _upload_file(local_dir / relative, filesystem, release.object_path(relative))
     except BaseException:
-        _remove_unpublished(release)
+        _remove_unpublished(release, written, local_dir / MANIFEST)
         raise
 
 
@@ -218,12 +221,26 @@ def _copying(filesystem: pafs.FileSystem) -> pafs.FileSystem:
     return rebuild({**options, "request_timeout": COPY_REQUEST_TIMEOUT})
 
 
-def _remove_unpublished(release: RemoteRelease) -> None:
-    """After a failed upload, what it wrote under the release's prefix (which held nothing of anyone else's: it
-    was empty, or emptied with --overwrite): removed, so a failure leaves no partial release; a store that cannot
-    be reached keeps it (the run's error says a re-run needs --overwrite)."""
+def _remove_unpublished(release: RemoteRelease, written: Sequence[str], own_manifest: Path) -> None:
+    """After a failed upload, the objects it wrote, by name, and then the directory markers a client leaves for
+    them below the release's prefix, deepest first, each only while it holds nothing (a listing reads an empty
+    marker as an odd name): a failure leaves no partial release. Never the prefix whole: objects another run
+    wrote under it meanwhile (a release inside it) stay. Nothing at all when the prefix holds a manifest other
+    than this run's: another run published this release while this one copied (its parts bear the same names).
+    A store that cannot be reached keeps what it holds (the run's error says a re-run needs --overwrite)."""
+    filesystem = release.store.filesystem
     with contextlib.suppress(pa.ArrowException, OSError):
-        release.store.filesystem.delete_dir_contents(release.path, missing_dir_ok=True)
+        if filesystem.get_file_info(release.object_path(MANIFEST)).type == pafs.FileType.File and \
+                _read_bounded(release, MANIFEST, MAX_MANIFEST_BYTES) != own_manifest.read_bytes():
+            return
+        for path in written:
+            with contextlib.suppress(FileNotFoundError):
+                filesystem.delete_file(path)
+        markers = {parent for path in written for parent in _parents(path, release.path)}
+        for marker in sorted(markers, key=lambda m: -m.count("/")):
+            held = pafs.FileSelector(marker, recursive=True, allow_not_found=True)
+            if not filesystem.get_file_info(held):
+                filesystem.delete_dir(marker)
 
 
 def _object_sha256(filesystem: pafs.FileSystem, path: str) -> str:

@@ -23,6 +23,7 @@ from dprelease.transforms.domains import NATION, GeographyDomain
 from dprelease.transforms.estimation import CountTable, generalised_least_squares, gls_variances
 from dprelease.transforms.postprocess import clamp_nonnegative
 from dprelease.transforms.units import integers
+from dprelease.transforms.units.graphical import CONVERGENCE_CHECK, CONVERGENCE_LIMIT, CONVERGENCE_TOLERANCE
 from dprelease.transforms.units.joint import JointShape, JointTable, marginal_tables
 from dprelease.transforms.units.kernels import JOINT_ITERATIONS
 from dprelease.transforms.units.groups import GROUP_WORK, transitions
@@ -78,6 +79,17 @@ ESTIMATE = ("one generalised least-squares estimate of every count table (hierar
             "histograms) from all their noisy measurements and variances together, consistent wherever two "
             "tables can be compared (best linear unbiased; invariants held exact)")
 
+def _model_step(fit: str) -> str:
+    """The step of a `select: aim` query's model path, `fit` saying how long its fit runs (one text per path:
+    'model', manifest version 9 and earlier, and 'converged_model')."""
+    return (ESTIMATE + "; per unit, the graphical model of the query's 1-way tables and chosen tables (AIM; the "
+            "tables may close cycles): the junction tree of their attributes' chordal completion, fitted to their "
+            "estimates by weighted least squares over the marginal polytope (entropic mirror descent on the "
+            "cliques' log-potentials, Private-PGM's estimator" + fit + ", its maximal cliques' tables made "
+            "nonnegative integers dealt attribute by attribute from the unit total and each parent's separator "
+            "counts; published tables are their margins (every shared margin and total agrees exactly)")
+
+
 STEPS = {
     "hierarchy": ESTIMATE + "; then top-down per (parent, cell): nonnegative least-squares fit to the parent's "
                  "final value and controlled rounding preserving the parent's integer",
@@ -110,23 +122,11 @@ STEPS = {
                           "estimate (James-Stein factor from the public noise variance) and fitted to the "
                           "separator's count by least squares and controlled rounding: nonnegative integer tables "
                           "that add up exactly and that `synthesize`'s records reproduce",
-    "marginals_model": ESTIMATE + "; per unit, the graphical model of the query's 1-way tables and chosen tables "
-                       "(AIM; the tables may close cycles): the junction tree of their attributes' chordal "
-                       "completion, fitted to their estimates by weighted least squares over the marginal polytope "
-                       "(entropic mirror descent on the cliques' log-potentials, Private-PGM's estimator; 1000 "
-                       "iterations, the unit total fixed), its maximal cliques' tables made nonnegative integers "
-                       "dealt attribute by attribute from the unit total and each parent's separator counts; "
-                       "published tables are their margins (every shared margin and total agrees exactly)",
-    "marginals_converged_model": ESTIMATE + "; per unit, the graphical model of the query's 1-way tables and chosen "
-                                 "tables (AIM; the tables may close cycles): the junction tree of their attributes' "
-                                 "chordal completion, fitted to their estimates by weighted least squares over the "
-                                 "marginal polytope (entropic mirror descent on the cliques' log-potentials, "
-                                 "Private-PGM's estimator, the unit total fixed) until it settles (a unit stops when "
-                                 "its loss falls in 100 iterations by less than 0.005 of the loss of residuals of one "
-                                 "noise standard deviation in every measured cell; at most 10000 iterations), its "
-                                 "maximal cliques' tables made nonnegative integers dealt attribute by attribute from "
-                                 "the unit total and each parent's separator counts; published tables are their "
-                                 "margins (every shared margin and total agrees exactly)",
+    "marginals_model": _model_step("; 1000 iterations, the unit total fixed)"),
+    "marginals_converged_model": _model_step(
+        f", the unit total fixed) until it settles (a unit stops when its loss falls in {CONVERGENCE_CHECK} "
+        f"iterations by less than {CONVERGENCE_TOLERANCE} of the loss of residuals of one noise standard deviation "
+        f"in every measured cell; at most {CONVERGENCE_LIMIT} iterations)"),
     "histogram": ESTIMATE + "; rounded to the nearest integer, negative values set to 0",
     "count_units": "negative noisy unit counts set to 0",
     "sum_nonnegative": "negative noisy sums set to 0 (the clamp's lower bound is >= 0)",

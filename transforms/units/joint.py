@@ -412,11 +412,9 @@ def _model_path(shape: JointShape, totals: np.ndarray, estimates: list[np.ndarra
                     for t, estimate in zip(shape.tables, estimates)]
     measurements = [_in_order(m, names) for m in measurements]
     start = graphical.measured_start(tree, sizes, totals.astype(np.float64), measurements)
-    if converged:
-        model = graphical.fit(tree, sizes, measurements, totals.astype(np.float64), graphical.CONVERGENCE_LIMIT,
-                              start, graphical.CONVERGENCE_TOLERANCE)
-    else:
-        model = graphical.fit(tree, sizes, measurements, totals.astype(np.float64), start=start)
+    model = graphical.fit(tree, sizes, measurements, totals.astype(np.float64),
+                          graphical.CONVERGENCE_LIMIT if converged else graphical.FIT_ITERATIONS, start,
+                          graphical.CONVERGENCE_TOLERANCE if converged else None)
     integers = graphical.integer_tables(tree, sizes, model.marginals(), totals)
     out = []
     for t in shape.tables:

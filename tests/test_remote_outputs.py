@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from collections import namedtuple
 from fractions import Fraction
 
@@ -89,7 +90,7 @@ def test_an_interrupted_upload_leaves_no_release_stays_charged_and_republishes_f
             run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=out)
         assert objects(s3, "interrupted/releases/test-release") == []  # what it uploaded is removed
         copied.clear()
-        patched.setattr(remote_module, "_remove_unpublished", lambda release: None)  # the store went away
+        patched.setattr(remote_module, "_remove_unpublished", lambda *args: None)  # the store went away
         with pytest.raises(PublishError, match="could not remove what it copied"):
             run_release(spec, ledger=book, key_file=tmp_path / "k.key", out_dir=out)
     left = objects(s3, "interrupted/releases/test-release")
@@ -157,6 +158,91 @@ def test_a_failed_upload_leaves_no_directory_marker_a_re_run_would_refuse(s3, cr
         remote_module.upload_release(_local_release(tmp_path / "a", "A"), release, False)
     assert objects(s3, "markers-left/out/r") == []
     assert remote_module.list_prefix(release.store, release.path).odd == []
+
+
+def _staged(endpoint: str, bucket: str, count: int) -> list[tuple[str, str, str]]:
+    """`count` parts staged in the store as a distributed engine's workers stage them: (path, name, SHA-256)."""
+    import hashlib
+
+    parts = []
+    for i in range(count):
+        data = f"part {i}".encode()
+        with store(endpoint).open_output_stream(f"{bucket}/staging/p{i}") as out:
+            out.write(data)
+        parts.append((f"{bucket}/staging/p{i}", f"tables/p{i}.csv", hashlib.sha256(data).hexdigest()))
+    return parts
+
+
+class _StuckCopies:
+    """A store whose copy of `stuck` never answers (until `release` is set) and whose copy of `failing` fails;
+    every other copy is the store's own."""
+
+    def __init__(self, filesystem, stuck: str, failing: str | None = None, then=None):
+        self.filesystem, self.stuck, self.failing, self.then = filesystem, stuck, failing, then
+        self.release, self.started, self.ended = threading.Event(), threading.Event(), threading.Event()
+
+    def copy_file(self, source: str, target: str) -> None:
+        if source.endswith(self.stuck):
+            self.started.set()
+            self.release.wait(60)
+            self.ended.set()
+            raise OSError("the store never answered")
+        self.started.wait(60)  # the stuck copy is under way before any other ends
+        if self.failing and source.endswith(self.failing):
+            if self.then:
+                self.then()
+            raise OSError("connection reset")
+        self.filesystem.copy_file(source, target)
+
+
+@pytest.mark.parametrize("stop", ["failure", "signal"])
+def test_a_copy_that_never_ends_does_not_hold_a_stopping_upload(stop, s3, credentials, tmp_path, monkeypatch):
+    """One staged part's copy never answers (a black-holed store: with its timeout and the SDK's retries it could
+    hold the run for most of an hour); another copy fails, or the run is stopped by a signal. The upload raises
+    after COPY_DRAIN_SECONDS, with the stuck copy still under way (its threads are daemons, never joined), and
+    removes what the others copied."""
+    import os
+    import signal
+
+    bucket_uri(s3, f"stuck-{stop}")
+    release = remote_module.open_release(f"s3://stuck-{stop}/out/r?endpoint_override={s3}&scheme=http", "--out")
+    parts = _staged(s3, f"stuck-{stop}", 40)
+
+    class Stopped(Exception):
+        pass
+
+    def stopped(signum, frame):
+        raise Stopped
+
+    previous = signal.signal(signal.SIGUSR1, stopped)
+    kill = (lambda: os.kill(os.getpid(), signal.SIGUSR1)) if stop == "signal" else None
+    stuck = _StuckCopies(release.store.filesystem, "p0", failing="p3", then=kill)
+    monkeypatch.setattr(remote_module, "_copying", lambda filesystem: stuck)
+    monkeypatch.setattr(remote_module, "COPY_DRAIN_SECONDS", 0.5)
+    try:
+        with pytest.raises(Stopped if stop == "signal" else OSError):
+            remote_module.upload_release(_local_release(tmp_path / "a", "A"), release, False, parts)
+        assert not stuck.ended.is_set()  # raised while the stuck copy was still under way
+        assert any(t.name.startswith("dprelease-copy-") and t.daemon for t in threading.enumerate())
+        assert objects(s3, f"stuck-{stop}/out/r") == []  # what the other copies wrote is removed
+        assert len(objects(s3, f"stuck-{stop}/staging")) == 40  # staging is the caller's to remove
+    finally:
+        stuck.release.set()
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_staged_parts_are_copied_and_checked_before_the_manifest(s3, credentials, tmp_path):
+    bucket_uri(s3, "copied")
+    release = remote_module.open_release(f"s3://copied/out/r?endpoint_override={s3}&scheme=http", "--out")
+    parts = _staged(s3, "copied", 20)
+    remote_module.upload_release(_local_release(tmp_path / "a", "A"), release, False, parts)
+    assert objects(s3, "copied/out/r") == sorted(["manifest.json", "tables/t.csv",
+                                                  *(f"tables/p{i}.csv" for i in range(20))])
+    changed = [(path, name, "0" * 64 if name.endswith("p7.csv") else digest) for path, name, digest in parts]
+    again = remote_module.open_release(f"s3://copied/out/r2?endpoint_override={s3}&scheme=http", "--out")
+    with pytest.raises(dprelease.DPReleaseError, match="p7.csv: copied .* with other bytes"):
+        remote_module.upload_release(_local_release(tmp_path / "b", "B"), again, False, changed)
+    assert objects(s3, "copied/out/r2") == []
 
 
 def test_the_python_api_publishes_to_s3_and_reads_the_tables_back(s3, credentials, tmp_path):

@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import shutil
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Iterator, Sequence
@@ -31,6 +33,7 @@ import pyarrow.fs as pafs
 from dprelease.accounting.errors import DPReleaseError, SpecError
 from dprelease.accounting.redact import shown
 
+from ..housekeeping import shielded
 from .local import safe_relative
 from .targets import MANIFEST
 from .uris import Store, is_uri, open_store
@@ -47,6 +50,12 @@ COPY_REQUEST_TIMEOUT = 900.0
 """Seconds an S3 server-side copy of one staged part may go without a byte back. The AWS SDK's default (3 s, what
 pyarrow uses unless the URI sets `request_timeout`) ended the copy of a 100 MB part on a busy S3-compatible server
 (a 200-million-cell block release, 2026-11-28); a store copies a large object before it answers."""
+COPY_DRAIN_SECONDS = 10.0
+"""After a copy fails or the run is interrupted (SIGTERM, Ctrl-C), how long the copies under way get to end before
+the upload's clean-up runs without them: a store that never answers (each copy may wait COPY_REQUEST_TIMEOUT, and
+the SDK retries) never holds a stopping run past an orchestrator's grace period."""
+
+LOG = logging.getLogger("dprelease")
 
 
 @dataclass(frozen=True)
@@ -194,20 +203,82 @@ def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool,
             raise DPReleaseError(f"release file {relative}: copied into {shown(release.uri)} with other bytes than "
                                  "its worker wrote (rewritten while the run published?)")
 
+    copies = _Copies(copy, staged_parts)
     try:
-        pool = ThreadPoolExecutor(max_workers=COPY_THREADS)
-        try:
-            for _ in pool.map(copy, staged_parts):
-                pass
-        finally:  # the first failure raises once the copies under way end; those not started never start
-            pool.shutdown(wait=True, cancel_futures=True)
+        copies.run()
         files = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file())
         for relative in [f for f in files if f != MANIFEST] + [MANIFEST]:
             written.append(release.object_path(relative))
             _upload_file(local_dir / relative, filesystem, release.object_path(relative))
     except BaseException:
-        _remove_unpublished(release, written, local_dir / MANIFEST)
+        with shielded():  # a second signal never cuts the clean-up short
+            running = copies.stop()
+            _remove_unpublished(release, written, local_dir / MANIFEST)
+        if running:
+            LOG.warning("%d cop%s into %s still under way after %.0f s when the upload stopped: what %s may be "
+                        "left under the release's prefix (no manifest; a re-run needs --overwrite)", running,
+                        "y was" if running == 1 else "ies were", shown(release.uri), COPY_DRAIN_SECONDS,
+                        "it writes" if running == 1 else "they write")
         raise
+
+
+class _Copies:
+    """`copy(part)` for every part, COPY_THREADS at once on daemon threads (each waits on the store, not on this
+    process). The first failure stops parts not yet started and is raised once the copies under way end; so is an
+    interruption of the waiting thread (SIGTERM, Ctrl-C), after `stop`. A copy that never ends holds neither: the
+    threads are daemons, never joined at exit (a thread pool's are, for as long as the store keeps them)."""
+
+    def __init__(self, copy, parts: Sequence[tuple[str, str, str]]):
+        self._copy = copy
+        self._parts = iter(parts)
+        self._changed = threading.Condition()
+        self._stopped = False
+        self._failure: BaseException | None = None
+        self._running = 0
+        self._deadline: float | None = None
+
+    def run(self) -> None:
+        """Every copy, or the first failure raised (the others under way ended or drained: `stop`)."""
+        threads = [threading.Thread(target=self._work, name=f"dprelease-copy-{i}", daemon=True)
+                   for i in range(COPY_THREADS)]
+        with self._changed:
+            self._running = len(threads)
+        for thread in threads:
+            thread.start()
+        with self._changed:
+            while self._running and self._failure is None:
+                self._changed.wait()
+        if self._failure is not None:
+            self.stop()
+            raise self._failure
+
+    def stop(self) -> int:
+        """Start no further copy; wait up to COPY_DRAIN_SECONDS for those under way. Returns how many still run."""
+        with self._changed:
+            self._stopped = True
+            if self._deadline is None:
+                self._deadline = time.monotonic() + COPY_DRAIN_SECONDS
+            while self._running and (left := self._deadline - time.monotonic()) > 0:
+                self._changed.wait(left)
+            return self._running
+
+    def _next(self) -> tuple[str, str, str] | None:
+        with self._changed:
+            return None if self._stopped else next(self._parts, None)
+
+    def _work(self) -> None:
+        try:
+            while (part := self._next()) is not None:
+                try:
+                    self._copy(part)
+                except BaseException as error:  # noqa: BLE001 - raised in the waiting thread
+                    with self._changed:
+                        self._stopped = True
+                        self._failure = self._failure or error
+        finally:
+            with self._changed:
+                self._running -= 1
+                self._changed.notify_all()
 
 
 def _copying(filesystem: pafs.FileSystem) -> pafs.FileSystem:

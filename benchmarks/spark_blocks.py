@@ -1,6 +1,6 @@
 """A block-level release on Spark (blocks_spec.yaml: hierarchy nation > state > county > tract > block and a
 PL94-like histogram of 1,584 cells per block), at growing numbers of blocks: wall time per stage, published
-cells per second, and the peak resident memory of the driver (this Python process) and of its JVM (in
+cells per second, the bytes of the release the driver read back from the store, and the peak resident memory of the driver (this Python process) and of its JVM (in
 local mode the JVM holds the executors too), sampled every 0.1 s, and the peak bytes under the driver's
 temporary directory (a fresh one per run: what the driver stages on its own disk). The driver's JVM gets
 `--driver-memory` (default 1g). `--out` publishes elsewhere, an object store for one
@@ -39,6 +39,23 @@ def children(pid: int) -> list[int]:
         except OSError:
             pass
     return found
+
+
+class ReadBack:
+    """Bytes of the store's objects this process (the driver) read back after copying them into the release
+    (`storage.objects._object_sha256`): with an engine whose workers copy the parts, none."""
+
+    def __init__(self) -> None:
+        from dprelease.pipelines.storage import objects
+
+        self.bytes = 0
+        digest = objects._object_sha256
+
+        def counted(filesystem, path: str) -> str:
+            self.bytes += filesystem.get_file_info(path).size
+            return digest(filesystem, path)
+
+        objects._object_sha256 = counted
 
 
 def tree_bytes(root: Path) -> int:
@@ -108,6 +125,7 @@ def measure(blocks: int, rows: int, master: str, target: str | None) -> None:
     os.environ["TMPDIR"] = tempfile.tempdir = str(temporary)  # the driver's (and its JVM's) temporary files
     peak = PeakMemory(temporary)
     peak.start()
+    read_back = ReadBack()
     start = time.perf_counter()
     run_release(spec_path, input_path=str(data / "persons.parquet"), out_dir=out, engine="spark", master=master,
                 ledger=None, key_file=HERE / "out" / "keys" / f"blocks-{blocks}.key", overwrite=target is not None,
@@ -118,7 +136,8 @@ def measure(blocks: int, rows: int, master: str, target: str | None) -> None:
     gib = 1 << 30
     print(f"{blocks:>9,} blocks {cells:>13,} cells {rows:>11,} rows  wall {wall:8.1f} s  {cells / wall:>11,.0f} cells/s  "
           f"driver {peak.driver / gib:.2f} GiB  JVM {peak.jvm / gib:.2f} GiB  python workers {peak.workers / gib:.2f} GiB  "
-          f"driver's temporary directory at most {peak.staged / (1 << 20):.1f} MiB")
+          f"driver's temporary directory at most {peak.staged / (1 << 20):.1f} MiB  "
+          f"read back by the driver {read_back.bytes / (1 << 20):,.0f} MiB")
     shutil.rmtree(temporary, ignore_errors=True)
     previous = start
     for label, at in marks:

@@ -412,7 +412,8 @@ def _run_release(spec: ReleaseSpec, spec_dir: Path, *, key_file, out_dir, input_
                     committed = True
                     publish(staged, final_dir, overwrite)
                     if remote:
-                        upload_release(final_dir, remote, overwrite, _staged_parts(staged))
+                        upload_release(final_dir, remote, overwrite, _staged_parts(staged),
+                                       engine_.copy_parts if engine_.copies_parts else None)
                 except BaseException as error:
                     left = _discard(staged)
                     if committed and reservation and isinstance(error, Exception):

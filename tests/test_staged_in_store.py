@@ -46,24 +46,35 @@ def embedded(tmp_path_factory):
     return spec, key, run_release(spec, key_file=key, out_dir=root / "out", engine="embedded").release_dir
 
 
+def engine_options(engine: str) -> dict:
+    """run_release's options for `engine` against the test store: for Spark a local[2] session whose executors
+    hold the store's credentials (local executors take their environment from the JVM, which an earlier test may
+    have started before the credentials were set: handed over as a cluster's workers would have them)."""
+    if engine == "beam":
+        pytest.importorskip("apache_beam")
+        return {}
+    pytest.importorskip("pyspark")
+    from pyspark.sql import SparkSession
+
+    stale = SparkSession.getActiveSession()
+    if stale is not None:
+        stale.stop()
+    return {"spark_session": SparkSession.builder.master("local[2]")
+            .config("spark.executorEnv.AWS_ACCESS_KEY_ID", "testing")
+            .config("spark.executorEnv.AWS_SECRET_ACCESS_KEY", "testing").getOrCreate()}
+
+
 @pytest.mark.parametrize("engine", ["spark", "beam"])
 def test_the_workers_write_into_the_store_and_the_release_equals_the_embedded_one(engine, embedded, s3, credentials,
-                                                                                 tmp_path):
-    options = {}
-    if engine == "spark":
-        pytest.importorskip("pyspark")
-        from pyspark.sql import SparkSession
+                                                                                 tmp_path, monkeypatch):
+    """Spark's executors also copy the parts into the release and read them back (the driver reads none of their
+    bytes: the commit scales with the cluster); Beam's driver copies and reads them back."""
+    from dprelease.pipelines.storage import objects as objects_module
 
-        # local executors take their environment from the JVM, which an earlier test may have started before the
-        # store's credentials were set: hand them over as a cluster's workers would have them
-        stale = SparkSession.getActiveSession()
-        if stale is not None:
-            stale.stop()
-        options["spark_session"] = (SparkSession.builder.master("local[2]")
-                                    .config("spark.executorEnv.AWS_ACCESS_KEY_ID", "testing")
-                                    .config("spark.executorEnv.AWS_SECRET_ACCESS_KEY", "testing").getOrCreate())
-    else:
-        pytest.importorskip("apache_beam")
+    read_back = []
+    digest = objects_module._object_sha256
+    monkeypatch.setattr(objects_module, "_object_sha256", lambda fs, path: read_back.append(path) or digest(fs, path))
+    options = engine_options(engine)
     spec, key, local = embedded
     bucket = f"staged-{engine}"
     try:
@@ -74,6 +85,8 @@ def test_the_workers_write_into_the_store_and_the_release_equals_the_embedded_on
     with downloaded(done.release_dir) as copy:
         assert_same_release(local, copy.path, engine)
         assert verify_release(copy.path).ok
+        parts = [p for p in copy.path.rglob("*") if p.is_file() and p.parent.name in FOLDERS]
+    assert len(read_back) == (0 if engine == "spark" else len(parts)) and parts
     # nothing but the release under the output prefix: the staging prefix is gone
     assert all(name.startswith("test-release/") for name in objects(s3, f"{bucket}/releases"))
 
@@ -191,10 +204,13 @@ def test_the_driver_publishes_only_exactly_what_the_workers_reported(s3, credent
         check_remote_staged(staging, entries, FOLDERS)
 
 
-def test_a_part_rewritten_in_the_store_after_the_check_is_never_published(s3, credentials, tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["spark", "beam"])
+def test_a_part_rewritten_in_the_store_after_the_check_is_never_published(engine, s3, credentials, tmp_path,
+                                                                          monkeypatch):
     """A late task attempt (or anyone) rewriting a staged part with other bytes of the same size after the driver's
-    check: the copy in the release is read back against the worker's SHA-256, so no manifest is uploaded."""
-    pytest.importorskip("apache_beam")
+    check: the copy in the release is read back (by Spark's executors, by Beam's driver) against the writing
+    worker's SHA-256, so no manifest is uploaded."""
+    options = engine_options(engine)
     spec = write_case(tmp_path / "case", TREE_SPEC)
     check = run_module.check_remote_staged
 
@@ -207,9 +223,14 @@ def test_a_part_rewritten_in_the_store_after_the_check_is_never_published(s3, cr
             handle.write(data[:-2] + (b"7\n" if data[-2:] != b"7\n" else b"8\n"))
 
     monkeypatch.setattr(run_module, "check_remote_staged", check_then_rewrite)
-    with pytest.raises(DPReleaseError, match="other bytes than its worker wrote"):
-        run_release(spec, key_file=tmp_path / "k.key", out_dir=bucket_uri(s3, "rewritten"), engine="beam")
-    assert objects(s3, "rewritten/releases") == []  # neither the parts copied before the failure nor the staged ones
+    try:
+        with pytest.raises(DPReleaseError, match="other bytes than its worker wrote"):
+            run_release(spec, key_file=tmp_path / "k.key", out_dir=bucket_uri(s3, f"rewritten-{engine}"),
+                        engine=engine, **options)
+    finally:
+        if options:
+            options["spark_session"].stop()
+    assert objects(s3, f"rewritten-{engine}/releases") == []  # neither the parts copied before the failure nor the staged ones
 
 
 def test_server_side_copies_wait_for_a_slow_store_with_the_same_credentials(s3, credentials):

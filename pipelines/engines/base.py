@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -94,6 +94,17 @@ class Engine(ABC):
         Privacy: the same bytes as the embedded engine's release: noise(key, table, cell) on the bounded
         counts, then post-processing of the noisy values only."""
         raise NotImplementedError(f"the {self.name} engine post-processes on the driver")
+
+    copies_parts: bool = False
+    """Whether the engine's workers copy the parts staged in a store into the release and read them back
+    (`copy_parts`); else the driver does (`storage.upload_release`), every byte read through it."""
+
+    def copy_parts(self, release_uri: str, parts: Sequence[tuple[str, str, str]]) -> list[tuple[str, str]]:
+        """Each staged part (its path in the store, its name in the release, its writer's SHA-256) copied inside
+        the store into the release at `release_uri` and read back by the workers (`storage.copy_checked`):
+        (name, SHA-256 of the copy) for each, which the driver checks. Public: names and digests of noisy values
+        the release publishes."""
+        raise NotImplementedError(f"the {self.name} engine's driver copies the staged parts")
 
     def close(self) -> None:
         """Release what the engine started for this run (a run calls it once, whatever the outcome)."""

@@ -821,6 +821,22 @@ class SparkEngine(Engine):
             collected = from_table(files.toArrow()) if files is not None else []
         return results(collected)
 
+    copies_parts = True
+
+    def copy_parts(self, release_uri: str, parts) -> list[tuple[str, str]]:
+        """The staged parts copied into the release and read back in executors (`storage.copy_checked`, one
+        share of the parts per task, as many tasks as the session runs at once): the driver receives each copy's
+        name and SHA-256, never its bytes."""
+        from ..storage import copy_checked
+
+        parts = [tuple(part) for part in parts]
+        if not parts:
+            return []
+        with self._job() as spark:
+            context = spark.sparkContext
+            shares = context.parallelize(parts, min(len(parts), max(1, context.defaultParallelism)))
+            return shares.mapPartitions(lambda share: copy_checked(release_uri, list(share))).collect()
+
     @staticmethod
     def _assemble(plan: Plan, result: pa.Table, table_ids: list[int] | None = None) -> dict[str, np.ndarray]:
         """The released vector of every table (of `table_ids` when given) from the rows the noise stage

@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -175,13 +175,14 @@ def release_above(release: RemoteRelease) -> str | None:
 
 
 def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool,
-                   staged_parts: Sequence[tuple[str, str, str]] = ()) -> None:
+                   staged_parts: Sequence[tuple[str, str, str]] = (), copier: PartCopier | None = None) -> None:
     """Publish the staged release at `local_dir` to the store: with `overwrite`, what the prefix holds is removed
     first (a manifest first, so it stops being a release); then every part the workers staged in the same store
     (`staged_parts`: (its path in the store, its name in the release, the SHA-256 its worker reported)) is copied
-    inside the store and read back, COPY_THREADS at once (DPReleaseError unless its bytes are those reported,
-    which the manifest lists), every local file uploaded, the manifest last: a reader never sees a manifest whose
-    files are not all there, nor one that lists other bytes than the release holds."""
+    inside the store and read back (by `copier` in the engine's workers, `copy_checked` on each of their shares,
+    or else here, COPY_THREADS at once; DPReleaseError unless its bytes are those reported, which the manifest
+    lists), every local file uploaded, the manifest last: a reader never sees a manifest whose files are not all
+    there, nor one that lists other bytes than the release holds."""
     old = check_remote_target(release, overwrite)  # no odd names: every object removed is the one listed
     filesystem = release.store.filesystem
     if MANIFEST in old:
@@ -192,20 +193,21 @@ def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool,
         if safe_relative(relative) is None or relative == MANIFEST:
             raise ValueError(f"{relative!r}: not a part's name")
 
-    copying = _copying(filesystem)
+    copying = _copying(filesystem) if copier is None else filesystem
     written: list[str] = []  # every object this upload writes (or may have begun to write), by name
 
     def copy(part: tuple[str, str, str]) -> None:
         source, relative, sha256 = part
         written.append(release.object_path(relative))
-        copying.copy_file(source, release.object_path(relative))
-        if _object_sha256(filesystem, release.object_path(relative)) != sha256:
-            raise DPReleaseError(f"release file {relative}: copied into {shown(release.uri)} with other bytes than "
-                                 "its worker wrote (rewritten while the run published?)")
+        _check_copied(release, [part], [(relative, _copy_and_digest(copying, filesystem, source,
+                                                                    release.object_path(relative)))])
 
-    copies = _Copies(copy, staged_parts)
+    copies = _Copies(copy, staged_parts if copier is None else ())
     try:
         copies.run()
+        if copier is not None:
+            written.extend(release.object_path(relative) for _, relative, _ in staged_parts)  # any may have begun
+            _check_copied(release, staged_parts, copier(release.uri, staged_parts))
         files = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file())
         for relative in [f for f in files if f != MANIFEST] + [MANIFEST]:
             written.append(release.object_path(relative))
@@ -220,6 +222,50 @@ def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool,
                         "y was" if running == 1 else "ies were", shown(release.uri), COPY_DRAIN_SECONDS,
                         "it writes" if running == 1 else "they write")
         raise
+
+
+PartCopier = Callable[[str, Sequence[tuple[str, str, str]]], Sequence[tuple[str, str]]]
+"""An engine's copy of staged parts into a release (`Engine.copy_parts`): (the release's URI, the parts as
+`upload_release` takes them) -> (name in the release, SHA-256 of the copy read back) for each, made by
+`copy_checked` in its workers."""
+
+
+def copy_checked(release_uri: str, parts: Sequence[tuple[str, str, str]]) -> list[tuple[str, str]]:
+    """In a worker: each staged part copied inside the store into the release at `release_uri` (credentials from
+    the worker's environment, as for its staging writes), COPY_THREADS at once, and read back: (name in the
+    release, SHA-256 of the copy) for each. The driver compares them with what the writing workers reported
+    (`upload_release`); the bytes never pass through the driver, so the commit scales with the workers."""
+    release = open_release(release_uri, "--out")
+    filesystem = release.store.filesystem
+    copying = _copying(filesystem)
+    digests: list[tuple[str, str]] = []
+
+    def copy(part: tuple[str, str, str]) -> None:
+        source, relative, _ = part
+        digest = _copy_and_digest(copying, filesystem, source, release.object_path(relative))
+        with lock:
+            digests.append((relative, digest))
+
+    lock = threading.Lock()
+    _Copies(copy, parts).run()
+    return digests
+
+
+def _copy_and_digest(copying: pafs.FileSystem, filesystem: pafs.FileSystem, source: str, target: str) -> str:
+    """`source` copied inside the store to `target`, and the SHA-256 of the copy as read back."""
+    copying.copy_file(source, target)
+    return _object_sha256(filesystem, target)
+
+
+def _check_copied(release: RemoteRelease, parts: Sequence[tuple[str, str, str]],
+                  digests: Sequence[tuple[str, str]]) -> None:
+    """DPReleaseError unless every part's copy was read back with the SHA-256 its writing worker reported."""
+    found = dict(digests)
+    for _, relative, sha256 in parts:
+        if found.get(relative) != sha256:
+            raise DPReleaseError(f"release file {relative}: copied into {shown(release.uri)} with other bytes than "
+                                 "its worker wrote (rewritten while the run published?)" if relative in found else
+                                 f"release file {relative}: its copy into {shown(release.uri)} was not reported")
 
 
 class _Copies:
@@ -439,5 +485,5 @@ def read_manifest_bytes(uri: str) -> bytes | None:
     return data if len(data) <= MAX_MANIFEST_BYTES else None
 
 
-__all__ = ["Listing", "LocalCopy", "RemoteRelease", "check_remote_target", "downloaded", "is_uri", "list_prefix",
-           "open_release", "read_manifest_bytes", "release_under", "upload_release"]
+__all__ = ["Listing", "LocalCopy", "PartCopier", "RemoteRelease", "check_remote_target", "copy_checked", "downloaded",
+           "is_uri", "list_prefix", "open_release", "read_manifest_bytes", "release_under", "upload_release"]

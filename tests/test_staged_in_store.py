@@ -67,8 +67,8 @@ def engine_options(engine: str) -> dict:
 @pytest.mark.parametrize("engine", ["spark", "beam"])
 def test_the_workers_write_into_the_store_and_the_release_equals_the_embedded_one(engine, embedded, s3, credentials,
                                                                                  tmp_path, monkeypatch):
-    """Spark's executors also copy the parts into the release and read them back (the driver reads none of their
-    bytes: the commit scales with the cluster); Beam's driver copies and reads them back."""
+    """The workers also copy the parts into the release and read them back (the driver reads none of their bytes:
+    the commit scales with the cluster)."""
     from dprelease.pipelines.storage import objects as objects_module
 
     read_back = []
@@ -86,7 +86,7 @@ def test_the_workers_write_into_the_store_and_the_release_equals_the_embedded_on
         assert_same_release(local, copy.path, engine)
         assert verify_release(copy.path).ok
         parts = [p for p in copy.path.rglob("*") if p.is_file() and p.parent.name in FOLDERS]
-    assert len(read_back) == (0 if engine == "spark" else len(parts)) and parts
+    assert read_back == [] and parts
     # nothing but the release under the output prefix: the staging prefix is gone
     assert all(name.startswith("test-release/") for name in objects(s3, f"{bucket}/releases"))
 
@@ -208,8 +208,8 @@ def test_the_driver_publishes_only_exactly_what_the_workers_reported(s3, credent
 def test_a_part_rewritten_in_the_store_after_the_check_is_never_published(engine, s3, credentials, tmp_path,
                                                                           monkeypatch):
     """A late task attempt (or anyone) rewriting a staged part with other bytes of the same size after the driver's
-    check: the copy in the release is read back (by Spark's executors, by Beam's driver) against the writing
-    worker's SHA-256, so no manifest is uploaded."""
+    check: the copy in the release is read back by the workers and its SHA-256 compared by the driver with the
+    writing worker's, so no manifest is uploaded."""
     options = engine_options(engine)
     spec = write_case(tmp_path / "case", TREE_SPEC)
     check = run_module.check_remote_staged

@@ -97,7 +97,8 @@ class Engine(ABC):
 
     copies_parts: bool = False
     """Whether the engine's workers copy the parts staged in a store into the release and read them back
-    (`copy_parts`); else the driver does (`storage.upload_release`), every byte read through it."""
+    (`copy_parts`: Spark's and Beam's); else the driver does (`storage.upload_release`), every byte read through
+    it."""
 
     def copy_parts(self, release_uri: str, parts: Sequence[tuple[str, str, str]]) -> list[tuple[str, str]]:
         """Each staged part (its path in the store, its name in the release, its writer's SHA-256) copied inside

@@ -564,6 +564,39 @@ def _read_scores(directory: str) -> dict[str, tuple[int, int]]:
     return scores
 
 
+COPY_SHARES = 64
+"""Most shares of the staged parts a Beam copy pipeline hands its workers (each share copied COPY_THREADS at once
+by `storage.copy_checked`)."""
+
+
+def _copy_share(share: list, release_uri: str):
+    """A share of staged parts copied into the release and read back (`storage.copy_checked`): (name, SHA-256)."""
+    from ..storage import copy_checked
+
+    yield copy_checked(release_uri, [tuple(part) for part in share])
+
+
+def _write_digests(digests: list, directory: str):
+    """A share's (name, SHA-256) pairs as one small JSON file in the result directory (named by its content)."""
+    from apache_beam.io.filesystems import FileSystems
+
+    document = json.dumps(sorted(digests)).encode("utf-8")
+    with FileSystems.create(f"{directory}/copied-{hashlib.sha256(document).hexdigest()}.json") as handle:
+        handle.write(document)
+    yield 1
+
+
+def _read_digests(directory: str) -> list[tuple[str, str]]:
+    """Every (name, SHA-256) pair `_write_digests` wrote."""
+    from apache_beam.io.filesystems import FileSystems
+
+    digests = []
+    for metadata in FileSystems.match([f"{directory}/copied-*.json"])[0].metadata_list:
+        with FileSystems.open(metadata.path) as handle:
+            digests += [(str(name), str(digest)) for name, digest in json.loads(handle.read().decode("utf-8"))]
+    return digests
+
+
 class BeamEngine(Engine):
     name = "beam"
     writes_parts = True
@@ -767,6 +800,28 @@ class BeamEngine(Engine):
         found = self._run("the Beam pipeline", build, _read_entries)
         progress("beam-release", 1, 1)
         return results(found)
+
+    copies_parts = True
+
+    def copy_parts(self, release_uri: str, parts) -> list[tuple[str, str]]:
+        """The staged parts copied into the release and read back in the Beam workers (`storage.copy_checked`,
+        in at most COPY_SHARES shares): each copy's name and SHA-256 come back through the result directory,
+        never its bytes."""
+        beam = import_beam()
+        parts = [tuple(part) for part in parts]
+        if not parts:
+            return []
+        count = min(len(parts), COPY_SHARES)
+        shares = [parts[i::count] for i in range(count)]
+
+        def build(pipeline, directory: str) -> None:
+            (pipeline
+             | "Shares" >> beam.Create(shares)
+             | "Spread" >> beam.Reshuffle()
+             | "Copy" >> beam.FlatMap(public_failures("copy parts", _copy_share), release_uri)
+             | "Write" >> beam.FlatMap(public_failures("write digests", _write_digests), directory))
+
+        return self._run("the Beam copy pipeline", build, _read_digests)
 
     def _run(self, what: str, build, read):
         """Build a pipeline with `build(pipeline, directory)`, run it, return `read(directory)`; any

@@ -231,6 +231,91 @@ def test_a_copy_that_never_ends_does_not_hold_a_stopping_upload(stop, s3, creden
         signal.signal(signal.SIGUSR1, previous)
 
 
+def test_a_second_interruption_while_copies_drain_still_removes_what_was_written(s3, credentials, tmp_path,
+                                                                                  monkeypatch):
+    """A second signal (a second Ctrl-C) while the copies under way drain: the clean-up still runs."""
+    import os
+    import signal
+
+    bucket_uri(s3, "twice")
+    release = remote_module.open_release(f"s3://twice/out/r?endpoint_override={s3}&scheme=http", "--out")
+    parts = _staged(s3, "twice", 12)
+
+    class Stopped(Exception):
+        pass
+
+    def stopped(signum, frame):
+        raise Stopped
+
+    def signal_twice():
+        os.kill(os.getpid(), signal.SIGUSR1)
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1)).start()  # during the drain
+
+    previous = signal.signal(signal.SIGUSR1, stopped)
+    stuck = _StuckCopies(release.store.filesystem, "p0", failing="p3", then=signal_twice)
+    monkeypatch.setattr(remote_module, "_copying", lambda filesystem: stuck)
+    monkeypatch.setattr(remote_module, "COPY_DRAIN_SECONDS", 3.0)
+    try:
+        with pytest.raises(Stopped):
+            remote_module.upload_release(_local_release(tmp_path / "a", "A"), release, False, parts)
+        assert objects(s3, "twice/out/r") == []
+    finally:
+        stuck.release.set()
+        signal.signal(signal.SIGUSR1, previous)
+
+
+@pytest.mark.parametrize("report", ["duplicate", "unasked", "not_copied"])
+def test_the_digests_an_engine_reports_must_match_what_lies_in_the_release(report, s3, credentials, tmp_path):
+    """An engine's copier reports each part's digest once, for the parts asked for only, and each part must then
+    lie under the release's prefix with its staged size: a digest alone never stands for an object."""
+    bucket_uri(s3, f"reported-{report}")
+    release = remote_module.open_release(f"s3://reported-{report}/out/r?endpoint_override={s3}&scheme=http", "--out")
+    parts = _staged(s3, f"reported-{report}", 3)
+
+    def copier(uri, path, asked):
+        digests = remote_module.copy_checked(uri, path, asked[1:] if report == "not_copied" else asked)
+        if report == "not_copied":
+            return digests + [(asked[0][1], asked[0][2])]
+        return digests + ([digests[0]] if report == "duplicate" else [("tables/other.csv", "0" * 64)])
+
+    with pytest.raises(dprelease.DPReleaseError, match="some twice or for parts never asked for"
+                       if report != "not_copied" else "not in .* with its staged size"):
+        remote_module.upload_release(_local_release(tmp_path / "a", "A"), release, False, parts, copier)
+    assert objects(s3, f"reported-{report}/out/r") == []
+
+
+def test_workers_copy_nothing_where_the_release_uri_opens_at_another_path(s3, credentials):
+    """A path whose URI does not read back the same ('%41' decoded twice): the workers refuse to copy."""
+    bucket_uri(s3, "roundtrip")
+    parts = _staged(s3, "roundtrip", 1)
+    with pytest.raises(dprelease.DPReleaseError, match="names another path in the workers"):
+        remote_module.copy_checked(f"s3://roundtrip/outA/r?endpoint_override={s3}&scheme=http", "roundtrip/out%41/r",
+                                   parts)
+    assert objects(s3, "roundtrip") == ["staging/p0"]
+
+
+def test_a_copy_thread_that_cannot_start_stops_the_upload_at_once(s3, credentials, tmp_path, monkeypatch, caplog):
+    """A thread that could not start (or a signal while it started) is not counted as a copy under way: the
+    upload raises without waiting for it and says nothing of copies still running."""
+    bucket_uri(s3, "nothread")
+    release = remote_module.open_release(f"s3://nothread/out/r?endpoint_override={s3}&scheme=http", "--out")
+    parts = _staged(s3, "nothread", 12)
+    real_start, started = threading.Thread.start, []
+
+    def third_fails(thread):
+        if thread.name.startswith("dprelease-copy-"):
+            started.append(thread.name)
+            if len(started) == 3:
+                raise RuntimeError("can't start new thread")
+        return real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", third_fails)
+    with pytest.raises(RuntimeError, match="can't start"):
+        remote_module.upload_release(_local_release(tmp_path / "a", "A"), release, False, parts)
+    assert "still under way" not in caplog.text
+    assert objects(s3, "nothread/out/r") == []
+
+
 def test_staged_parts_are_copied_and_checked_before_the_manifest(s3, credentials, tmp_path):
     bucket_uri(s3, "copied")
     release = remote_module.open_release(f"s3://copied/out/r?endpoint_override={s3}&scheme=http", "--out")

@@ -365,3 +365,36 @@ def test_python_api_runs_on_the_callers_session_and_leaves_it_running(demo, tmp_
                         master="local[1]")
     finally:
         spark.stop()
+
+
+def test_an_interrupted_copy_job_is_cancelled_and_the_session_stays_in_step():
+    """The job that copies staged parts into a release runs on a thread of its own: a signal in the driver raises
+    at once (it used to wait, inside a py4j call, for the whole job: every copy, up to the store's timeout), the
+    job's tasks are cancelled, and the driver's connection to the JVM still answers in step."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from pyspark.sql import SparkSession
+
+    from dprelease.pipelines.engines.spark import _copy_job
+
+    class Stopped(Exception):
+        pass
+
+    def stopped(signum, frame):
+        raise Stopped
+
+    session = SparkSession.builder.master("local[2]").getOrCreate()
+    context = session.sparkContext
+    previous = signal.signal(signal.SIGUSR1, stopped)
+    try:
+        threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        with pytest.raises(Stopped):
+            _copy_job(context, context.parallelize(range(2), 2).map(lambda x: time.sleep(300) or x))
+        assert list(context.statusTracker().getActiveJobsIds()) == []  # cancelled, not left running
+        assert session.range(5).count() == 5
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        session.stop()

@@ -100,9 +100,11 @@ class Engine(ABC):
     (`copy_parts`: Spark's and Beam's); else the driver does (`storage.upload_release`), every byte read through
     it."""
 
-    def copy_parts(self, release_uri: str, parts: Sequence[tuple[str, str, str]]) -> list[tuple[str, str]]:
+    def copy_parts(self, release_uri: str, release_path: str, parts: Sequence[tuple[str, str, str]]
+                   ) -> list[tuple[str, str]]:
         """Each staged part (its path in the store, its name in the release, its writer's SHA-256) copied inside
-        the store into the release at `release_uri` and read back by the workers (`storage.copy_checked`):
+        the store into the release at `release_uri` (whose path in the store is `release_path`: the workers copy
+        nothing where it opens elsewhere) and read back by the workers (`storage.copy_checked`):
         (name, SHA-256 of the copy) for each, which the driver checks. Public: names and digests of noisy values
         the release publishes."""
         raise NotImplementedError(f"the {self.name} engine's driver copies the staged parts")

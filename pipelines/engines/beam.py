@@ -569,11 +569,11 @@ COPY_SHARES = 64
 by `storage.copy_checked`)."""
 
 
-def _copy_share(share: list, release_uri: str):
+def _copy_share(share: list, release_uri: str, release_path: str):
     """A share of staged parts copied into the release and read back (`storage.copy_checked`): (name, SHA-256)."""
     from ..storage import copy_checked
 
-    yield copy_checked(release_uri, [tuple(part) for part in share])
+    yield copy_checked(release_uri, release_path, [tuple(part) for part in share])
 
 
 def _write_digests(digests: list, directory: str):
@@ -803,7 +803,7 @@ class BeamEngine(Engine):
 
     copies_parts = True
 
-    def copy_parts(self, release_uri: str, parts) -> list[tuple[str, str]]:
+    def copy_parts(self, release_uri: str, release_path: str, parts) -> list[tuple[str, str]]:
         """The staged parts copied into the release and read back in the Beam workers (`storage.copy_checked`,
         in at most COPY_SHARES shares): each copy's name and SHA-256 come back through the result directory,
         never its bytes."""
@@ -818,7 +818,7 @@ class BeamEngine(Engine):
             (pipeline
              | "Shares" >> beam.Create(shares)
              | "Spread" >> beam.Reshuffle()
-             | "Copy" >> beam.FlatMap(public_failures("copy parts", _copy_share), release_uri)
+             | "Copy" >> beam.FlatMap(public_failures("copy parts", _copy_share), release_uri, release_path)
              | "Write" >> beam.FlatMap(public_failures("write digests", _write_digests), directory))
 
         return self._run("the Beam copy pipeline", build, _read_digests)

@@ -26,6 +26,8 @@ import itertools
 import os
 import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -519,6 +521,61 @@ def _stage_partitions(groups: int) -> int:
 MAX_STAGE_PARTITIONS = 100_000
 
 
+COPY_JOB_DRAIN_SECONDS = 10.0
+"""After the copy job fails or the driver is interrupted, how long its cancelled tasks get to end before the
+upload's clean-up runs (`storage.objects.COPY_DRAIN_SECONDS`, the driver's own copies' wait)."""
+
+
+def _copy_job(context, copies):
+    """`copies.collect()` on a thread of its own (pyspark's InheritableThread: its own connection to the JVM, in a
+    job group of its own), the driver waiting on an event a signal interrupts: a SIGTERM raised in a py4j call
+    waits for the call's answer, the whole job (a copy may wait 900 s on its store), and leaves the connection out
+    of step. On failure or interruption the group's tasks are cancelled (their Python workers interrupted) and
+    given COPY_JOB_DRAIN_SECONDS to end, so copies under way mostly end before the clean-up removes their
+    objects."""
+    import secrets
+
+    from pyspark import InheritableThread
+
+    group = f"dprelease-copy-{secrets.token_hex(8)}"
+    outcome: dict = {}
+    done = threading.Event()
+
+    def collect() -> None:
+        try:
+            context.setJobGroup(group, "dprelease: copy staged parts into the release", interruptOnCancel=True)
+            outcome["digests"] = copies.collect()
+        except BaseException as error:  # noqa: BLE001 - raised in the driver's thread
+            outcome["error"] = error
+        finally:
+            done.set()
+
+    InheritableThread(target=collect, name=group, daemon=True).start()
+    try:
+        while not done.wait(1.0):
+            pass
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["digests"]
+    except BaseException:
+        with contextlib.suppress(Exception):
+            context.cancelJobGroup(group)
+        _await_tasks(context, group, time.monotonic() + COPY_JOB_DRAIN_SECONDS)
+        raise
+
+
+def _await_tasks(context, group: str, deadline: float) -> None:
+    """Wait until no task of the job group runs, or the deadline."""
+    with contextlib.suppress(Exception):
+        tracker = context.statusTracker()
+        while time.monotonic() < deadline:
+            stages = [s for job in tracker.getJobIdsForGroup(group) if (info := tracker.getJobInfo(job)) is not None
+                      for s in info.stageIds]
+            if not any((stage := tracker.getStageInfo(s)) is not None and stage.numActiveTasks for s in stages):
+                return
+            time.sleep(0.2)
+
+
 class SparkEngine(Engine):
     name = "spark"
     writes_parts = True
@@ -823,10 +880,11 @@ class SparkEngine(Engine):
 
     copies_parts = True
 
-    def copy_parts(self, release_uri: str, parts) -> list[tuple[str, str]]:
+    def copy_parts(self, release_uri: str, release_path: str, parts) -> list[tuple[str, str]]:
         """The staged parts copied into the release and read back in executors (`storage.copy_checked`, one
         share of the parts per task, as many tasks as the session runs at once): the driver receives each copy's
-        name and SHA-256, never its bytes."""
+        name and SHA-256, never its bytes. The job runs on a thread of its own (`_copy_job`), so a signal stops
+        the driver's wait at once and cancels the job's tasks."""
         from ..storage import copy_checked
 
         parts = [tuple(part) for part in parts]
@@ -835,7 +893,8 @@ class SparkEngine(Engine):
         with self._job() as spark:
             context = spark.sparkContext
             shares = context.parallelize(parts, min(len(parts), max(1, context.defaultParallelism)))
-            return shares.mapPartitions(lambda share: copy_checked(release_uri, list(share))).collect()
+            return _copy_job(context, shares.mapPartitions(
+                lambda share: copy_checked(release_uri, release_path, list(share))))
 
     @staticmethod
     def _assemble(plan: Plan, result: pa.Table, table_ids: list[int] | None = None) -> dict[str, np.ndarray]:

@@ -205,37 +205,51 @@ def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool,
     copies = _Copies(copy, staged_parts if copier is None else ())
     try:
         copies.run()
-        if copier is not None:
+        if copier is not None and staged_parts:
             written.extend(release.object_path(relative) for _, relative, _ in staged_parts)  # any may have begun
-            _check_copied(release, staged_parts, copier(release.uri, staged_parts))
+            _check_copied(release, staged_parts, copier(release.uri, release.path, staged_parts))
+            _check_landed(release, staged_parts)
         files = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file())
         for relative in [f for f in files if f != MANIFEST] + [MANIFEST]:
             written.append(release.object_path(relative))
             _upload_file(local_dir / relative, filesystem, release.object_path(relative))
     except BaseException:
-        with shielded():  # a second signal never cuts the clean-up short
-            running = copies.stop()
-            _remove_unpublished(release, written, local_dir / MANIFEST)
+        running = 0
+        with shielded():  # a later SIGTERM never cuts the clean-up short; a second Ctrl-C never skips it
+            try:
+                running = copies.stop()
+            finally:
+                _remove_unpublished(release, written, local_dir / MANIFEST)
         if running:
             LOG.warning("%d cop%s into %s still under way after %.0f s when the upload stopped: what %s may be "
                         "left under the release's prefix (no manifest; a re-run needs --overwrite)", running,
-                        "y was" if running == 1 else "ies were", shown(release.uri), COPY_DRAIN_SECONDS,
+                        "y" if running == 1 else "ies", shown(release.uri), COPY_DRAIN_SECONDS,
                         "it writes" if running == 1 else "they write")
+        elif copier is not None and staged_parts:
+            LOG.warning("the upload to %s stopped while the %s workers copied parts into it: a copy the store had "
+                        "already received may still land under the release's prefix (no manifest; a re-run needs "
+                        "--overwrite)", shown(release.uri), "engine's")
         raise
 
 
-PartCopier = Callable[[str, Sequence[tuple[str, str, str]]], Sequence[tuple[str, str]]]
-"""An engine's copy of staged parts into a release (`Engine.copy_parts`): (the release's URI, the parts as
-`upload_release` takes them) -> (name in the release, SHA-256 of the copy read back) for each, made by
-`copy_checked` in its workers."""
+PartCopier = Callable[[str, str, Sequence[tuple[str, str, str]]], Sequence[tuple[str, str]]]
+"""An engine's copy of staged parts into a release (`Engine.copy_parts`): (the release's URI, its path in the store,
+the parts as `upload_release` takes them) -> (name in the release, SHA-256 of the copy read back) for each, made
+by `copy_checked` in its workers."""
 
 
-def copy_checked(release_uri: str, parts: Sequence[tuple[str, str, str]]) -> list[tuple[str, str]]:
+def copy_checked(release_uri: str, release_path: str, parts: Sequence[tuple[str, str, str]]
+                 ) -> list[tuple[str, str]]:
     """In a worker: each staged part copied inside the store into the release at `release_uri` (credentials from
     the worker's environment, as for its staging writes), COPY_THREADS at once, and read back: (name in the
     release, SHA-256 of the copy) for each. The driver compares them with what the writing workers reported
-    (`upload_release`); the bytes never pass through the driver, so the commit scales with the workers."""
+    (`upload_release`); the bytes never pass through the driver, so the commit scales with the workers. Nothing
+    is copied unless the URI opens here at the driver's `release_path` (a URI whose path does not read back the
+    same, '%41' decoded twice, would copy into another prefix)."""
     release = open_release(release_uri, "--out")
+    if release.path != release_path:
+        raise DPReleaseError(f"the release's URI {shown(release_uri)} names another path in the workers than on "
+                             "the driver: nothing copied")
     filesystem = release.store.filesystem
     copying = _copying(filesystem)
     digests: list[tuple[str, str]] = []
@@ -259,13 +273,35 @@ def _copy_and_digest(copying: pafs.FileSystem, filesystem: pafs.FileSystem, sour
 
 def _check_copied(release: RemoteRelease, parts: Sequence[tuple[str, str, str]],
                   digests: Sequence[tuple[str, str]]) -> None:
-    """DPReleaseError unless every part's copy was read back with the SHA-256 its writing worker reported."""
+    """DPReleaseError unless every part's copy was read back with the SHA-256 its writing worker reported, each
+    reported once and nothing else reported."""
+    names = [relative for relative, _ in digests]
+    if len(set(names)) != len(names) or not set(names) <= {relative for _, relative, _ in parts}:
+        raise DPReleaseError(f"the copies into {shown(release.uri)}: {len(names)} digests reported for "
+                             f"{len(parts)} parts, some twice or for parts never asked for")
     found = dict(digests)
     for _, relative, sha256 in parts:
         if found.get(relative) != sha256:
             raise DPReleaseError(f"release file {relative}: copied into {shown(release.uri)} with other bytes than "
                                  "its worker wrote (rewritten while the run published?)" if relative in found else
                                  f"release file {relative}: its copy into {shown(release.uri)} was not reported")
+
+
+def _check_landed(release: RemoteRelease, parts: Sequence[tuple[str, str, str]]) -> None:
+    """After an engine's workers copied the parts: each is under the release's prefix with its staged object's
+    size (listings only, no byte read; DPReleaseError otherwise), so no digest stands for an object that is not
+    where the manifest will say."""
+    landed = release.listing().files
+    folders = {str(PurePosixPath(source).parent) for source, _, _ in parts}
+    staged = {}
+    for folder in folders:
+        for info in release.store.filesystem.get_file_info(pafs.FileSelector(folder, allow_not_found=True)):
+            if info.type == pafs.FileType.File:
+                staged[info.path] = info.size
+    for source, relative, _ in parts:
+        if relative not in landed or landed[relative] != staged.get(source):
+            raise DPReleaseError(f"release file {relative}: not in {shown(release.uri)} with its staged size after "
+                                 "the workers copied it")
 
 
 class _Copies:
@@ -285,14 +321,22 @@ class _Copies:
 
     def run(self) -> None:
         """Every copy, or the first failure raised (the others under way ended or drained: `stop`)."""
-        threads = [threading.Thread(target=self._work, name=f"dprelease-copy-{i}", daemon=True)
-                   for i in range(COPY_THREADS)]
+        parts = list(self._parts)
+        self._parts = iter(parts)
+        for i in range(min(COPY_THREADS, len(parts))):
+            thread = threading.Thread(target=self._work, name=f"dprelease-copy-{i}", daemon=True)
+            with self._changed:
+                self._running += 1  # counted before it starts: its `_work` counts it down however it ends
+            try:
+                thread.start()
+            except BaseException:  # not started (no thread left), or a signal while it started
+                with self._changed:
+                    self._stopped = True
+                    if thread.ident is None:
+                        self._running -= 1
+                raise
         with self._changed:
-            self._running = len(threads)
-        for thread in threads:
-            thread.start()
-        with self._changed:
-            while self._running and self._failure is None:
+            while self._running > 0 and self._failure is None:
                 self._changed.wait()
         if self._failure is not None:
             self.stop()
@@ -304,9 +348,9 @@ class _Copies:
             self._stopped = True
             if self._deadline is None:
                 self._deadline = time.monotonic() + COPY_DRAIN_SECONDS
-            while self._running and (left := self._deadline - time.monotonic()) > 0:
+            while self._running > 0 and (left := self._deadline - time.monotonic()) > 0:
                 self._changed.wait(left)
-            return self._running
+            return max(self._running, 0)
 
     def _next(self) -> tuple[str, str, str] | None:
         with self._changed:

@@ -294,6 +294,26 @@ def test_workers_copy_nothing_where_the_release_uri_opens_at_another_path(s3, cr
     assert objects(s3, "roundtrip") == ["staging/p0"]
 
 
+@pytest.mark.parametrize("name", ["out%41", "out#x", "out?x", "out x", "café", "a+b"])
+def test_a_release_path_reopens_where_it_was_named_in_the_workers(name, s3, credentials, tmp_path):
+    """A store path's URI opens at the same path again (it is percent-quoted), so the workers copy a release's parts
+    under the driver's prefix whatever its name holds ('%41' once copied into 'outA/', '#' lost the options)."""
+    from urllib.parse import quote
+
+    from dprelease.pipelines.storage.uris import open_store
+
+    bucket_uri(s3, "names")
+    root, _ = open_store(f"s3://names?endpoint_override={s3}&scheme=http", "--out")
+    assert open_store(root.uri(f"names/{name}/r") + f"?endpoint_override={s3}&scheme=http", "--out")[1] == \
+        f"names/{name}/r"
+    release = remote_module.open_release(f"s3://names/{quote(name)}/r?endpoint_override={s3}&scheme=http", "--out")
+    assert release.path == f"names/{name}/r"
+    parts = _staged(s3, "names", 2)
+    remote_module.upload_release(_local_release(tmp_path / "a", "A"), release, False, parts,
+                                 remote_module.copy_checked)
+    assert objects(s3, f"names/{name}/r") == ["manifest.json", "tables/p0.csv", "tables/p1.csv", "tables/t.csv"]
+
+
 def test_a_copy_thread_that_cannot_start_stops_the_upload_at_once(s3, credentials, tmp_path, monkeypatch, caplog):
     """A thread that could not start (or a signal while it started) is not counted as a copy under way: the
     upload raises without waiting for it and says nothing of copies still running."""

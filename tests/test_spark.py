@@ -398,3 +398,47 @@ def test_an_interrupted_copy_job_is_cancelled_and_the_session_stays_in_step():
     finally:
         signal.signal(signal.SIGUSR1, previous)
         session.stop()
+
+
+def test_a_copy_job_interrupted_before_it_was_submitted_never_runs(tmp_path):
+    """A signal between the copy thread's start and its job's submission (where there is no job to cancel yet):
+    the thread submits nothing, so no copy runs after the clean-up."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from pyspark.sql import SparkSession
+
+    from dprelease.pipelines.engines.spark import _copy_job
+
+    class Stopped(Exception):
+        pass
+
+    def stopped(signum, frame):
+        raise Stopped
+
+    class SlowToGroup:
+        def __init__(self, context):
+            self.context = context
+
+        def setJobGroup(self, *args, **kwargs):  # noqa: N802 - pyspark's name
+            time.sleep(2.0)
+            self.context.setJobGroup(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.context, name)
+
+    session = SparkSession.builder.master("local[2]").getOrCreate()
+    context = session.sparkContext
+    marker = tmp_path / "copied"
+    previous = signal.signal(signal.SIGUSR1, stopped)
+    try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        with pytest.raises(Stopped):
+            _copy_job(SlowToGroup(context), context.parallelize(range(2), 2).map(lambda x: marker.touch() or x))
+        time.sleep(3.0)  # past the group's setting: a job submitted then would have run by now
+        assert not marker.exists()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        session.stop()

@@ -530,50 +530,65 @@ def _copy_job(context, copies):
     """`copies.collect()` on a thread of its own (pyspark's InheritableThread: its own connection to the JVM, in a
     job group of its own), the driver waiting on an event a signal interrupts: a SIGTERM raised in a py4j call
     waits for the call's answer, the whole job (a copy may wait 900 s on its store), and leaves the connection out
-    of step. On failure or interruption the group's tasks are cancelled (their Python workers interrupted) and
-    given COPY_JOB_DRAIN_SECONDS to end, so copies under way mostly end before the clean-up removes their
-    objects."""
+    of step. On failure or interruption the job is cancelled, or never submitted, and drained (`_drain`)."""
     import secrets
 
     from pyspark import InheritableThread
 
+    from ..housekeeping import shielded
+
     group = f"dprelease-copy-{secrets.token_hex(8)}"
     outcome: dict = {}
-    done = threading.Event()
+    done, cancelled = threading.Event(), threading.Event()
 
     def collect() -> None:
         try:
             context.setJobGroup(group, "dprelease: copy staged parts into the release", interruptOnCancel=True)
-            outcome["digests"] = copies.collect()
+            if not cancelled.is_set():
+                outcome["digests"] = copies.collect()
         except BaseException as error:  # noqa: BLE001 - raised in the driver's thread
             outcome["error"] = error
         finally:
             done.set()
 
-    InheritableThread(target=collect, name=group, daemon=True).start()
     try:
+        InheritableThread(target=collect, name=group, daemon=True).start()
         while not done.wait(1.0):
             pass
         if "error" in outcome:
             raise outcome["error"]
         return outcome["digests"]
     except BaseException:
-        with contextlib.suppress(Exception):
-            context.cancelJobGroup(group)
-        _await_tasks(context, group, time.monotonic() + COPY_JOB_DRAIN_SECONDS)
+        cancelled.set()
+        with shielded():  # a SIGTERM now waits for the drain (bounded): the main thread makes no py4j call
+            _drain(context, group, done, time.monotonic() + COPY_JOB_DRAIN_SECONDS)
         raise
 
 
-def _await_tasks(context, group: str, deadline: float) -> None:
-    """Wait until no task of the job group runs, or the deadline."""
-    with contextlib.suppress(Exception):
-        tracker = context.statusTracker()
-        while time.monotonic() < deadline:
-            stages = [s for job in tracker.getJobIdsForGroup(group) if (info := tracker.getJobInfo(job)) is not None
-                      for s in info.stageIds]
-            if not any((stage := tracker.getStageInfo(s)) is not None and stage.numActiveTasks for s in stages):
-                return
-            time.sleep(0.2)
+def _drain(context, group: str, done: threading.Event, deadline: float) -> None:
+    """Until the deadline: the job group cancelled again and again until its collecting thread has ended (a job
+    submitted after the first cancel is cancelled by a later one), then until no task of it runs. On a thread of
+    its own: a signal in the main thread never lands inside one of these py4j calls (it would leave the
+    connection out of step)."""
+    from pyspark import InheritableThread
+
+    def cancel_and_wait() -> None:
+        with contextlib.suppress(Exception):
+            while not done.is_set() and time.monotonic() < deadline:
+                context.cancelJobGroup(group)
+                done.wait(0.2)
+            tracker = context.statusTracker()
+            while time.monotonic() < deadline:
+                stages = [s for job in tracker.getJobIdsForGroup(group)
+                          if (info := tracker.getJobInfo(job)) is not None for s in info.stageIds]
+                if not any((stage := tracker.getStageInfo(s)) is not None and stage.numActiveTasks
+                           for s in stages):
+                    return
+                time.sleep(0.2)
+
+    helper = InheritableThread(target=cancel_and_wait, name=f"{group}-drain", daemon=True)
+    helper.start()
+    helper.join(max(0.0, deadline - time.monotonic()) + 1.0)
 
 
 class SparkEngine(Engine):

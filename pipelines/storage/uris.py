@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -57,6 +57,11 @@ def local_path(text: str, field: str = "input.path") -> str:
     return unquote(parts.path)
 
 
+URI_PATH_SAFE = "/+=,;:@!$&'()*~"
+"""Characters of a store path written as they are in its URI (RFC 3986's path characters); any other is
+percent-quoted."""
+
+
 @dataclass(frozen=True)
 class Store:
     """A filesystem and the text that turns one of its paths back into the URI a user reads (`prefix` + path)."""
@@ -65,10 +70,13 @@ class Store:
     prefix: str
 
     def uri(self, path: str) -> str:
-        return self.prefix + path
+        """The URI of `path`, percent-quoted so that it opens at `path` again (`open_store`, in a worker too):
+        '%', '#', '?', spaces and non-ASCII characters of a name never change its meaning on the way."""
+        return self.prefix + quote(path, safe=URI_PATH_SAFE)
 
     def path(self, uri: str) -> str:
-        return uri[len(self.prefix):] if uri.startswith(self.prefix) else uri
+        """`uri`'s path (`uri`'s inverse); text that is not one of this store's URIs unchanged."""
+        return unquote(uri[len(self.prefix):]) if uri.startswith(self.prefix) else uri
 
     @property
     def holds_objects(self) -> bool:

@@ -1,7 +1,8 @@
 """A block-level release on Spark (blocks_spec.yaml: hierarchy nation > state > county > tract > block and a
 PL94-like histogram of 1,584 cells per block), at growing numbers of blocks: wall time per stage, published
-cells per second, the bytes of the release the driver read back from the store, and the peak resident memory of the driver (this Python process) and of its JVM (in
-local mode the JVM holds the executors too), sampled every 0.1 s, and the peak bytes under the driver's
+cells per second, the bytes of the release the driver read back from the store, and the peak resident memory
+of the driver (this Python process) and of its JVM (in local mode the JVM holds the executors too), sampled every
+0.1 s, and the peak bytes under the driver's
 temporary directory (a fresh one per run: what the driver stages on its own disk). The driver's JVM gets
 `--driver-memory` (default 1g). `--out` publishes elsewhere, an object store for one
 (s3://bucket/releases?endpoint_override=127.0.0.1:PORT&scheme=http, credentials from the environment); with

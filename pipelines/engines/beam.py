@@ -483,15 +483,29 @@ def _grouped(element, heads: dict):
     return group_key(heads, element[0]), element[1]
 
 
-def _write_entries(element, directory: str):
-    """A group's file entries, as one small JSON file in the result directory (named by its content)."""
-    import hashlib
-
+def _write_document(document: bytes, directory: str, prefix: str = "") -> None:
+    """One small JSON document into the result directory, named by its content (a retried bundle rewrites the
+    same file)."""
     from apache_beam.io.filesystems import FileSystems
 
-    document = bytes(element[1].arrays["files"])
-    with FileSystems.create(f"{directory}/{hashlib.sha256(document).hexdigest()}.json") as handle:
+    with FileSystems.create(f"{directory}/{prefix}{hashlib.sha256(document).hexdigest()}.json") as handle:
         handle.write(document)
+
+
+def _read_documents(directory: str, prefix: str = "") -> list[bytes]:
+    """Every document `_write_document` wrote into the result directory with `prefix`."""
+    from apache_beam.io.filesystems import FileSystems
+
+    documents = []
+    for metadata in FileSystems.match([f"{directory}/{prefix}*.json"])[0].metadata_list:
+        with FileSystems.open(metadata.path) as handle:
+            documents.append(handle.read())
+    return documents
+
+
+def _write_entries(element, directory: str):
+    """A group's file entries, as one small JSON file in the result directory (named by its content)."""
+    _write_document(bytes(element[1].arrays["files"]), directory)
     yield 1
 
 
@@ -524,16 +538,10 @@ def post_process_and_write(noisy, flow, token: tuple, directory: str):
 
 def _read_entries(directory: str) -> list:
     """The groups' file-entry documents written by `_write_entries`, as FILES pieces."""
-    from apache_beam.io.filesystems import FileSystems
-
     from ..dataflow import FILES, Piece
 
-    pieces = []
-    for metadata in FileSystems.match([f"{directory}/*.json"])[0].metadata_list:
-        with FileSystems.open(metadata.path) as handle:
-            document = handle.read()
-        pieces.append(Piece(0, FILES, 0, 0, 0, {"files": np.frombuffer(document, dtype=np.uint8)}))
-    return pieces
+    return [Piece(0, FILES, 0, 0, 0, {"files": np.frombuffer(document, dtype=np.uint8)})
+            for document in _read_documents(directory)]
 
 
 def beam_write_scores(directory: str):
@@ -578,23 +586,14 @@ def _copy_share(share: list, release_uri: str, release_path: str):
 
 def _write_digests(digests: list, directory: str):
     """A share's (name, SHA-256) pairs as one small JSON file in the result directory (named by its content)."""
-    from apache_beam.io.filesystems import FileSystems
-
-    document = json.dumps(sorted(digests)).encode("utf-8")
-    with FileSystems.create(f"{directory}/copied-{hashlib.sha256(document).hexdigest()}.json") as handle:
-        handle.write(document)
+    _write_document(json.dumps(sorted(digests)).encode("utf-8"), directory, "copied-")
     yield 1
 
 
 def _read_digests(directory: str) -> list[tuple[str, str]]:
     """Every (name, SHA-256) pair `_write_digests` wrote."""
-    from apache_beam.io.filesystems import FileSystems
-
-    digests = []
-    for metadata in FileSystems.match([f"{directory}/copied-*.json"])[0].metadata_list:
-        with FileSystems.open(metadata.path) as handle:
-            digests += [(str(name), str(digest)) for name, digest in json.loads(handle.read().decode("utf-8"))]
-    return digests
+    return [(str(name), str(digest)) for document in _read_documents(directory, "copied-")
+            for name, digest in json.loads(document.decode("utf-8"))]
 
 
 class BeamEngine(Engine):

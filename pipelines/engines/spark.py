@@ -521,21 +521,18 @@ def _stage_partitions(groups: int) -> int:
 MAX_STAGE_PARTITIONS = 100_000
 
 
-COPY_JOB_DRAIN_SECONDS = 10.0
-"""After the copy job fails or the driver is interrupted, how long its cancelled tasks get to end before the
-upload's clean-up runs (`storage.objects.COPY_DRAIN_SECONDS`, the driver's own copies' wait)."""
-
-
 def _copy_job(context, copies):
     """`copies.collect()` on a thread of its own (pyspark's InheritableThread: its own connection to the JVM, in a
     job group of its own), the driver waiting on an event a signal interrupts: a SIGTERM raised in a py4j call
     waits for the call's answer, the whole job (a copy may wait 900 s on its store), and leaves the connection out
-    of step. On failure or interruption the job is cancelled, or never submitted, and drained (`_drain`)."""
+    of step. On failure or interruption the job is cancelled, or never submitted, and drained (`_drain`) for
+    as long as the driver's own copies would be (`storage.objects.COPY_DRAIN_SECONDS`)."""
     import secrets
 
     from pyspark import InheritableThread
 
     from ..housekeeping import shielded
+    from ..storage.objects import COPY_DRAIN_SECONDS
 
     group = f"dprelease-copy-{secrets.token_hex(8)}"
     outcome: dict = {}
@@ -561,7 +558,7 @@ def _copy_job(context, copies):
     except BaseException:
         cancelled.set()
         with shielded():  # a SIGTERM now waits for the drain (bounded): the main thread makes no py4j call
-            _drain(context, group, done, time.monotonic() + COPY_JOB_DRAIN_SECONDS)
+            _drain(context, group, done, time.monotonic() + COPY_DRAIN_SECONDS)
         raise
 
 

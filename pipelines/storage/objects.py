@@ -226,9 +226,9 @@ def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool,
                         "y" if running == 1 else "ies", shown(release.uri), COPY_DRAIN_SECONDS,
                         "it writes" if running == 1 else "they write")
         elif copier is not None and staged_parts:
-            LOG.warning("the upload to %s stopped while the %s workers copied parts into it: a copy the store had "
-                        "already received may still land under the release's prefix (no manifest; a re-run needs "
-                        "--overwrite)", shown(release.uri), "engine's")
+            LOG.warning("the upload to %s stopped while the engine's workers copied parts into it: a copy the store "
+                        "had already received may still land under the release's prefix (no manifest; a re-run "
+                        "needs --overwrite)", shown(release.uri))
         raise
 
 
@@ -312,7 +312,8 @@ class _Copies:
 
     def __init__(self, copy, parts: Sequence[tuple[str, str, str]]):
         self._copy = copy
-        self._parts = iter(parts)
+        self._parts = list(parts)
+        self._pending = iter(self._parts)
         self._changed = threading.Condition()
         self._stopped = False
         self._failure: BaseException | None = None
@@ -321,9 +322,7 @@ class _Copies:
 
     def run(self) -> None:
         """Every copy, or the first failure raised (the others under way ended or drained: `stop`)."""
-        parts = list(self._parts)
-        self._parts = iter(parts)
-        for i in range(min(COPY_THREADS, len(parts))):
+        for i in range(min(COPY_THREADS, len(self._parts))):
             thread = threading.Thread(target=self._work, name=f"dprelease-copy-{i}", daemon=True)
             with self._changed:
                 self._running += 1  # counted before it starts: its `_work` counts it down however it ends
@@ -354,7 +353,7 @@ class _Copies:
 
     def _next(self) -> tuple[str, str, str] | None:
         with self._changed:
-            return None if self._stopped else next(self._parts, None)
+            return None if self._stopped else next(self._pending, None)
 
     def _work(self) -> None:
         try:

@@ -15,9 +15,9 @@ hierarchy and marginal tables exactly where they agree; `Synthetic.reproduced` s
 checked by tabulating, not assumed, and the utility report measures the others.
 
 Privacy: post-processing only. It reads the release's published noisy measurements and its public
-spec and domains (re-planned and checked by `verify` first), never the confidential input; the split
-of a unit's records among its sub-units is shuffled by a public seed (the release id's hash) so the
-file is reproducible by anyone.
+spec and domains (re-planned and checked by `verify` first), never the confidential input; every deal of
+values or sub-units to records (`transforms/units/dealing.py`) is keyed by a public seed (the release id's
+hash) so the file is reproducible by anyone.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from dprelease.accounting.redact import shown
 from dprelease.transforms.domains import NATION, GeographyDomain
 
 from dprelease.transforms.aim import clique_steps, oriented
+from dprelease.transforms.units.dealing import by_domain, dealt_blocks
 from dprelease.transforms.units.tree_model import dependence_score, sample_junction, sample_tree, spanning_tree
 
 from .debiased import debiased_tables
@@ -189,7 +190,9 @@ def _records(plan: Plan, joints: dict, published: dict, max_records: int) -> tup
             finest = hierarchy.levels[-1]
             if geo.width(finest) > geo.width(level):
                 by_codes = [attribute_codes[attributes.index(b)] for b in by]
-                record_codes[finest] = _split(plan, hierarchy, level, finest, unit, by_codes, published)
+                record_codes[finest] = _split(plan, hierarchy, level, finest, unit, by_codes, published,
+                                              by_domain(dict(zip(attributes, attribute_codes)),
+                                                        {a: plan.domains[a].size for a in attributes}, tuple(by)))
                 unit = record_codes[finest]
                 level = finest
         for name in geo.level_names()[1:]:
@@ -399,12 +402,14 @@ def _expand(joint: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
 
 
 def _split(plan: Plan, hierarchy: HierarchyQuery, level: str, finest: str, unit: np.ndarray,
-           by_codes: list[np.ndarray], published: dict) -> np.ndarray:
-    """Each record's unit at `finest`: the records of a unit and `by` cell (shuffled by a public seed) dealt
-    out to its sub-units by their published counts in that cell. Where those do not add up to the records'
-    number (the hierarchy's `by` table and the marginals' margin of the same unit, each made integral on its
-    own), the counts are scaled to it by largest remainders (ties by the public seed): the records then
-    reproduce the hierarchy's tables only approximately, which the report says."""
+           by_codes: list[np.ndarray], published: dict, earlier: list[tuple[np.ndarray, int]]) -> np.ndarray:
+    """Each record's unit at `finest`: the records of a unit and `by` cell dealt out to its sub-units by their
+    published counts in that cell, evenly along the records sorted by their attributes (`earlier`: codes and
+    public sizes, `dealing.dealt_blocks`, keyed by the public seed), so each sub-unit gets the unit's mix of
+    attributes, as the model (nothing published below the unit) says. Where those counts do not add up to the
+    records' number (the hierarchy's `by` table and the marginals' margin of the same unit, each made integral on
+    its own), they are scaled to it by largest remainders (ties by the public seed): the records then reproduce
+    the hierarchy's tables only approximately, which the report says."""
     geo = plan.domains[hierarchy.geography]
     table = plan.table(f"{hierarchy.name}.{finest}")
     cells = math.prod(map(int, [d.size for d in table.dims[1:]]))
@@ -417,12 +422,11 @@ def _split(plan: Plan, hierarchy: HierarchyQuery, level: str, finest: str, unit:
     records = np.bincount(unit * cells + cell, minlength=units * cells).reshape(units, cells)
     rng = np.random.default_rng(_public_seed(plan))
     targets = _scaled(counts, parent, records, rng)
-    order = np.lexsort((rng.random(unit.size), cell, unit))
     sub_unit, sub_cell = np.divmod(np.arange(counts.size), cells)
-    slots = np.lexsort((sub_unit, sub_cell, parent[sub_unit]))  # (unit, cell, sub-unit), like `order`
-    assigned = np.empty(unit.size, dtype=np.int64)
-    assigned[order] = np.repeat(sub_unit[slots], targets.ravel()[slots])
-    return assigned
+    slots = np.lexsort((sub_unit, sub_cell, parent[sub_unit]))  # by (unit, cell), then sub-unit
+    block = dealt_blocks(unit * cells + cell, parent[sub_unit[slots]] * cells + sub_cell[slots],
+                         targets.ravel()[slots], earlier, rng)
+    return sub_unit[slots][block]
 
 
 def _scaled(counts: np.ndarray, parent: np.ndarray, records: np.ndarray, rng) -> np.ndarray:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .dealing import by_domain, dealt_cells
 from .tree_model import fitted_rows
 
 Clique = tuple[str, ...]
@@ -814,9 +815,10 @@ def _ungrouped(table: np.ndarray, clique: Clique, order: Clique) -> np.ndarray:
 def records(tree: JunctionTree, sizes: dict[str, int], tables: list[np.ndarray], seed: int
             ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(each record's unit, each attribute's code per record) tabulating exactly to `tables` (`integer_tables`):
-    the root clique's records, then clique by clique the new attributes' cells dealt to the records of each
-    separator value in an order shuffled by `seed` (public), so the new attributes are independent of the
-    attributes already drawn given the separator (the model's conditional independence)."""
+    the root clique's records, then clique by clique the new attributes' cells dealt evenly to the records of
+    each separator value (`dealing.dealt_cells`, keyed by `seed`, public), so the new attributes are independent
+    of the attributes already drawn given the separator in expectation (the model's conditional independence),
+    and every run of records sharing their earlier values gets each cell's share within `dealing`'s bound."""
     rng = np.random.default_rng(seed)
     units = tables[0].shape[0]
     root = tree.cliques[0]
@@ -826,13 +828,10 @@ def records(tree: JunctionTree, sizes: dict[str, int], tables: list[np.ndarray],
     for i in range(1, len(tree.cliques)):
         clique, separator = tree.cliques[i], tree.separator(i)
         new = tuple(a for a in clique if a not in separator)
-        dealt = _grouped(tables[i], clique, separator, new)
         group = unit
         for a in separator:
             group = group * sizes[a] + codes[a]
-        width = math.prod(sizes[a] for a in new)
-        order = np.lexsort((rng.random(group.size), group))
-        cells = np.empty(group.size, dtype=np.int64)
-        cells[order] = np.repeat(np.tile(np.arange(width), dealt.size // width), dealt.ravel())
+        counts = _grouped(tables[i], clique, separator, new).reshape(-1, math.prod(sizes[a] for a in new))
+        cells = dealt_cells(group, counts, by_domain(codes, sizes, separator), rng)
         codes.update(zip(new, np.unravel_index(cells, [sizes[a] for a in new])))
     return unit, {a: np.asarray(codes[a], dtype=np.int64) for a in tree.attributes}

@@ -126,16 +126,17 @@ def test_blocks_of_any_number_per_group_tabulate_exactly_and_inconsistent_counts
         dealt_blocks(group, block_group, broken, earlier, rng)
 
 
-def test_keys_too_wide_for_one_integer_and_groups_too_many_for_packed_positions_deal_the_same(monkeypatch):
-    """The sort's fallbacks (earlier keys whose public sizes overflow one int64 key: a lexicographic sort;
-    groups too many to pack beside a 32-bit position: a lexicographic sort of the positions) give the same
-    deal as the packed keys."""
-    from dprelease.transforms.units import dealing
-
+def test_keys_too_wide_for_one_integer_deal_the_same_and_codes_outside_their_size_are_refused():
+    """Earlier keys whose public sizes overflow one int64 key are sorted lexicographically instead: the same deal
+    as the packed key. A code at or above its declared size would sort into another group's run: refused, not a
+    silent miscount; a size given as a numpy integer does not wrap the packing test."""
     rng = np.random.default_rng(6)
     group, counts, earlier = _case(rng, groups=5, width=4, earlier_sizes=(3, 4))
     packed = dealt_cells(group, counts, earlier, np.random.default_rng(9))
     wide = [(earlier[0][0], 2 ** 61), earlier[1]]  # a larger radix sorts alike; it no longer fits the int64 key
     assert np.array_equal(dealt_cells(group, counts, wide, np.random.default_rng(9)), packed)
-    monkeypatch.setattr(dealing, "POSITION_BITS", 61)  # no room for the group's number beside a position
-    assert np.array_equal(dealt_cells(group, counts, earlier, np.random.default_rng(9)), packed)
+    assert np.array_equal(dealt_cells(group, counts, [(earlier[0][0], np.int64(2 ** 61)), earlier[1]],
+                                      np.random.default_rng(9)), packed)
+    outside = [(earlier[0][0] * 2, 3)]  # codes 0, 2, 4 declared as a domain of 3
+    with pytest.raises(ValueError, match="another group"):
+        dealt_cells(group, counts, outside, np.random.default_rng(9))

@@ -30,11 +30,6 @@ from __future__ import annotations
 
 import numpy as np
 
-POSITION_BITS = 32
-"""A position on the circle sorts as a 32-bit fraction beside its group's number (one int64 key): near-ties
-below 2^-32 go to the lower value, which changes no count."""
-
-
 def dealt_cells(group: np.ndarray, counts: np.ndarray, earlier: list[tuple[np.ndarray, int]],
                 rng: np.random.Generator) -> np.ndarray:
     """Each record's new cell: `group` numbers each record's (unit, separator value) as the rows of `counts`
@@ -47,9 +42,9 @@ def dealt_cells(group: np.ndarray, counts: np.ndarray, earlier: list[tuple[np.nd
 
 def dealt_blocks(group: np.ndarray, block_group: np.ndarray, block_counts: np.ndarray,
                  earlier: list[tuple[np.ndarray, int]], rng: np.random.Generator) -> np.ndarray:
-    """Each record's block: blocks listed by their group (`block_group` ascending), block i to receive
-    `block_counts[i]` records of its group (a group's blocks add up to its records: checked). `dealt_cells` with
-    blocks of any number per group (a unit's sub-units, say)."""
+    """Each record's block: block i (in any order) to receive `block_counts[i]` records of group `block_group[i]`
+    (a group's blocks add up to its records, and every record lands in a block of its own group: both checked).
+    `dealt_cells` with blocks of any number per group (a unit's sub-units, say)."""
     block_counts = np.asarray(block_counts, dtype=np.int64)
     block_group = np.asarray(block_group, dtype=np.int64)
     groups = int(max(group.max(initial=-1), block_group.max(initial=-1))) + 1
@@ -70,24 +65,27 @@ def dealt_blocks(group: np.ndarray, block_group: np.ndarray, block_counts: np.nd
     del slots, target
     dealt = np.empty(group.size, dtype=np.int64)
     dealt[_record_order(group, groups, earlier, rng)] = rotated
+    if not np.array_equal(block_group[dealt], group):  # an earlier code outside its size sorts into another group
+        raise ValueError("dealt_blocks: a record was dealt a block of another group (an earlier code outside its size)")
     return dealt
 
 
 def _systematic(block_group: np.ndarray, block_counts: np.ndarray, groups: int, rng: np.random.Generator
                 ) -> np.ndarray:
     """Per group, its blocks' records in the order of their positions (k + u_b) / n_b on the group's circle
-    (u_b uniform per block): the block of each slot, groups one after the other."""
+    (u_b uniform per block): the block of each slot, groups one after the other. A position sorts as a fraction of
+    as many bits as fit beside the group's number in one int64 key (45 for 131,072 groups, at most 52): near-ties
+    below that go to the lower block, which changes no count."""
+    bits = min(52, 62 - max(groups, 1).bit_length())
     block = np.repeat(np.arange(block_counts.size), block_counts)
     position = (np.arange(block.size) - (np.cumsum(block_counts) - block_counts)[block]).astype(np.float64)
     position += rng.random(block_counts.size)[block]
     position /= block_counts[block]
-    if groups < 2 ** (62 - POSITION_BITS):
-        position *= 2.0 ** POSITION_BITS
-        key = np.minimum(np.floor(position, out=position), 2.0 ** POSITION_BITS - 1).astype(np.int64)
-        del position
-        key |= block_group[block] << POSITION_BITS
-        return block[np.argsort(key, kind="stable")]
-    return block[np.lexsort((position, block_group[block]))]
+    position *= 2.0 ** bits
+    key = np.minimum(np.floor(position, out=position), 2.0 ** bits - 1).astype(np.int64)
+    del position
+    key |= block_group[block] << bits
+    return block[np.argsort(key, kind="stable")]
 
 
 def _record_order(group: np.ndarray, groups: int, earlier: list[tuple[np.ndarray, int]],
@@ -96,6 +94,7 @@ def _record_order(group: np.ndarray, groups: int, earlier: list[tuple[np.ndarray
     order: one int64 key while the product of the public sizes fits, a lexicographic sort of the rest."""
     key, span, rest = group.astype(np.int64), groups, []
     for codes, size in earlier:
+        size = int(size)  # a Python integer: the span's test must not wrap
         if not rest and span * size < 2 ** 62:
             key, span = key * size + codes, span * size
         else:

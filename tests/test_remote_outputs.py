@@ -265,7 +265,7 @@ def test_a_second_interruption_while_copies_drain_still_removes_what_was_written
 
 
 @pytest.mark.parametrize("report", ["duplicate", "unasked", "not_copied"])
-def test_the_digests_an_engine_reports_must_match_what_lies_in_the_release(report, s3, credentials, tmp_path):
+def test_the_digests_an_engine_reports_must_match_what_lies_in_the_release(report, s3, credentials, tmp_path, caplog):
     """An engine's copier reports each part's digest once, for the parts asked for only, and each part must then
     lie under the release's prefix with its staged size: a digest alone never stands for an object."""
     bucket_uri(s3, f"reported-{report}")
@@ -282,6 +282,25 @@ def test_the_digests_an_engine_reports_must_match_what_lies_in_the_release(repor
                        if report != "not_copied" else "not in .* with its staged size"):
         remote_module.upload_release(_local_release(tmp_path / "a", "A"), release, False, parts, copier)
     assert objects(s3, f"reported-{report}/out/r") == []
+    assert "may still land" not in caplog.text  # the workers had finished: nothing of theirs is in flight
+
+
+def test_a_copy_by_the_workers_that_fails_warns_that_what_they_began_may_still_land(s3, credentials, tmp_path,
+                                                                                   caplog):
+    """An engine's copy that fails part-way: what the store had already received may land after the clean-up, and
+    the warning says so (it is not given when the workers had finished and a later step failed: above)."""
+    bucket_uri(s3, "halfway")
+    release = remote_module.open_release(f"s3://halfway/out/r?endpoint_override={s3}&scheme=http", "--out")
+    parts = _staged(s3, "halfway", 2)
+
+    def copier(uri, path, asked):
+        remote_module.copy_checked(uri, path, asked[:1])
+        raise dprelease.DPReleaseError("a worker failed")
+
+    with pytest.raises(dprelease.DPReleaseError, match="a worker failed"):
+        remote_module.upload_release(_local_release(tmp_path / "a", "A"), release, False, parts, copier)
+    assert objects(s3, "halfway/out/r") == []
+    assert "may still land" in caplog.text
 
 
 def test_workers_copy_nothing_where_the_release_uri_opens_at_another_path(s3, credentials):

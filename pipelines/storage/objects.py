@@ -203,11 +203,15 @@ def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool,
                                                                     release.object_path(relative)))])
 
     copies = _Copies(copy, staged_parts if copier is None else ())
+    in_workers = False  # while the engine's workers copy: what they began may land after a failure here
     try:
         copies.run()
         if copier is not None and staged_parts:
             written.extend(release.object_path(relative) for _, relative, _ in staged_parts)  # any may have begun
-            _check_copied(release, staged_parts, copier(release.uri, release.path, staged_parts))
+            in_workers = True
+            digests = copier(release.uri, release.path, staged_parts)
+            in_workers = False
+            _check_copied(release, staged_parts, digests)
             _check_landed(release, staged_parts)
         files = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file())
         for relative in [f for f in files if f != MANIFEST] + [MANIFEST]:
@@ -225,7 +229,7 @@ def upload_release(local_dir: Path, release: RemoteRelease, overwrite: bool,
                         "left under the release's prefix (no manifest; a re-run needs --overwrite)", running,
                         "y" if running == 1 else "ies", shown(release.uri), COPY_DRAIN_SECONDS,
                         "it writes" if running == 1 else "they write")
-        elif copier is not None and staged_parts:
+        elif in_workers:
             LOG.warning("the upload to %s stopped while the engine's workers copied parts into it: a copy the store "
                         "had already received may still land under the release's prefix (no manifest; a re-run "
                         "needs --overwrite)", shown(release.uri))

@@ -249,8 +249,8 @@ def test_a_sigterm_while_synthesize_writes_leaves_no_partial_file(tmp_path):
               "    os.kill(os.getpid(), signal.SIGTERM)\n"
               "    return real(synthetic, handle)\n"
               "s.write_synthetic = write_synthetic\n"
-              "from dprelease.pipelines.cli import main\n"
-              "main()\n")
+              "from dprelease.pipelines.cli import entry\n"
+              "entry()\n")
     ran = subprocess.run([sys.executable, "-c", script, "synthesize", str(root), "--out", str(tmp_path / "s.parquet")],
                          capture_output=True, text=True, timeout=120)
     assert ran.returncode == 143, ran.stderr[-2000:]

@@ -70,7 +70,6 @@ setup(
     },
     ext_modules=[Extension("dprelease.transforms._exact", ["transforms/_exact.c"], extra_compile_args=["-O3"]),
                  Extension("dprelease.transforms._segments", ["transforms/_segments.c"], extra_compile_args=["-O3"]),
-                 Extension("dprelease.transforms._dealing", ["transforms/_dealing.c"],
-                           extra_compile_args=["-O3", "-ffp-contract=off"])],
+                 Extension("dprelease.transforms._dealing", ["transforms/_dealing.c"], extra_compile_args=["-O3"])],
     entry_points={"console_scripts": ["dprelease=dprelease.pipelines.cli:entry"]},
 )

@@ -7,17 +7,16 @@ A shuffle realises that in expectation, with hypergeometric noise in every table
 with an earlier one (on Adult, records along AIM's junction tree at epsilon 3: 0.059 mean 2-way error against
 the model's own 0.053).
 
-`dealt_cells` (the records' new values) herds (C kernel `_dealing.herd`). Each earlier value a of attribute j
-in group s gets a target row: the model's expectation holding_j(a) x n_v / N rounded systematically from a random
-phase (integers adding up to holding_j(a), each with expectation exactly the model's). The records of s, in a
-random order, each get the value (among those with records left to give) that the targets most need among the
-records left: for each earlier attribute j, the records of (s, a_j) still owed value v as a share of those of
-them not dealt yet, summed over j and the group itself. Every (earlier value, new value) cell then ends within a
-few records of the model's expectation for every earlier attribute at once (at most 3.3 over 100 seeds with 4
-earlier attributes, where the systematic deal below reaches 12 on the attributes it sorts last; 4.6-7.6 with 10,
-against 7.4-15), and the expected counts are the model's (tested within sampling error; targets of the real-valued
-shares instead gave the records of a value rare in every group the commonest new value, a bias adding up over
-groups: found by review). Past HERD_WORK or HERD_TABLE_CELLS the deal is systematic.
+`dealt_cells` (the records' new values) herds: the records of s, in a random order, each get the value (among
+those with records left to give) that the tables pairing an earlier attribute with the new one most need among
+the records left: for each earlier attribute j with the record's value a_j, the records of (s, a_j) the value
+still needs to reach its share (the model's expectation, holding_j(a_j) x n_v / N) as a fraction of the records
+of (s, a_j) not dealt yet, summed over j and the group itself (C kernel `_dealing.herd`). Every (earlier value,
+new value) cell then ends within about two records of the model's expectation, for every earlier attribute at
+once (tested: at most 1.8 on a case where the systematic deal below reaches 3.1 on its second key and a shuffle
+far more). The price: the expected count of a cell is the model's only up to a small bias (at most 0.15 record
+a cell in that test, against 1.8 of a run's deviation), since the deal is a deterministic function of a random
+order.
 
 `dealt_blocks` (a unit's records to its sub-units, any number of them per unit) deals systematically: the
 records sorted by their earlier attributes (the largest domain first, ties broken at random), block b's n_b
@@ -30,8 +29,8 @@ model's. Herding would cost records x attributes x sub-units per unit (a county 
 Measured (benchmarks/synthetic_adult.py's metric, AIM's records on Adult, 2-way / 3-way error; the same
 releases synthesized each way in one process): the systematic deal against a shuffle 0.0580 -> 0.0563 /
 0.1471 -> 0.1427 at epsilon 3, 0.0764 -> 0.0746 / 0.1779 -> 0.1734 at 1, 0.1265 -> 0.1246 / 0.2506 -> 0.2460
-at 0.3 (2-3 keys, 2 public seeds each); herding against the systematic deal (the same 5 releases per epsilon)
-0.1264 -> 0.1251 / 0.2498 -> 0.2485, 0.0751 -> 0.0733 / 0.1741 -> 0.1717, 0.0562 -> 0.0544 / 0.1425 -> 0.1396. A unit's records dealt to its sub-units (`dealt_blocks`) on the 1M-row country release: the records'
+at 0.3 (2-3 keys, 2 public seeds each); herding against the systematic deal: see the README's figures (5 keys
+each). A unit's records dealt to its sub-units (`dealt_blocks`) on the 1M-row country release: the records'
 tract x age tables 0.846 -> 0.682 L1 over the population against the truth, tract x age x sex 1.116 -> 1.008.
 Post-processing: published tables and a public seed only.
 """
@@ -44,65 +43,45 @@ from .. import _dealing
 
 def dealt_cells(group: np.ndarray, counts: np.ndarray, earlier: list[tuple[np.ndarray, int]],
                 rng: np.random.Generator) -> np.ndarray:
-    """Each record's new cell, herded (module docstring; systematically, as `dealt_blocks`, past HERD_WORK or
-    HERD_TABLE_CELLS): `group` numbers each record's (unit, separator value) as the rows of `counts` (groups x
-    new cells: how many records of the group get each cell; every row adds up to its group's records; checked),
-    `earlier` holds (codes per record, public domain size) of the attributes drawn before outside the separator,
-    the one to balance best first (`by_domain`). The records tabulate to `counts` exactly."""
+    """Each record's new cell, herded (module docstring): `group` numbers each record's (unit, separator value) as
+    the rows of `counts` (groups x new cells: how many records of the group get each cell; every row adds up to
+    its group's records; checked), `earlier` holds (codes per record, public domain size) of the attributes drawn
+    before outside the separator. The records tabulate to `counts` exactly."""
     groups, width = counts.shape
-    if not np.issubdtype(counts.dtype, np.integer) or not np.issubdtype(np.asarray(group).dtype, np.integer):
-        raise ValueError("dealt_cells: counts and groups must be integers")
     counts = np.ascontiguousarray(counts, dtype=np.int64)
     records = np.bincount(group, minlength=groups)
-    if records.size != groups or (counts < 0).any() or not np.array_equal(counts.sum(axis=1), records):
+    if records.size != groups or not np.array_equal(counts.sum(axis=1), records):
         raise ValueError("dealt_cells: a group's counts do not add up to its records")
-    dense = [_dense(np.asarray(values), int(size), group.size) for values, size in earlier]
-    tables = sum(size for _, size in dense) * (width + 2)
-    if group.size * len(dense) * width > HERD_WORK or tables > HERD_TABLE_CELLS or group.size >= 2 ** 31:
-        return dealt_blocks(group, np.repeat(np.arange(groups), width), counts.ravel(), earlier, rng) % width
     order = rng.permutation(group.size)
     members = order[np.argsort(group[order], kind="stable")]
     del order
     group_offsets = np.zeros(groups + 1, dtype=np.int64)
     np.cumsum(records, out=group_offsets[1:])
-    codes = np.empty((len(dense), group.size), dtype=np.int32)
-    for j, (values, _) in enumerate(dense):
-        codes[j] = values
-    sizes = np.array([size for _, size in dense], dtype=np.int64)
+    codes = np.empty((len(earlier), group.size), dtype=np.int32)
+    sizes = np.empty(len(earlier), dtype=np.int64)
+    for j, (values, size) in enumerate(earlier):
+        codes[j], sizes[j] = _dense(np.asarray(values), int(size))
     start = rng.integers(0, max(width, 1), groups)
-    phases = int(rng.integers(0, 2 ** 63))  # the seed of every earlier value's random phase (`_dealing.phase`)
     cells = np.empty(group.size, dtype=np.int64)
     _dealing.herd(members, group_offsets, np.arange(groups + 1, dtype=np.int64) * width, counts.ravel(), codes,
-                  sizes, start, phases, cells)
+                  sizes, start, cells)
     return cells
 
 
-HERD_WORK = 1 << 32
-"""The most records x earlier attributes x new cells a herded deal may score (about 4 s of the kernel); a
-larger deal is systematic (`dealt_blocks`): 10M records with 10 earlier attributes and a 100-value new attribute
-took 40 s herded against 3 s."""
-
-HERD_TABLE_CELLS = 1 << 26
-"""The most int32 entries the kernel's tables may hold (256 MiB: each earlier value x (the new cells + 2));
-a larger deal is systematic."""
-
 HERD_SIZE = 1 << 16
-"""The largest domain whose codes the herding kernel takes as they are; a larger one is renumbered by the values
-present first."""
+"""The largest domain whose codes the herding kernel takes as they are (its tables hold size x width counts); a
+larger one is renumbered by the values present first."""
 
 
-def _dense(codes: np.ndarray, size: int, records: int) -> tuple[np.ndarray, int]:
-    """(codes, size) as the herding kernel takes them: integer codes, one per record, each checked within [0, size)
-    (a code outside would be another value's), renumbered by the values present when the domain is larger than
-    HERD_SIZE."""
-    if not np.issubdtype(codes.dtype, np.integer) or codes.shape != (records,):
-        raise ValueError("dealt_cells: an earlier attribute's codes must be integers, one per record")
+def _dense(codes: np.ndarray, size: int) -> tuple[np.ndarray, int]:
+    """(codes, size) as the herding kernel takes them: each code checked within [0, size) (a code outside would
+    be another value's), renumbered by the values present when the domain is larger than HERD_SIZE."""
     if codes.size and (int(codes.min()) < 0 or int(codes.max()) >= size):
         raise ValueError(f"dealt_cells: an earlier code outside its declared size {size}")
     if size <= HERD_SIZE:
         return codes, max(size, 1)
     present, dense = np.unique(codes, return_inverse=True)
-    return dense.reshape(-1), max(present.size, 1)
+    return dense, max(present.size, 1)
 
 
 def dealt_blocks(group: np.ndarray, block_group: np.ndarray, block_counts: np.ndarray,

@@ -818,7 +818,7 @@ def records(tree: JunctionTree, sizes: dict[str, int], tables: list[np.ndarray],
     the root clique's records, then clique by clique the new attributes' cells herded over the records of
     each separator value (`dealing.dealt_cells`, keyed by `seed`, public), so the new attributes are independent
     of the attributes already drawn given the separator (the model's conditional independence): every table
-    pairing them with one earlier attribute within a few records of the model's expectation (`dealing`)."""
+    pairing them with one earlier attribute within `dealing`'s bound of the model's expectation."""
     rng = np.random.default_rng(seed)
     units = tables[0].shape[0]
     root = tree.cliques[0]

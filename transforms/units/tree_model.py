@@ -8,8 +8,8 @@ records holding value v of the separator are dealt values of the new attribute i
 clique's table (the new attribute given its separator, as the model says), fitted by least squares to
 nonnegative integers that add up to the separator's count exactly, and herded over the records
 (`dealing.dealt_cells`, keyed by a public seed), so a child's value is independent of the attributes already drawn
-given its parent as the model says: every table pairing it with one of them within a few records of the model's
-expectation, unbiased. Where the pair's table and the parent's records agree (the published tables are consistent),
+given its parent as the model says: every table pairing it with one of them within about two records of the model's
+expectation. Where the pair's table and the parent's records agree (the published tables are consistent),
 the records tabulate to the pair's table exactly.
 Cost: O(records x attributes + units x clique cells); no array has the joint's size.
 Post-processing: published tables and a public seed only.

@@ -69,7 +69,6 @@ setup(
         "bench": ["psutil>=5.9"],
     },
     ext_modules=[Extension("dprelease.transforms._exact", ["transforms/_exact.c"], extra_compile_args=["-O3"]),
-                 Extension("dprelease.transforms._segments", ["transforms/_segments.c"], extra_compile_args=["-O3"]),
-                 Extension("dprelease.transforms._dealing", ["transforms/_dealing.c"], extra_compile_args=["-O3"])],
+                 Extension("dprelease.transforms._segments", ["transforms/_segments.c"], extra_compile_args=["-O3"])],
     entry_points={"console_scripts": ["dprelease=dprelease.pipelines.cli:entry"]},
 )

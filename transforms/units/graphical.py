@@ -815,10 +815,10 @@ def _ungrouped(table: np.ndarray, clique: Clique, order: Clique) -> np.ndarray:
 def records(tree: JunctionTree, sizes: dict[str, int], tables: list[np.ndarray], seed: int
             ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(each record's unit, each attribute's code per record) tabulating exactly to `tables` (`integer_tables`):
-    the root clique's records, then clique by clique the new attributes' cells herded over the records of
+    the root clique's records, then clique by clique the new attributes' cells dealt evenly to the records of
     each separator value (`dealing.dealt_cells`, keyed by `seed`, public), so the new attributes are independent
-    of the attributes already drawn given the separator (the model's conditional independence): every table
-    pairing them with one earlier attribute within `dealing`'s bound of the model's expectation."""
+    of the attributes already drawn given the separator in expectation (the model's conditional independence),
+    and every run of records sharing their earlier values gets each cell's share within `dealing`'s bound."""
     rng = np.random.default_rng(seed)
     units = tables[0].shape[0]
     root = tree.cliques[0]

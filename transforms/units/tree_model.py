@@ -6,10 +6,10 @@ inside an earlier clique).
 Per unit, the root attribute's records follow its 1-way table; then, clique by clique away from the root, the
 records holding value v of the separator are dealt values of the new attribute in proportion to row v of the
 clique's table (the new attribute given its separator, as the model says), fitted by least squares to
-nonnegative integers that add up to the separator's count exactly, and herded over the records
-(`dealing.dealt_cells`, keyed by a public seed), so a child's value is independent of the attributes already drawn
-given its parent as the model says: every table pairing it with one of them within about two records of the model's
-expectation. Where the pair's table and the parent's records agree (the published tables are consistent),
+nonnegative integers that add up to the separator's count exactly, and dealt evenly along the records sorted by
+their earlier attributes (`dealing`, keyed by a public seed), so a child's value is independent of the attributes
+already drawn given its parent in expectation, and every run of records sharing them gets its share within
+`dealing`'s bound. Where the pair's table and the parent's records agree (the published tables are consistent),
 the records tabulate to the pair's table exactly.
 Cost: O(records x attributes + units x clique cells); no array has the joint's size.
 Post-processing: published tables and a public seed only.
@@ -161,9 +161,9 @@ def sample_junction(unit_totals: np.ndarray, root: str, root_table: np.ndarray, 
                     margins: dict | None = None, variances: list[float] | None = None) -> tuple[np.ndarray, dict]:
     """(each record's unit, each attribute's code per record) for `unit_totals` records per unit, tabulating
     exactly to `junction_tables` of the same inputs (which are the inputs themselves when those add up already).
-    Records are grouped by unit, then by root value; each clique's new values are herded over the records of
+    Records are grouped by unit, then by root value; each clique's new values are dealt evenly to the records of
     each separator value (`dealing.dealt_cells`, keyed by `seed`, public), so a new value is independent of the
-    attributes already drawn given its separator (the junction tree's model), within `dealing`'s bound."""
+    attributes already drawn given its separator in expectation (the junction tree's model)."""
     units = unit_totals.size
     one_way, tables = junction_tables(unit_totals, root, root_table, steps, margins, variances)
     rng = np.random.default_rng(seed)

@@ -399,8 +399,9 @@ def _margin(array: np.ndarray, labels: list[str], shared: list[str]) -> np.ndarr
 def check_recomputed(root: Path, plan: Plan, usable: Usable, layout: Layout, problems: list[str]) -> None:
     """Re-run the post-processing from the published measurements and demand the published values exactly.
     Holds the whole release in memory (as a run on the embedded engine does). The estimate is floating
-    point: a release made on another CPU or numpy/BLAS build could differ in a rounding tie; a difference is
-    reported as such."""
+    point: a release made on another CPU or numpy/BLAS build, or by a dprelease whose fit kernels differ (the
+    joint fit moved from numpy to C on 2026-11-29), could differ in a rounding tie; a difference is reported as
+    such."""
     if not all((t.name, MEASUREMENTS_DIR) in usable for t in plan.tables):
         problems.append("--recompute: the measurements could not all be read (see above)")
         return

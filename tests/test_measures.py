@@ -254,19 +254,26 @@ def test_values_are_clamped_and_invalid_ones_left_out_of_measures_only(tmp_path)
 
 
 def test_sums_are_exact_beyond_double_precision():
-    from dprelease.transforms.aggregate import _exact_sums
+    from dprelease.transforms.aggregate import TableLayout
 
-    values = np.full(3 * 2**22 + 5, 2**31 - 1, dtype=np.int64)
-    index = np.zeros(values.size, dtype=np.int64)
-    assert int(_exact_sums(index, values, 1)[0]) == values.size * (2**31 - 1)  # > 2**53: float64 alone rounds
+    rows, largest = 3 * 2**22 + 5, 2**31 - 2
+    layout = TableLayout("s", ("c",), (None,), (2,), statistic="sum", measure="m", lower=1, invalid=2**31 - 1)
+    codes = {"c": np.zeros(rows, dtype=np.int8), "m": np.full(rows, largest, dtype=np.int32)}
+    # > 2**53: float64 alone rounds
+    assert layout.measure_vector(codes, rows).tolist() == [rows * (largest + 1), 0]
 
 
-@pytest.mark.parametrize("rows", [50, 5000])
-def test_buckets_and_bins_read_from_a_table_are_the_searched_ones(rows):
-    """A batch holding more values than the measure's (or a binned column's) range reads each value's bucket (bin)
-    from a table over the range; a smaller batch searches. Both give the codes a search of every value gives,
-    at every edge, candidate and end of the range (nulls and values outside left to their policy)."""
+@pytest.mark.parametrize("rows, table_limit", [(50, None), (5000, None), (5000, 10)])
+def test_buckets_and_bins_read_from_a_table_are_the_searched_ones(rows, table_limit, monkeypatch):
+    """A quantile's buckets are read from a table over the measure's range (C kernel), or searched value by
+    value past LOOKUP_VALUES (`table_limit`); a binned column's bins from a table when the batch holds more values
+    than its range, else searched. All give the codes a search of every value gives, at every edge, candidate and
+    end of the range (nulls and values outside left to their policy)."""
+    from dprelease.transforms import aggregate
     from dprelease.transforms.aggregate import TableLayout, quantile_buckets
+
+    if table_limit is not None:
+        monkeypatch.setattr(aggregate, "LOOKUP_VALUES", table_limit)
     from dprelease.transforms.domains import IntegerDomain
     from dprelease.transforms.encode import INVALID
 

@@ -10,6 +10,7 @@ depend on the data.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Literal
@@ -17,6 +18,8 @@ from typing import Iterable, Literal
 import numpy as np
 import pyarrow as pa
 
+from . import _counting
+from ._counting import COUNT, COUNT_VALID, QUANTILE, SUM
 from .bound import bound_contributions, dense_unit_ids, record_keys
 from .encode import LOOKUP_VALUES
 
@@ -75,31 +78,69 @@ class TableLayout:
 
     def count(self, codes: dict[str, np.ndarray], n_rows: int) -> np.ndarray:
         """True counts of every cell (int64, length n_cells)."""
-        return np.bincount(self.cell_index(codes, n_rows), minlength=self.n_cells).astype(np.int64)
+        return self._counted(codes, n_rows, COUNT)
 
     def measure_vector(self, codes: dict[str, np.ndarray], n_rows: int, units: np.ndarray | None = None) -> np.ndarray:
         """The table's exact measurement vector (int64, length n_measured) over these records.
 
         `units`: dense ids of the records' privacy units (all records of each unit present), or None when
         every record is its own unit."""
-        if self.statistic == "count" and self.measure is None:
-            return self.count(codes, n_rows)
-        index = self.cell_index(codes, n_rows)
+        if self.statistic == "count":
+            return self._counted(codes, n_rows, COUNT if self.measure is None else COUNT_VALID)
         if self.statistic == "units":
-            return _distinct_units(index, units, self.n_cells)
+            return _distinct_units(self.cell_index(codes, n_rows), units, self.n_cells)
+        if self.statistic == "sum":
+            return self._counted(codes, n_rows, SUM)
+        if self.invalid <= LOOKUP_VALUES:  # buckets read from a table over the measure's codes
+            return self._counted(codes, n_rows, QUANTILE, _bucket_table(self.candidates, self.lower, self.invalid))
         values = codes[self.measure].astype(np.int64)
         valid = values != self.invalid
-        index, values = index[valid], values[valid] + self.lower
-        if self.statistic == "count":
-            return np.bincount(index, minlength=self.n_cells).astype(np.int64)
-        if self.statistic == "sum":
-            return _exact_sums(index, values, self.n_cells)
-        if self.invalid <= min(values.size, LOOKUP_VALUES):  # buckets from a table over the measure's range
-            bucket = quantile_buckets(self.candidates, self.lower + np.arange(self.invalid, dtype=np.int64))[
-                values - self.lower]
-        else:
-            bucket = quantile_buckets(self.candidates, values)
+        bucket = quantile_buckets(self.candidates, values[valid] + self.lower)
+        index = self.cell_index(codes, n_rows)[valid]
         return np.bincount(index * self.buckets + bucket, minlength=self.n_measured).astype(np.int64)
+
+    def _counted(self, codes: dict[str, np.ndarray], n_rows: int, kind: int,
+                 buckets: np.ndarray | None = None) -> np.ndarray:
+        """The measurement vector of a count, a measure's count, a sum (exact in int64) or a quantile over a
+        bucket table, in one pass over the records (C kernel `_counting.count`: no index array; every code
+        checked in its domain)."""
+        if any(len(codes[c]) != n_rows for c in self.inputs):
+            raise ValueError(f"table {self.name}: a code column does not hold {n_rows} records")
+        out = np.zeros(self.n_measured, dtype=np.int64)
+        _counting.count(tuple(_code_column(codes[c]) for c in self.columns),
+                        tuple(None if lookup is None else np.ascontiguousarray(lookup, dtype=np.int32)
+                              for lookup in self.lookups),
+                        np.array(self.sizes, dtype=np.int64), n_rows, out, kind,
+                        None if kind == COUNT else _measure_column(codes[self.measure]), self.invalid, self.lower,
+                        buckets)
+        return out
+
+
+@functools.lru_cache(maxsize=16)
+def _bucket_table(candidates: tuple[int, ...], lower: int, invalid: int) -> np.ndarray:
+    """Each measure code's (value - lower) quantile bucket, codes 0 .. invalid - 1 (public: from the candidates
+    and the measure's range)."""
+    table = quantile_buckets(candidates, lower + np.arange(invalid, dtype=np.int64)).astype(np.int32)
+    table.flags.writeable = False
+    return table
+
+
+def _code_column(values: np.ndarray) -> np.ndarray:
+    """A dimension's code column as the counting kernel reads it: contiguous int8, int16 or int32 (as encoded;
+    wider or unsigned integers narrowed to int32 when every code fits, else the kernel's own out-of-domain
+    error: a code past 2^31 is past every dimension's size)."""
+    if values.dtype not in (np.int8, np.int16, np.int32):
+        if values.size and (int(values.min()) < 0 or int(values.max()) > np.iinfo(np.int32).max):
+            raise ValueError("count: a code is outside its column's domain (an encoding error)")
+        values = values.astype(np.int32)
+    return np.ascontiguousarray(values)
+
+
+def _measure_column(values: np.ndarray) -> np.ndarray:
+    """A measure's code column as the counting kernel reads it: contiguous int8, int16, int32 or int64."""
+    if values.dtype not in (np.int8, np.int16, np.int32, np.int64):
+        values = values.astype(np.int64)
+    return np.ascontiguousarray(values)
 
 
 def quantile_buckets(candidates: tuple[int, ...], values: np.ndarray) -> np.ndarray:
@@ -108,19 +149,6 @@ def quantile_buckets(candidates: tuple[int, ...], values: np.ndarray) -> np.ndar
     below = np.searchsorted(candidates, values, side="left")
     equal = (below < candidates.size) & (candidates[np.minimum(below, candidates.size - 1)] == values)
     return 2 * below + equal
-
-
-def _exact_sums(index: np.ndarray, values: np.ndarray, n_cells: int) -> np.ndarray:
-    """Per-cell sums of int64 values, exactly: float64 bincounts over chunks short enough that every
-    partial sum stays below 2**53 in magnitude (exact in doubles), added up in int64."""
-    largest = int(np.abs(values).max()) if values.size else 0
-    chunk = max(1, (1 << 53) // max(largest, 1))
-    sums = np.zeros(n_cells, dtype=np.int64)
-    for start in range(0, index.size, chunk):
-        stop = start + chunk
-        sums += np.bincount(index[start:stop], weights=values[start:stop].astype(np.float64),
-                            minlength=n_cells).astype(np.int64)
-    return sums
 
 
 def _distinct_units(index: np.ndarray, units: np.ndarray | None, n_cells: int) -> np.ndarray:

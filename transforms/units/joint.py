@@ -6,13 +6,16 @@ descent, started from the least-squares tables made nonnegative, raked to shared
 and joined by iterative proportional fitting; then the joint rounded to the unit total (controlled
 rounding) so the published tables are its margins.
 
-Cost. Units are processed a chunk at a time in a unit-minor layout (joint axes..., width), so every
-reduction and broadcast runs over contiguous vectors of `chunk_units` units. A mirror-descent step needs no
-exponential per joint cell: the gradient is a sum of one term per table, so exp(-step * gradient) is a
-product of one factor per table, each computed on the table's (small) margin and broadcast into the joint.
-Each unit keeps its own step size (grown 1.5x after a step that lowered its loss, halved and the step
-undone otherwise): one loss evaluation per iteration, and no unit's step depends on another's.
-Every operation has one fixed shape per chunk, so a unit's result is the same bits in any batch.
+Cost. The fit and the start's IPF run in C (`transforms/_joint.c`), 8 units side by side in the kernel's
+lanes, each unit computed from its own row alone in one fixed order: a unit's result is the same bits in any
+batch, on any worker or engine (the kernel refuses fast-math builds and turns fused multiply-adds off). A mirror-descent step needs no exponential per joint cell: the
+gradient is a sum of one term per table, so exp(-step * gradient) is a product of one factor per table, each
+computed on the table's (small) margin; the update and the new margins are one pass over the joint. Each unit
+keeps its own step size (grown 1.5x after a step that lowered its loss, halved and the step undone
+otherwise): one loss evaluation per iteration, and no unit's step depends on another's. Units are taken a
+chunk at a time (`chunk_units`), so memory holds a chunk's joints, never a level's, and the kernel's block of
+8 units' joints and candidates (no per-cell map of the tables: strides). The numpy version these kernels
+replaced agrees to rounding (a near-converged step's accept-or-undo can turn on the last bits).
 Post-processing: noisy tables, their public variances and public totals only.
 """
 from __future__ import annotations
@@ -23,11 +26,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import _joint
 from ..segments import project_segments, round_segments
 
 CHUNK_CELLS = 1 << 21
-"""Joint cells per chunk array (16 MiB of doubles): a chunk holds max(2, min(256, CHUNK_CELLS // joint cells))
-units, a public function of the joint's size, so every engine and batch computes a unit in the same shape."""
+"""Joint cells per chunk (16 MiB of doubles): a chunk holds max(2, min(256, CHUNK_CELLS // joint cells)) units
+(a public function of the joint's size)."""
 START_SWEEPS = 20
 RAKE_FLOOR = 1e-3
 START_FLOOR = 1e-3
@@ -62,61 +66,10 @@ class JointShape:
     def table_cells(self, table: JointTable) -> int:
         return math.prod(map(int, [self.sizes[a] for a in table.axes]))
 
-    def groups(self) -> list[tuple[tuple[int, ...], list[int]]]:
-        """Tables grouped under shared intermediate margins: [(kept axes, table indices)]. Greedily, while
-        some (k-1)-way margin (all axes but one) holds two or more tables not yet grouped, the one holding
-        the most becomes an intermediate: its tables' margins are taken from it, and their update factors
-        multiplied into it before it is broadcast into the joint. Tables left over form groups of their own
-        (kept axes: the full joint). Public: from the shape alone."""
-        k = len(self.sizes)
-        left = list(range(len(self.tables)))
-        groups = []
-        while k > 2:
-            best, held = None, []
-            for dropped in range(k):
-                inside = [i for i in left if dropped not in self.tables[i].axes]
-                if len(inside) > len(held):
-                    best, held = dropped, inside
-            if len(held) < 2:
-                break
-            groups.append((tuple(a for a in range(k) if a != best), held))
-            left = [i for i in left if i not in held]
-        groups.extend((tuple(range(k)), [i]) for i in left)
-        return groups
-
 
 def chunk_units(cells: int) -> int:
     """Units per chunk for a joint of `cells` cells per unit."""
     return max(2, min(256, CHUNK_CELLS // max(cells, 1)))
-
-
-def _margin(joint: np.ndarray, shape: JointShape, table: JointTable) -> np.ndarray:
-    """The table's margin of a chunk (table dims in the table's order..., width)."""
-    k = len(shape.sizes)
-    other = tuple(a for a in range(k) if a not in table.axes)
-    margin = joint.sum(axis=other) if other else joint
-    kept = sorted(table.axes)
-    order = [kept.index(a) for a in table.axes] + [len(kept)]
-    return np.ascontiguousarray(np.transpose(margin, order))
-
-
-def _broadcast(values: np.ndarray, shape: JointShape, table: JointTable) -> np.ndarray:
-    """A table-shaped chunk array (table dims..., width) with axes to broadcast against the joint."""
-    kept = sorted(table.axes)
-    back = np.transpose(values, [table.axes.index(a) for a in kept] + [len(kept)])
-    return back.reshape([shape.sizes[a] if a in table.axes else 1 for a in range(len(shape.sizes))]
-                        + [values.shape[-1]])
-
-
-def _chunk_rows(rows: np.ndarray, dims: tuple[int, ...], width: int) -> np.ndarray:
-    """Units' rows (units x cells, at most `width` units) as a unit-minor chunk (dims..., width), zero padded."""
-    out = np.zeros((math.prod(map(int, dims)) if dims else 1, width))
-    out[:, :rows.shape[0]] = rows.T
-    return out.reshape(tuple(dims) + (width,))
-
-
-def _rows(chunk: np.ndarray, units: int) -> np.ndarray:
-    return chunk.reshape(-1, chunk.shape[-1])[:, :units].T.copy()
 
 
 def fit_joints(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarray], estimates: list[np.ndarray],
@@ -128,13 +81,8 @@ def fit_joints(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarray], e
     width = chunk_units(shape.cells)
     for start in range(0, totals.size, width):
         rows = slice(start, min(start + width, totals.size))
-        units = rows.stop - rows.start
-        total = np.zeros(width)
-        total[:units] = totals[rows]
-        start_joint = _raked_start(shape, total, [e[rows] for e in estimates], units)
-        fitted = _mirror_descent(shape, total, [_chunk_rows(n[rows].astype(np.float64), _dims(shape, t), width)
-                                                for n, t in zip(noisy, shape.tables)], start_joint, iterations)
-        out[rows] = _rows(fitted, units)
+        out[rows] = _raked_start(shape, totals[rows], [e[rows] for e in estimates])
+        _mirror_descent(shape, totals[rows], [n[rows] for n in noisy], out[rows], iterations)
     return out
 
 
@@ -142,30 +90,40 @@ def _dims(shape: JointShape, table: JointTable) -> tuple[int, ...]:
     return tuple(shape.sizes[a] for a in table.axes)
 
 
-def _raked_start(shape: JointShape, total: np.ndarray, estimates: list[np.ndarray], units: int) -> np.ndarray:
-    """A nonnegative joint near the estimate: each table projected onto {x >= 0, sum = total}, raked to
-    integer one-way margins shared by all tables, then the joint fitted to them by iterative proportional
-    fitting from uniform."""
+def _raked_start(shape: JointShape, totals: np.ndarray, estimates: list[np.ndarray]) -> np.ndarray:
+    """A nonnegative joint per unit (units x joint cells) near the estimate: each table projected onto
+    {x >= 0, sum = total}, raked to integer one-way margins shared by all tables, then the joint fitted to them by
+    iterative proportional fitting from uniform (C kernel, one unit at a time)."""
+    units = totals.size
     one_way: dict[int, np.ndarray] = {}
     for table, estimate in zip(shape.tables, estimates):
         dims = _dims(shape, table)
-        local = JointShape(dims, tuple(JointTable("", (i,), 1.0) for i in range(len(dims))))
-        chunk = _chunk_rows(estimate, dims, total.size)
         for position, axis in enumerate(table.axes):
             if axis not in one_way:
-                margin = _rows(_margin(chunk, local, local.tables[position]), units)
-                one_way[axis] = _chunk_rows(_nonnegative_integers(margin, total[:units]).astype(np.float64),
-                                            (dims[position],), total.size)
+                other = tuple(1 + i for i in range(len(dims)) if i != position)
+                margin = estimate.reshape((units,) + dims).sum(axis=other) if other else estimate
+                one_way[axis] = _nonnegative_integers(margin, totals).astype(np.float64)
     targets = []
     for table, estimate in zip(shape.tables, estimates):
-        dims = _dims(shape, table)
-        target = _chunk_rows(_project_rows(estimate, total[:units]), dims, total.size)
+        target = _project_rows(estimate, totals)
         if len(table.axes) > 1:
-            local = JointShape(dims, tuple(JointTable("", (i,), 1.0) for i in range(len(dims))))
-            target = _ipf(local, [one_way[a] for a in table.axes], START_SWEEPS, target + RAKE_FLOOR)
+            target += RAKE_FLOOR
+            _ipf(target, _dims(shape, table), tuple((i,) for i in range(len(table.axes))),
+                 [one_way[a] for a in table.axes])
         targets.append(target)
-    uniform = np.broadcast_to(total / shape.cells, tuple(shape.sizes) + (total.size,)).copy()
-    return _ipf(shape, targets, START_SWEEPS, uniform)
+    joint = np.repeat((totals / shape.cells)[:, None], shape.cells, axis=1)
+    _ipf(joint, shape.sizes, tuple(t.axes for t in shape.tables), targets)
+    return joint
+
+
+def _ipf(joints: np.ndarray, sizes: tuple[int, ...], axes: tuple[tuple[int, ...], ...],
+         targets: list[np.ndarray]) -> None:
+    """Each unit's joint (a row of `joints`, in place) fitted to its nonnegative table targets (the tables of
+    `axes`, units x table cells each) by START_SWEEPS sweeps of iterative proportional fitting (C kernel
+    `_joint.ipf`, one unit at a time; totals kept)."""
+    tables = _table_axes(sizes, axes)
+    _joint.ipf(joints, tables.sizes, tables.axes, tables.axis_offsets,
+               np.concatenate([np.asarray(t, dtype=np.float64) for t in targets], axis=1), START_SWEEPS)
 
 
 def _project_rows(rows: np.ndarray, totals: np.ndarray) -> np.ndarray:
@@ -182,135 +140,38 @@ def _nonnegative_integers(rows: np.ndarray, totals: np.ndarray) -> np.ndarray:
     return round_segments(projected, segments, np.rint(totals).astype(np.int64)).reshape(units, cells)
 
 
-def _ipf(shape: JointShape, targets: list[np.ndarray], sweeps: int, joint: np.ndarray) -> np.ndarray:
-    """Iterative proportional fitting of a chunk's joints to nonnegative table targets (totals kept)."""
-    joint = joint.copy()
-    for _ in range(sweeps):
-        for table, target in zip(shape.tables, targets):
-            current = _margin(joint, shape, table)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                ratio = np.where(current > 0, target / np.where(current > 0, current, 1.0), 0.0)
-            joint *= _broadcast(ratio, shape, table)
-    return joint
+@dataclass(frozen=True)
+class TableAxes:
+    """A joint's shape as the C kernels read it: the joint's `sizes` (int64), and each table's axes (in the
+    table's own order) concatenated in `axes` (int32), table t's from axis_offsets[t] to axis_offsets[t + 1]."""
+
+    sizes: np.ndarray
+    axes: np.ndarray
+    axis_offsets: np.ndarray
 
 
-def _all_margins(joint: np.ndarray, shape: JointShape, groups) -> list[np.ndarray]:
-    """Every table's margin of a chunk, each group's tables from one intermediate margin."""
-    margins: list[np.ndarray | None] = [None] * len(shape.tables)
-    for kept, members in groups:
-        if len(kept) == len(shape.sizes):
-            for i in members:
-                margins[i] = _margin(joint, shape, shape.tables[i])
-            continue
-        dropped = next(a for a in range(len(shape.sizes)) if a not in kept)
-        partial = joint.sum(axis=dropped)
-        local = JointShape(tuple(shape.sizes[a] for a in kept), ())
-        for i in members:
-            table = shape.tables[i]
-            margins[i] = _margin(partial, local, JointTable(table.name, tuple(kept.index(a) for a in table.axes), 1.0))
-    return margins
+def _table_axes(sizes: tuple[int, ...], tables: tuple[tuple[int, ...], ...]) -> TableAxes:
+    offsets = np.zeros(len(tables) + 1, dtype=np.int64)
+    np.cumsum([len(axes) for axes in tables], out=offsets[1:])
+    return TableAxes(np.asarray(sizes, dtype=np.int64), np.array([a for axes in tables for a in axes], dtype=np.int32),
+                     offsets)
 
 
-def _updated(joint: np.ndarray, shape: JointShape, groups, exponents: list[np.ndarray],
-             scale: np.ndarray) -> np.ndarray:
-    """joint * scale * exp(-step * gradient) for a chunk (`scale` per unit): the product over tables of each
-    table's factor broadcast into the joint, each group's factors multiplied in its intermediate shape first,
-    the scale multiplied into the first factor (no pass of its own over the joint)."""
-    out = None
-    scale = scale.reshape((1,) * len(shape.sizes) + (scale.size,))
-    for kept, members in groups:
-        if len(kept) == len(shape.sizes):
-            factors = [_broadcast(np.exp(exponents[i]), shape, shape.tables[i]) for i in members]
-        else:
-            local = JointShape(tuple(shape.sizes[a] for a in kept), ())
-            partial = None
-            for i in members:
-                table = shape.tables[i]
-                factor = _broadcast(np.exp(exponents[i]), local,
-                                    JointTable(table.name, tuple(kept.index(a) for a in table.axes), 1.0))
-                partial = factor if partial is None else partial * factor
-            dropped = next(a for a in range(len(shape.sizes)) if a not in kept)
-            factors = [np.expand_dims(partial, dropped)]
-        for factor in factors:
-            if out is None:
-                out = joint * (factor * scale)
-            else:
-                out *= factor
-    return out
-
-
-def _loss_terms(joint: np.ndarray, shape: JointShape, noisy: list[np.ndarray], variances: list[float], groups=None,
-                total: np.ndarray | None = None):
-    """Per unit loss sum_t ||margin_t - y_t||^2 / v_t, and per table the gradient factor's exponent
-    2 (margin_t - y_t) / v_t, and the scale: given `total`, each of those is of the joint scaled to sum to it, the
-    scale (per unit) applied to the (small) margins only; None without."""
-    width = joint.shape[-1]
-    loss = np.zeros(width)
-    gradients = []
-    margins = _all_margins(joint, shape, groups if groups is not None else shape.groups())
-    scale = None
-    if total is not None:
-        scale = _scale_to(margins[0].reshape(-1, width).sum(axis=0), total)
-        margins = [m * scale for m in margins]
-    for table, y, variance, margin in zip(shape.tables, noisy, variances, margins):
-        residual = margin - y
-        loss += (residual * residual).reshape(-1, width).sum(axis=0) / variance
-        gradients.append(2.0 * residual / variance)
-    return loss, gradients, scale
-
-
-def _shifted(exponents: np.ndarray) -> np.ndarray:
-    """A table's exponents less their largest per unit: every factor at most 1, so their product never overflows
-    (the normalisation that follows cancels a per-unit constant factor)."""
-    return exponents - exponents.reshape(-1, exponents.shape[-1]).max(axis=0)
-
-
-def _scale_to(sums: np.ndarray, total: np.ndarray) -> np.ndarray:
-    """Per unit, the factor taking a joint summing to `sums` to `total` (0 for an empty joint)."""
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(sums > 0, total / np.where(sums > 0, sums, 1.0), 0.0)
-
-
-def _normalised(joint: np.ndarray, total: np.ndarray) -> np.ndarray:
-    joint *= _scale_to(joint.reshape(-1, joint.shape[-1]).sum(axis=0), total)
-    return joint
-
-
-def _mirror_descent(shape: JointShape, total: np.ndarray, noisy: list[np.ndarray], start: np.ndarray,
-                    iterations: int) -> np.ndarray:
-    measured = [(t, y, max(t.variance, MIN_VARIANCE)) for t, y in zip(shape.tables, noisy) if t.variance > 0]
+def _mirror_descent(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarray], joints: np.ndarray,
+                    iterations: int) -> None:
+    """Each unit's joint (a row of `joints`, its start; in place) fitted to its noisy tables (units x table
+    cells) by entropic mirror descent, its total kept (C kernel `_joint.mirror_descent`, one unit at a time:
+    each unit's own step, grown 1.5x after a step that lowered its loss, halved and the step undone otherwise).
+    Tables published exactly (variance 0) are not fitted."""
+    measured = [(t, y) for t, y in zip(shape.tables, noisy) if t.variance > 0]
     if not measured:
-        return start
-    fit = JointShape(shape.sizes, tuple(t for t, _, _ in measured))
-    groups = fit.groups()
-    ys, variances = [y for _, y, _ in measured], [v for _, _, v in measured]
-    width = total.size
-    mean = (total / shape.cells).reshape((1,) * len(shape.sizes) + (width,))
-    joint = _normalised(np.maximum(start, START_FLOOR * mean), total)
-    loss, gradients, _ = _loss_terms(joint, fit, ys, variances, groups)  # the start sums to the totals
-    scale = np.ones(width)  # the joint is `joint * scale`: each step's normalisation rides on the next update
-    largest = np.zeros(width)
-    for g in gradients:
-        largest += np.abs(g).reshape(-1, width).max(axis=0)
-    step = 1.0 / np.maximum(largest, 1e-12)
-    for _ in range(iterations):
-        exponents = [_shifted(np.clip(-step * g, -EXPONENT_CLIP, EXPONENT_CLIP)) for g in gradients]
-        candidate = _updated(joint, fit, groups, exponents, scale)
-        candidate_loss, candidate_gradients, candidate_scale = _loss_terms(candidate, fit, ys, variances, groups,
-                                                                           total)
-        # a step is kept when it does not raise the loss and leaves a joint to scale: factors clipped at
-        # exp(-EXPONENT_CLIP) each can underflow a whole unit's joint to 0, whose loss may be the lower one
-        better = (candidate_loss <= loss) & ((candidate_scale > 0) | (total == 0))
-        if better.all():
-            joint, loss, gradients, scale = candidate, candidate_loss, candidate_gradients, candidate_scale
-        else:
-            joint = np.where(better, candidate, joint)
-            loss = np.where(better, candidate_loss, loss)
-            scale = np.where(better, candidate_scale, scale)
-            gradients = [np.where(better, new, old) for new, old in zip(candidate_gradients, gradients)]
-        step = np.where(better, np.minimum(step * 1.5, MAX_STEP), step / 2.0)
-    joint *= scale
-    return joint
+        return
+    tables = _table_axes(shape.sizes, tuple(t.axes for t, _ in measured))
+    _joint.mirror_descent(joints, tables.sizes, tables.axes, tables.axis_offsets,
+                          np.concatenate([np.asarray(y, dtype=np.float64) for _, y in measured], axis=1),
+                          np.array([max(t.variance, MIN_VARIANCE) for t, _ in measured]),
+                          np.ascontiguousarray(totals, dtype=np.float64), iterations, EXPONENT_CLIP, MAX_STEP,
+                          START_FLOOR)
 
 
 def round_joints(fitted: np.ndarray, totals: np.ndarray) -> np.ndarray:

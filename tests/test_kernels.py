@@ -275,7 +275,7 @@ def test_the_joint_kernels_refuse_inconsistent_arguments():
                    dict(axes=np.array([0, 0], np.int32)), dict(axis_offsets=np.array([0, 2, 2])),
                    dict(axis_offsets=np.array([0, 1])), dict(noisy=np.ones((2, 4))),
                    dict(variances=np.array([1.0, 0.0])), dict(totals=np.ones(3)), dict(clip=400.0),
-                   dict(iterations=-1)]:
+                   dict(iterations=-1), dict(totals=np.array([6.0, np.nan])), dict(totals=np.array([-1.0, 6.0]))]:
         with pytest.raises(ValueError):
             fit(**change)
     with pytest.raises(ValueError):
@@ -340,3 +340,11 @@ def test_a_wide_dimension_code_is_narrowed_only_when_it_fits():
     assert layout.measure_vector({"c": np.array([0, 3, 3, 1], dtype=np.int64)}, 4).tolist() == [1, 1, 0, 2]
     with pytest.raises(ValueError, match="encoding error"):
         layout.measure_vector({"c": np.array([0, 2**32 + 1], dtype=np.int64)}, 2)
+
+
+@pytest.mark.parametrize("column", [np.zeros(5, np.int8), np.zeros((4, 2), np.int8), np.zeros(8, np.int8)])
+def test_a_code_column_not_one_code_per_record_is_refused(column):
+    """Never read with a guessed code width: a column of the wrong length or shape stops the count."""
+    layout = TableLayout("t", ("c",), (None,), (4,))
+    with pytest.raises(ValueError, match="not one code for each"):
+        layout.measure_vector({"c": column}, 4)

@@ -65,7 +65,7 @@ static inline int64_t code_at(const char *values, Py_ssize_t width, Py_ssize_t r
             return outside;                                                                                 \
         }                                                                                                   \
         for (Py_ssize_t r = 0; r < n; r++) {                                                                \
-            int32_t code = values[r]; /* read once: checked, then used */                                  \
+            int32_t code = values[r]; /* checked, then used as read */                                    \
             int wrong = (code < 0) | (code >= limit);                                                       \
             int32_t value = map[wrong ? 0 : code];                                                          \
             outside |= wrong | (value < 0) | (value >= size);                                               \

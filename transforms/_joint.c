@@ -13,10 +13,12 @@
  * added once per run.
  * Post-processing: these read noisy tables, their public variances and public totals only.
  */
-#ifdef __FAST_MATH__
-#error "_joint.c needs IEEE arithmetic: build it without -ffast-math (its exp and every unit's bits depend on it)"
+#if defined(__FAST_MATH__) || defined(__ASSOCIATIVE_MATH__) || defined(__RECIPROCAL_MATH__) || \
+    (defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__)
+#error "_joint.c needs IEEE arithmetic: build it without -ffast-math or unsafe math (its exp and every unit's bits depend on it)"
 #endif
-#pragma GCC optimize("fp-contract=off") /* no fused multiply-add: the same bits on every x86-64 and ARM build */
+/* no fused multiply-add, no reassociation: the same bits on every x86-64 and ARM build */
+#pragma GCC optimize("fp-contract=off", "no-unsafe-math-optimizations")
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -98,7 +100,7 @@ static int build_layout(layout_t *layout, const int64_t *sizes, Py_ssize_t k, co
     layout->cells = cells;
     layout->run = sizes[k - 1];
     size_t n = (size_t)tables;
-    layout->offsets = PyMem_RawMalloc((2 * n + 1 + 2 * n * (size_t)k + (size_t)k) * sizeof(int64_t));
+    layout->offsets = PyMem_RawMalloc((2 * n + 1 + 2 * n * (size_t)k + 2 * (size_t)k) * sizeof(int64_t));
     layout->inner = PyMem_RawMalloc(n * (2 * sizeof(int) + 1));
     if (layout->offsets == NULL || layout->inner == NULL) {
         free_layout(layout);
@@ -109,6 +111,10 @@ static int build_layout(layout_t *layout, const int64_t *sizes, Py_ssize_t k, co
     layout->delta = layout->stride + n * (size_t)k;
     layout->cell = layout->delta + n * (size_t)k;
     layout->coordinate = layout->cell + n;
+    int64_t *own_sizes = layout->coordinate + k; /* a copy: the caller's array is not read again */
+    memcpy(own_sizes, sizes, (size_t)k * sizeof(int64_t));
+    layout->sizes = own_sizes;
+    sizes = own_sizes;
     layout->outer = layout->inner + n;
     layout->is_outer = (char *)(layout->outer + n);
     memset(layout->stride, 0, 2 * n * (size_t)k * sizeof(int64_t));
@@ -527,10 +533,16 @@ static PyObject *py_mirror_descent(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "mirror_descent: variances or totals do not match");
         goto done;
     }
-    if (iterations < 0 || !(clip > 0 && clip <= -EXP_SMALLEST / 2) || !(max_step > 0) || !(floor >= 0)) {
+    if (iterations < 0 || !(clip > 0 && clip <= -EXP_SMALLEST / 2) || !(max_step > 0 && isfinite(max_step)) ||
+        !(floor >= 0 && isfinite(floor))) {
         PyErr_SetString(PyExc_ValueError, "mirror_descent: iterations, clip, max_step or floor out of range");
         goto done;
     }
+    for (Py_ssize_t u = 0; u < units; u++)
+        if (!(((const double *)totals.buf)[u] >= 0 && isfinite(((const double *)totals.buf)[u]))) {
+            PyErr_SetString(PyExc_ValueError, "mirror_descent: a unit's total is not a finite number >= 0");
+            goto done;
+        }
     const double *v = (const double *)variances.buf;
     for (Py_ssize_t t = 0; t < layout.tables; t++)
         if (!(v[t] > 0) || isinf(v[t])) {

@@ -104,8 +104,8 @@ class TableLayout:
         """The measurement vector of a count, a measure's count, a sum (exact in int64) or a quantile over a
         bucket table, in one pass over the records (C kernel `_counting.count`: no index array; every code
         checked in its domain)."""
-        if any(len(codes[c]) != n_rows for c in self.inputs):
-            raise ValueError(f"table {self.name}: a code column does not hold {n_rows} records")
+        if any(np.ndim(codes[c]) != 1 or len(codes[c]) != n_rows for c in self.inputs):
+            raise ValueError(f"table {self.name}: a code column is not one code for each of its {n_rows} records")
         out = np.zeros(self.n_measured, dtype=np.int64)
         _counting.count(tuple(_code_column(codes[c]) for c in self.columns),
                         tuple(None if lookup is None else np.ascontiguousarray(lookup, dtype=np.int32)

@@ -5,8 +5,9 @@
  * A unit's joint is `cells` doubles in C order over axes of `sizes`; table t is the margin on its axes (in the
  * table's own order, its cells in C order over them), and its values for a unit are the slice
  * [offsets[t], offsets[t + 1]) of the unit's row of `width` = offsets[T] table cells. A joint cell's cell in a
- * table is computed as the joint is walked (strides, no map per cell is stored: memory is O(tables x axes)). Each unit is computed from its own row alone, in one fixed order (cells in index order, tables in
- * order), so a unit's result is bit for bit the same whatever other units the call holds, on any worker or engine.
+ * table is computed as the joint is walked (strides, no map per cell is stored: memory is O(tables x axes)).
+ * Each unit is computed from its own row alone, in one fixed order (cells in index order, tables in order), so a
+ * unit's result is bit for bit the same whatever other units the call holds, on any worker or engine.
  * One pass over the joint per sweep and table (IPF), one per mirror-descent step (update and margins fused):
  * the numpy version it replaces made about fifteen. A table that does not hold the joint's last (fastest) axis
  * sees a run of consecutive cells (the last axis's size) as one of its cells: its factor is read and its margin
@@ -15,7 +16,7 @@
  */
 #if defined(__FAST_MATH__) || defined(__ASSOCIATIVE_MATH__) || defined(__RECIPROCAL_MATH__) || \
     (defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__)
-#error "_joint.c needs IEEE arithmetic: build it without -ffast-math or unsafe math (its exp and every unit's bits depend on it)"
+#error "_joint.c needs IEEE arithmetic: build it without -ffast-math or unsafe math (its exp and bits depend on it)"
 #endif
 /* no fused multiply-add, no reassociation: the same bits on every x86-64 and ARM build */
 #pragma GCC optimize("fp-contract=off", "no-unsafe-math-optimizations")
@@ -39,8 +40,8 @@ typedef struct {
 /* How the tables see a joint of `cells` cells over k axes of `sizes`: table t's cells start at offsets[t] in a
  * unit's row of all tables' cells; a joint cell whose coordinates are x has cell sum_a x[a] * stride[t * k + a] in
  * table t (0 for an axis the table does not hold). The joint is walked a run at a time (`run`: the last axis's
- * size, consecutive cells); a table without the last axis is outer (one cell per run), the others inner, in
- * table order (`inner`, `outer`: their indices; `is_outer`: per table). Moving from one run to the next raises
+ * size, consecutive cells); a table without the last axis is outer (one cell per run, its stride on the last axis
+ * 0), the others inner, in table order (`inner`, `outer`: their indices). Moving from one run to the next raises
  * one prefix axis a by one (and returns the axes after it to 0): each table's cell of the run's first cell then
  * moves by delta[t * k + a]. `cell` and `coordinate` are a walk's scratch (one walk at a time). */
 typedef struct {
@@ -48,22 +49,30 @@ typedef struct {
     const int64_t *sizes;
     int64_t *offsets, *stride, *delta;
     int *inner, *outer;
-    char *is_outer;
     int64_t *cell, *coordinate; /* scratch of a walk: each table's cell of the run's first cell; prefix axes */
 } layout_t;
 
-/* The run walk: `coordinate` holds the prefix axes' coordinates (all 0 before the first run); returns the axis
- * raised to go to the next run, or -1 after the last. */
-static inline Py_ssize_t next_run(const layout_t *layout, int64_t *coordinate)
+/* A walk over the joint's runs, from its first: the prefix axes' coordinates at 0. */
+static inline void start_walk(layout_t *layout)
 {
+    memset(layout->coordinate, 0, (size_t)layout->k * sizeof(int64_t));
+}
+
+/* The walk's next run: the prefix axes' coordinates raised by one (the last that can be, those after it back to
+ * 0), and the run-first cells of tables t0 .. t0 + n - 1, first[0 .. n), moved with them (unchanged after the
+ * last run). */
+static inline void next_run(layout_t *layout, int64_t *first, Py_ssize_t t0, Py_ssize_t n)
+{
+    int64_t *coordinate = layout->coordinate;
     for (Py_ssize_t a = layout->k - 2; a >= 0; a--) {
         if (coordinate[a] + 1 < layout->sizes[a]) {
             coordinate[a] += 1;
-            return a;
+            for (Py_ssize_t t = 0; t < n; t++)
+                first[t] += layout->delta[(t0 + t) * layout->k + a];
+            return;
         }
         coordinate[a] = 0;
     }
-    return -1;
 }
 
 static void free_layout(layout_t *layout)
@@ -81,7 +90,6 @@ static int build_layout(layout_t *layout, const int64_t *sizes, Py_ssize_t k, co
                         Py_ssize_t n_axes, const int64_t *axis_offsets, Py_ssize_t tables, const char *name)
 {
     *layout = (layout_t){0};
-    layout->sizes = sizes;
     layout->k = k;
     layout->tables = tables;
     int64_t cells = 1;
@@ -101,7 +109,7 @@ static int build_layout(layout_t *layout, const int64_t *sizes, Py_ssize_t k, co
     layout->run = sizes[k - 1];
     size_t n = (size_t)tables;
     layout->offsets = PyMem_RawMalloc((2 * n + 1 + 2 * n * (size_t)k + 2 * (size_t)k) * sizeof(int64_t));
-    layout->inner = PyMem_RawMalloc(n * (2 * sizeof(int) + 1));
+    layout->inner = PyMem_RawMalloc(n * 2 * sizeof(int));
     if (layout->offsets == NULL || layout->inner == NULL) {
         free_layout(layout);
         PyErr_NoMemory();
@@ -116,7 +124,6 @@ static int build_layout(layout_t *layout, const int64_t *sizes, Py_ssize_t k, co
     layout->sizes = own_sizes;
     sizes = own_sizes;
     layout->outer = layout->inner + n;
-    layout->is_outer = (char *)(layout->outer + n);
     memset(layout->stride, 0, 2 * n * (size_t)k * sizeof(int64_t));
     layout->offsets[0] = 0;
     for (Py_ssize_t t = 0; t < tables && ok; t++) {
@@ -138,8 +145,7 @@ static int build_layout(layout_t *layout, const int64_t *sizes, Py_ssize_t k, co
                 move -= (sizes[b] - 1) * stride[b];
             layout->delta[t * k + a] = move;
         }
-        layout->is_outer[t] = (char)(stride[k - 1] == 0);
-        if (layout->is_outer[t])
+        if (stride[k - 1] == 0)
             layout->outer[layout->n_outer++] = (int)t;
         else
             layout->inner[layout->n_inner++] = (int)t;
@@ -231,10 +237,9 @@ static void ipf_block(double *joint, layout_t *layout, const double *targets, in
     for (int64_t s = 0; s < sweeps; s++)
         for (Py_ssize_t t = 0; t < layout->tables; t++) {
             int64_t size = layout->offsets[t + 1] - layout->offsets[t], step = layout->stride[t * k + k - 1];
-            const int64_t *delta = layout->delta + t * k;
             const double *target = targets + layout->offsets[t] * LANES;
             memset(ratio, 0, (size_t)size * LANES * sizeof(double));
-            memset(layout->coordinate, 0, (size_t)k * sizeof(int64_t));
+            start_walk(layout);
             int64_t first_cell = 0;
             for (Py_ssize_t first = 0; first < layout->cells; first += run) {
                 if (step == 0) { /* outer: the run's sum into one cell */
@@ -249,19 +254,17 @@ static void ipf_block(double *joint, layout_t *layout, const double *targets, in
                         for (int j = 0; j < PAIRS; j++)
                             margin[x * PAIRS + j] += cell[c * PAIRS + j];
                 }
-                Py_ssize_t a = next_run(layout, layout->coordinate);
-                first_cell += a >= 0 ? delta[a] : 0;
+                next_run(layout, &first_cell, t, 1);
             }
             for (int64_t x = 0; x < size * LANES; x++)
                 ratio[x] = ratio[x] > 0 ? target[x] / ratio[x] : 0.0;
-            memset(layout->coordinate, 0, (size_t)k * sizeof(int64_t));
+            start_walk(layout);
             first_cell = 0;
             for (Py_ssize_t first = 0; first < layout->cells; first += run) {
                 for (Py_ssize_t c = first, x = first_cell; c < first + run; c++, x += step)
                     for (int j = 0; j < PAIRS; j++)
                         cell[c * PAIRS + j] *= margin[x * PAIRS + j];
-                Py_ssize_t a = next_run(layout, layout->coordinate);
-                first_cell += a >= 0 ? delta[a] : 0;
+                next_run(layout, &first_cell, t, 1);
             }
         }
 }
@@ -281,7 +284,7 @@ static void step_pass(const double *joint, const double *scale, const double *fa
     for (int j = 0; j < PAIRS; j++)
         total[j] = (pair_t){0.0, 0.0};
     memset(margins, 0, (size_t)offsets[tables] * LANES * sizeof(double));
-    memset(layout->coordinate, 0, (size_t)k * sizeof(int64_t));
+    start_walk(layout);
     for (Py_ssize_t t = 0; t < tables; t++)
         first_cell[t] = offsets[t];
     for (Py_ssize_t first = 0; first < layout->cells; first += layout->run) {
@@ -323,10 +326,7 @@ static void step_pass(const double *joint, const double *scale, const double *fa
             for (int j = 0; j < PAIRS; j++)
                 row[j] += run_sum[j];
         }
-        Py_ssize_t a = next_run(layout, layout->coordinate);
-        if (a >= 0)
-            for (Py_ssize_t t = 0; t < tables; t++)
-                first_cell[t] += layout->delta[t * k + a];
+        next_run(layout, first_cell, 0, tables);
     }
     for (int j = 0; j < PAIRS; j++)
         ((pair_t *)sum)[j] = total[j];
@@ -616,7 +616,8 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"exp", py_exp, METH_VARARGS, "exp(values, out): out = exp(values) for values in [-708, 0], as the kernels compute it."},
+    {"exp", py_exp, METH_VARARGS,
+     "exp(values, out): out = exp(values) for values in [-708, 0], as the kernels compute it."},
     {"ipf", py_ipf, METH_VARARGS,
      "ipf(joint, sizes, axes, axis_offsets, targets, sweeps): per unit, iterative proportional fitting of its joint\n"
      "(in place) to its table targets."},

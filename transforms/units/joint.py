@@ -8,9 +8,10 @@ rounding) so the published tables are its margins.
 
 Cost. The fit and the start's IPF run in C (`transforms/_joint.c`), 8 units side by side in the kernel's
 lanes, each unit computed from its own row alone in one fixed order: a unit's result is the same bits in any
-batch, on any worker or engine (the kernel refuses fast-math builds and turns fused multiply-adds off). A mirror-descent step needs no exponential per joint cell: the
-gradient is a sum of one term per table, so exp(-step * gradient) is a product of one factor per table, each
-computed on the table's (small) margin; the update and the new margins are one pass over the joint. Each unit
+batch, on any worker or engine (the kernel refuses fast-math builds and turns fused multiply-adds off). A
+mirror-descent step needs no exponential per joint cell: the gradient is a sum of one term per table, so
+exp(-step * gradient) is a product of one factor per table, each computed on the table's (small) margin; the
+update and the new margins are one pass over the joint. Each unit
 keeps its own step size (grown 1.5x after a step that lowered its loss, halved and the step undone
 otherwise): one loss evaluation per iteration, and no unit's step depends on another's. Units are taken a
 chunk at a time (`chunk_units`), so memory holds a chunk's joints, never a level's, and the kernel's block of

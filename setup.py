@@ -71,6 +71,7 @@ setup(
     ext_modules=[Extension("dprelease.transforms._exact", ["transforms/_exact.c"], extra_compile_args=["-O3"]),
                  Extension("dprelease.transforms._segments", ["transforms/_segments.c"], extra_compile_args=["-O3"]),
                  Extension("dprelease.transforms._counting", ["transforms/_counting.c"], extra_compile_args=["-O3"]),
+                 Extension("dprelease.transforms._encoding", ["transforms/_encoding.c"], extra_compile_args=["-O3"]),
                  Extension("dprelease.transforms._joint", ["transforms/_joint.c"],
                            extra_compile_args=["-O3", "-ffp-contract=off"])],
     entry_points={"console_scripts": ["dprelease=dprelease.pipelines.cli:entry"]},

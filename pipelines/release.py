@@ -124,14 +124,19 @@ def _write_atomically(path: Path, write) -> None:
         raise
 
 
-def write_table(plan: Plan, root: Path, table: TablePlan, folder: str, values: np.ndarray, value_name: str,
-                layout: Layout, variance: np.ndarray | None = None) -> list[dict]:
-    """Write a whole table's values (rows in table order) part by part (`layout.table_parts`)."""
+def write_table(plan: Plan, root: Path, table: TablePlan, published: np.ndarray, noisy: np.ndarray, layout: Layout,
+                variance: np.ndarray | None = None) -> list[dict]:
+    """Write a whole table part by part (`layout.table_parts`): its published values (and variances) in tables/,
+    its noisy measurements in measurements/, each part's label columns made once for both."""
     entries = []
-    for part in table_parts(plan, table, folder, layout):
+    for part, measured in zip(table_parts(plan, table, TABLES_DIR, layout),
+                              table_parts(plan, table, MEASUREMENTS_DIR, layout)):
         rows = slice(part.start, part.stop)
-        columns = table_values(table, values[rows], value_name, None if variance is None else variance[rows])
-        entries += write_part(root, part, rows_frame(plan, table.dims, table.quantiles, part.start, part.stop, columns))
+        labels = row_labels(plan, table.dims, table.quantiles, part.start, part.stop)
+        values = table_values(table, published[rows], table.value_name, None if variance is None else variance[rows])
+        entries += write_part(root, part, pa.table({**labels, **values}))
+        values = table_values(table, noisy[rows], f"noisy_{table.value_name}")
+        entries += write_part(root, measured, pa.table({**labels, **values}))
     return entries
 
 
@@ -241,14 +246,11 @@ def stage_release(
     staging, _ = new_staging(final_dir)
     try:
         estimate = estimate_variances(plan)
-        jobs = [(table, TABLES_DIR, published[table.name], table.value_name, estimate.per_cell.get(table.name))
-                for table in plan.tables]
-        jobs += [(table, MEASUREMENTS_DIR, noisy[table.name], f"noisy_{table.value_name}", None)
-                 for table in plan.tables]
+        jobs = sorted(plan.tables, key=lambda table: -table.n_outputs)  # the largest first: the threads end together
 
-        def write(job) -> list[dict]:
-            table, folder, values, name, variance = job
-            return write_table(plan, staging, table, folder, values, name, layout, variance)
+        def write(table: TablePlan) -> list[dict]:
+            return write_table(plan, staging, table, published[table.name], noisy[table.name], layout,
+                               estimate.per_cell.get(table.name))
 
         entries: list[dict] = []
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:

@@ -27,6 +27,26 @@ def test_keeps_at_most_k_per_unit():
         assert np.array_equal(kept_per_unit, np.minimum(sizes, k))
 
 
+def test_keys_made_on_demand_keep_what_every_record_s_key_keeps():
+    """Keys given as a function of positions (made for the records of units over k only) keep the records the
+    full key array keeps; when no unit is over k no key is made."""
+    rng = np.random.default_rng(4)
+    units = _units(500, rng.integers(1, 6, 500))
+    codes = [rng.integers(0, 7, len(units)), rng.integers(0, 3, len(units))]
+    secret, asked = os.urandom(32), []
+
+    def keys(positions):
+        asked.append(positions.size)
+        return record_keys([c[positions] for c in codes], [7, 3], positions.size)
+
+    for k in (1, 2, 4):
+        whole = bound_contributions(units, record_keys(codes, [7, 3], len(units)), k, secret)
+        assert np.array_equal(bound_contributions(units, keys, k, secret), whole)
+    assert 0 < max(asked) < len(units)
+    asked.clear()
+    assert bound_contributions(units, keys, 10, secret).all() and asked == []
+
+
 def test_string_units_are_grouped_exactly():
     units = pa.array(["a", "b", "a", "c", "a", "b"])
     keep = bound_contributions(units, np.arange(6, dtype=np.uint64), 1, os.urandom(32))

@@ -1,14 +1,18 @@
-"""The C kernels of counting (`transforms/_counting.c`) and of the joint fit (`transforms/_joint.c`) against
-plain numpy references: the same counts exactly, the same fit to rounding, each unit's fit the same bits in any
-batch, and every out-of-domain input refused with an error that names no value."""
+"""The C kernels of encoding (`transforms/_encoding.c`), counting (`transforms/_counting.c`) and the joint fit
+(`transforms/_joint.c`) against plain numpy references: the same codes and counts exactly, the same fit to
+rounding, each unit's fit the same bits in any batch, and every out-of-domain input refused with an error that
+names no value."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
-from dprelease.transforms import _counting, _joint
+from dprelease.transforms import _counting, _encoding, _joint, encode
+from dprelease.transforms.domains import CategoricalDomain, IntegerDomain, MeasureDomain
+from dprelease.transforms.encode import ColumnEncoder
 from dprelease.transforms.aggregate import TableLayout, quantile_buckets
 from dprelease.transforms.units import joint as joint_fit
 
@@ -248,6 +252,26 @@ def test_a_unit_s_fit_is_the_same_bits_in_any_batch():
         assert np.array_equal(alone[0], batch[u])
 
 
+@pytest.mark.parametrize("sizes, axes", SHAPES + [((21, 2, 7, 2), tuple((a, b) for a in range(4)
+                                                                         for b in range(a + 1, 4)))])
+def test_the_mirror_descent_s_two_builds_give_the_same_bits(sizes, axes):
+    """The AVX2 build (where this CPU runs it) and the baseline build (`portable`): the same fit, bit for bit, on
+    every shape and on a country's within-county joint (every unit a different lane position)."""
+    rng = np.random.default_rng(17 + len(sizes))
+    units = 29
+    totals, noisy, start = _unit_problem(rng, sizes, axes, units)
+    variances = rng.uniform(1, 20, len(axes))
+    shape = joint_fit._table_axes(sizes, axes)
+    fits = []
+    for portable in (False, True):
+        fitted = np.ascontiguousarray(start, dtype=np.float64).copy()
+        _joint.mirror_descent(fitted, shape.sizes, shape.axes, shape.axis_offsets, np.concatenate(noisy, axis=1),
+                              variances, totals, 60, joint_fit.EXPONENT_CLIP, joint_fit.MAX_STEP,
+                              joint_fit.START_FLOOR, portable)
+        fits.append(fitted)
+    assert np.array_equal(fits[0], fits[1]) and not np.array_equal(fits[0], start)
+
+
 def test_the_kernels_exponential_is_within_four_ulp():
     values = -np.random.default_rng(3).uniform(0, 708, 200_000)
     values[:5] = [0.0, -708.0, -1e-300, -0.5 * math.log(2), -200.0]
@@ -348,3 +372,217 @@ def test_a_code_column_not_one_code_per_record_is_refused(column):
     layout = TableLayout("t", ("c",), (None,), (4,))
     with pytest.raises(ValueError, match="not one code for each"):
         layout.measure_vector({"c": column}, 4)
+
+
+# ---- encoding -----------------------------------------------------------------------------------------------------
+
+
+def _numpy_values(column: pa.Array) -> np.ndarray:
+    """The numpy specification of an integer column's values: float64, NaN for nulls, non-finite and
+    non-integral values (numpy's unchecked cast: an int64 or uint64 beyond 2^53 rounds)."""
+    if pa.types.is_integer(column.type) or pa.types.is_floating(column.type):
+        values = column.cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
+        return np.where(np.isfinite(values) & (values == np.floor(values)), values, np.nan)
+    return encode._integer_values(column)
+
+
+def _numpy_integer_codes(values: np.ndarray, domain: IntegerDomain) -> np.ndarray:
+    valid = np.isfinite(values) & (values >= domain.minimum) & (values <= domain.maximum)
+    safe = np.where(valid, values, domain.minimum).astype(np.int64)
+    codes = (np.searchsorted(np.asarray(domain.edges), safe, side="right") - 1 if domain.edges
+             else safe - domain.minimum)
+    codes = np.where(valid, codes, encode.INVALID)
+    return np.where(codes == encode.INVALID, domain.size - 1, codes) if domain.policy == "other" else codes
+
+
+def _numpy_measure_codes(values: np.ndarray, domain: MeasureDomain) -> np.ndarray:
+    valid = np.isfinite(values)
+    clamped = np.clip(np.where(valid, values, domain.lower), domain.lower, domain.upper)
+    return np.where(valid, clamped.astype(np.int64) - domain.lower, domain.invalid_code)
+
+
+EDGE_VALUES = [0, 1, -1, 4, 5, 17, 18, 64, 65, 115, 116, -5, 2**53 - 1, 2**53, 2**53 + 1, 2**53 + 2, -2**53 - 1,
+               2**62, -2**63, 2**63 - 1]
+
+
+def _random_column(rng, kind: pa.DataType, n: int, nulls: bool) -> pa.Array:
+    if pa.types.is_floating(kind):
+        values = np.concatenate([rng.integers(-10, 130, n).astype(np.float64), [0.5, -0.0, np.inf, -np.inf, np.nan,
+                                 2.0**52 + 0.5, 2.0**53, 2.0**60, 1e308, -1e308, 115.0000001]])
+        with np.errstate(over="ignore"):  # float32: 1e308 becomes inf
+            values = values.astype(kind.to_pandas_dtype())
+    elif kind == pa.uint64():
+        values = np.concatenate([rng.integers(0, 130, n).astype(np.uint64),
+                                 np.array([2**53 + 1, 2**63, 2**64 - 1], dtype=np.uint64)])
+    else:
+        info = np.iinfo(kind.to_pandas_dtype())
+        wide = [v for v in EDGE_VALUES if info.min <= v <= info.max]
+        values = np.concatenate([rng.integers(max(info.min, -10), min(info.max, 130) + 1, n), wide])
+        values = values.astype(kind.to_pandas_dtype())
+    mask = rng.random(values.size) < 0.1 if nulls else None
+    return pa.array(values, type=kind, mask=mask)
+
+
+KINDS = [pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(), pa.uint32(), pa.uint64(),
+         pa.float32(), pa.float64()]
+DOMAINS = [IntegerDomain("age", 0, 115, (0, 5, 10, 18, 65, 116), "drop"),
+           IntegerDomain("age", 0, 115, (0, 5, 10, 18, 65, 116), "other"),
+           IntegerDomain("age", 5, 115, (0, 18, 116), "drop"),  # values below the first edge's bin: invalid
+           IntegerDomain("n", -3, 100, None, "drop"),
+           IntegerDomain("n", -3, 100, None, "other"),
+           IntegerDomain("big", 2**53 - 10, 2**53, (2**53 - 10, 2**53 - 3, 2**53 + 1), "drop")]
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=str)
+@pytest.mark.parametrize("nulls", [False, True])
+@pytest.mark.parametrize("rows", [0, 9, 5000])
+def test_the_encoding_kernel_codes_what_numpy_codes(kind, nulls, rows):
+    """Every integer domain (binned from a lookup or by searching the edges, unbinned, policy drop or other, bounds
+    at 2^53) and every measure, over every integer and float type, with nulls, non-finite and non-integral floats
+    and the values where float64 rounds: the codes of the numpy specification, in the encoder's narrow type."""
+    rng = np.random.default_rng(rows + len(str(kind)) + nulls)
+    column = _random_column(rng, kind, rows, nulls)
+    values = _numpy_values(column)
+    for domain in DOMAINS:
+        for batch_rows in (len(column), 10**9):  # a lookup over the range, or searched edges
+            mode, _ = encode._integer_rule(domain, batch_rows)
+            found = encode._kernel_codes(column, domain.minimum, domain.maximum, mode,
+                                         encode._integer_rule(domain, batch_rows)[1],
+                                         domain.size - 1 if domain.policy == "other" else encode.INVALID,
+                                         encode.code_dtype(domain.size))
+            assert found.dtype == encode.code_dtype(domain.size)
+            assert found.tolist() == _numpy_integer_codes(values, domain).tolist(), (domain, mode)
+        assert ColumnEncoder(domain).encode(column).tolist() == _numpy_integer_codes(values, domain).tolist()
+    for lower, upper in [(0, 500000), (-40, 1000), (2**53 - 5, 2**53), (-2**53, 2**53)]:
+        measure = MeasureDomain("m", "m", lower, upper)
+        found = ColumnEncoder(measure).encode(column)
+        assert found.dtype == encode.code_dtype(measure.size)
+        assert found.tolist() == _numpy_measure_codes(values, measure).tolist(), (lower, upper)
+
+
+def test_chunks_slices_text_and_null_columns_are_coded_like_one_array():
+    """A chunked column (chunks sliced at odd offsets, so validity bits start mid-byte), a text column (parsed), a
+    column of nulls and booleans: the codes of the numpy specification."""
+    rng = np.random.default_rng(3)
+    whole = _random_column(rng, pa.int64(), 3000, True)
+    pieces = pa.chunked_array([whole.slice(0, 7), whole.slice(7, 1), whole.slice(8, 0), whole.slice(8, 2992),
+                               whole.slice(3000)])
+    texts = pa.array(["12", " 7", "x", None, "1e1", "115", "116", "-0", "65.0", "65.5", ""])
+    domain = DOMAINS[0]
+    for column in (pieces, texts, pa.nulls(5), pa.array([True, False, None]), texts.dictionary_encode(),
+                   pa.chunked_array([], type=pa.int64())):
+        values = (np.concatenate([[]] + [_numpy_values(c) for c in column.chunks])
+                  if isinstance(column, pa.ChunkedArray) else _numpy_values(column))
+        assert ColumnEncoder(domain).encode(column).tolist() == _numpy_integer_codes(values, domain).tolist()
+        measure = MeasureDomain("m", "m", 0, 100)
+        assert ColumnEncoder(measure).encode(column).tolist() == _numpy_measure_codes(values, measure).tolist()
+
+
+def test_a_dictionary_column_is_coded_through_its_lookup_with_nulls_and_misses():
+    """Categorical codes through the dictionary's lookup: nulls, values outside the domain, a dictionary holding a
+    null, sliced chunks, an empty dictionary; policy drop and other."""
+    values = ("F", "M", "X")
+    column = pa.array(["M", None, "F", "Q", "X", "F", None, "M"] * 700).dictionary_encode()
+    sliced = pa.chunked_array([column.slice(3, 5), column.slice(1000)])
+    odd = pa.DictionaryArray.from_arrays(pa.array([0, 1, 2, None, 1], pa.int8()), pa.array(["M", None, "Z"]))
+    empty = pa.DictionaryArray.from_arrays(pa.array([None, None], pa.int32()), pa.array([], pa.string()))
+    for data in (column, sliced, odd, empty):
+        texts = data.to_pylist() if not isinstance(data, pa.ChunkedArray) else [
+            v for c in data.chunks for v in c.to_pylist()]
+        expected = [values.index(t) if t in values else encode.INVALID for t in texts]
+        assert encode._lookup_codes(data, values).tolist() == expected
+        domain = CategoricalDomain("c", values, "other")
+        assert ColumnEncoder(domain).encode(data).tolist() == [3 if e == encode.INVALID else e for e in expected]
+
+
+@pytest.mark.parametrize("case", ["kind", "offset", "short values", "output length", "output width", "bounds",
+                                  "bounds past 2^53", "mode", "lookup length", "lookup without mode",
+                                  "edges not ascending", "no edges", "short validity", "code too wide",
+                                  "invalid too wide"])
+def test_the_encoding_kernel_refuses_inconsistent_arguments(case):
+    """Each inconsistent argument (public: the domain and the buffers' shapes) raises ValueError naming no value."""
+    values, out = np.arange(10, dtype=np.int64), np.empty(10, dtype=np.int8)
+    args = dict(values=values, kind="q", offset=0, n=10, validity=None, validity_offset=0, minimum=0, maximum=20,
+                mode=encode.IDENTITY, table=None, invalid=-1, out=out)
+    changes = {"kind": dict(kind="f"), "offset": dict(offset=-1), "short values": dict(offset=1),
+               "output length": dict(out=np.empty(9, np.int8)), "output width": dict(out=np.empty(30, np.int8)),
+               "bounds": dict(minimum=5, maximum=4), "bounds past 2^53": dict(maximum=2**53 + 2), "mode": dict(mode=4),
+               "lookup length": dict(mode=encode.LOOKUP, table=np.zeros(20, np.int32)),
+               "lookup without mode": dict(table=np.zeros(21, np.int32)),
+               "edges not ascending": dict(mode=encode.EDGES, table=np.array([0, 5, 5], np.int64)),
+               "no edges": dict(mode=encode.EDGES, table=np.zeros(0, np.int64)),
+               "short validity": dict(validity=b"\xff", validity_offset=0),
+               "code too wide": dict(maximum=200), "invalid too wide": dict(invalid=128)}
+    args.update(changes[case])
+    with pytest.raises(ValueError) as raised:
+        _encoding.codes(*args.values())
+    assert str(raised.value).startswith("codes: ")
+
+
+# ---- a column looked up once for every table that reads it through one lookup ------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32])
+@pytest.mark.parametrize("out_dtype", [np.int8, np.int16, np.int32])
+def test_a_looked_up_column_is_the_lookup_of_every_code(dtype, out_dtype):
+    rng = np.random.default_rng(5)
+    lookup = rng.integers(0, 100, 120).astype(np.int32)
+    codes = rng.integers(0, 120, 9001).astype(dtype)
+    out = np.empty(codes.size, dtype=out_dtype)
+    _counting.looked_up(codes, lookup, codes.size, out)
+    assert out.tolist() == lookup[codes].tolist()
+
+
+@pytest.mark.parametrize("case", ["negative code", "code past the lookup", "value past the output",
+                                  "negative value", "wrong length", "empty lookup", "wide codes"])
+def test_a_looked_up_code_outside_its_domain_is_refused_naming_no_value(case):
+    codes, lookup, out = np.array([0, 1, 2], np.int16), np.array([0, 5, 9], np.int32), np.empty(3, np.int8)
+    if case == "negative code":
+        codes[1] = -1
+    elif case == "code past the lookup":
+        codes[2] = 3
+    elif case == "value past the output":
+        lookup[1] = 300
+    elif case == "negative value":
+        lookup[2] = -2
+    elif case == "wrong length":
+        out = np.empty(4, np.int8)
+    elif case == "empty lookup":
+        lookup = np.zeros(0, np.int32)
+    else:
+        codes = codes.astype(np.int64)
+    with pytest.raises(ValueError) as raised:
+        _counting.looked_up(codes, lookup, 3, out)
+    assert str(raised.value).startswith("looked_up: ") and "300" not in str(raised.value)
+
+
+def test_tables_sharing_a_lookup_count_what_each_counts_through_it():
+    """Tables reading one column through one lookup (shared: looked up once per batch) or through their own, with
+    and without a measure, in bounded_counts and kept_counts: the counts of each table counted on its own."""
+    from dprelease.transforms.aggregate import bounded_counts, kept_counts, shared_lookups
+
+    rng = np.random.default_rng(11)
+    rows = 5000
+    county = rng.integers(0, 40, 300)  # 300 tracts in 40 counties
+    state = rng.integers(0, 3, 40)[county]
+    codes = {"geo": rng.integers(0, 300, rows).astype(np.int16), "a": rng.integers(0, 4, rows).astype(np.int8),
+             "m": rng.integers(0, 11, rows).astype(np.int8)}
+    layouts = [TableLayout("c", ("geo",), (county,), (40,)),
+               TableLayout("ca", ("geo", "a"), (county, None), (40, 4)),
+               TableLayout("ac", ("a", "geo"), (None, county), (4, 40)),
+               TableLayout("cs", ("geo",), (county,), (40,), statistic="sum", measure="m", lower=-3, invalid=10),
+               TableLayout("s", ("geo",), (state,), (3,)),
+               TableLayout("s2", ("geo", "a"), (state, None), (3, 4)),
+               TableLayout("t", ("geo",), (None,), (300,)),
+               TableLayout("own", ("geo",), (county.copy(),), (40,))]
+    alone = [layout.measure_vector(codes, rows) for layout in layouts]
+    reading, shared_codes = shared_lookups(layouts, codes, rows)
+    unlooked = sum(lookup is None for layout in reading for lookup in layout.lookups)
+    assert unlooked == 4 + 6  # the 4 columns read without a lookup, and 6 readers of a shared one
+    assert len(shared_codes) == len(codes) + 2  # the county and the state looked up once each
+    together = bounded_counts(layouts, codes, rows, [300, 4, 11], None, 1, b"k" * 32)
+    assert [v.tolist() for v in together] == [v.tolist() for v in alone]
+    count_layouts = [layout for layout in layouts if layout.measure is None]
+    kept = kept_counts(count_layouts, [(codes, rows), (codes, rows)])
+    assert [v.tolist() for v in kept] == [(2 * v).tolist() for layout, v in zip(layouts, alone)
+                                          if layout.measure is None]

@@ -292,7 +292,78 @@ done:
     return result;
 }
 
+/* looked_up(codes (i8, i16 or i32)[rows], lookup i32[n], rows, out (i8, i16 or i32)[rows]): out[r] =
+ * lookup[codes[r]], every code checked in [0, n) and every looked-up code in [0, the largest out holds]; a column
+ * looked up once for every table that reads it through this lookup (a record's county, from its tract). */
+#define LOOK_UP(name, in_type)                                                                                  \
+    static int name(const in_type *restrict codes, Py_ssize_t rows, const int32_t *restrict lookup, int32_t n,  \
+                    int32_t top, char *out, Py_ssize_t width)                                                   \
+    {                                                                                                           \
+        int outside = 0;                                                                                        \
+        for (Py_ssize_t start = 0; start < rows; start += BLOCK) {                                              \
+            Py_ssize_t m = rows - start < BLOCK ? rows - start : BLOCK;                                         \
+            int32_t value[BLOCK];                                                                               \
+            for (Py_ssize_t r = 0; r < m; r++) {                                                                \
+                int32_t code = (int32_t)codes[start + r];                                                       \
+                int inside = code >= 0 && code < n;                                                             \
+                outside |= !inside;                                                                             \
+                value[r] = lookup[inside ? code : 0];                                                           \
+                outside |= value[r] < 0 || value[r] > top;                                                      \
+            }                                                                                                   \
+            for (Py_ssize_t r = 0; r < m; r++) {                                                                \
+                if (width == 1)                                                                                 \
+                    ((int8_t *)out)[start + r] = (int8_t)value[r];                                              \
+                else if (width == 2)                                                                            \
+                    ((int16_t *)out)[start + r] = (int16_t)value[r];                                            \
+                else                                                                                            \
+                    ((int32_t *)out)[start + r] = value[r];                                                     \
+            }                                                                                                   \
+        }                                                                                                       \
+        return outside;                                                                                         \
+    }
+LOOK_UP(look_up_int8, int8_t)
+LOOK_UP(look_up_int16, int16_t)
+LOOK_UP(look_up_int32, int32_t)
+
+static PyObject *py_looked_up(PyObject *self, PyObject *args)
+{
+    Py_buffer codes, lookup, out;
+    Py_ssize_t rows;
+    if (!PyArg_ParseTuple(args, "y*y*nw*", &codes, &lookup, &rows, &out))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t width = rows > 0 ? codes.len / rows : 1, out_width = rows > 0 ? out.len / rows : 1;
+    Py_ssize_t n = lookup.len / (Py_ssize_t)sizeof(int32_t);
+    if (rows < 0 || (width != 1 && width != 2 && width != 4) || codes.len != rows * width ||
+        (out_width != 1 && out_width != 2 && out_width != 4) || out.len != rows * out_width ||
+        lookup.len % (Py_ssize_t)sizeof(int32_t) != 0 || n < 1 || n > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "looked_up: the codes, lookup or output have the wrong length");
+        goto done;
+    }
+    int32_t top = out_width == 1 ? INT8_MAX : out_width == 2 ? INT16_MAX : INT32_MAX;
+    int bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = width == 1 ? look_up_int8((const int8_t *)codes.buf, rows, lookup.buf, (int32_t)n, top, out.buf, out_width)
+        : width == 2 ? look_up_int16((const int16_t *)codes.buf, rows, lookup.buf, (int32_t)n, top, out.buf, out_width)
+                     : look_up_int32((const int32_t *)codes.buf, rows, lookup.buf, (int32_t)n, top, out.buf, out_width);
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "looked_up: a code is outside its lookup's domain (an encoding error)");
+        goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&codes);
+    PyBuffer_Release(&lookup);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"looked_up", py_looked_up, METH_VARARGS,
+     "looked_up(codes, lookup, rows, out): out[r] = lookup[codes[r]] (int8, int16 or int32 codes; an int32 lookup;\n"
+     "int8, int16 or int32 out), every code checked in the lookup's range and every result in out's."},
     {"count", py_count, METH_VARARGS,
      "count(columns, lookups, sizes, rows, out, kind, measure, invalid, lower, buckets): adds each record to `out`\n"
      "(int64, every cell of the table in C order, `buckets` entries per cell for a quantile) at its cell: its int8,\n"

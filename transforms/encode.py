@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from . import _encoding
 from .domains import CategoricalDomain, Domain, GeographyDomain, IntegerDomain, MeasureDomain
 
 INVALID = -1
@@ -57,20 +58,67 @@ def dictionary_encoded(column: pa.Array | pa.ChunkedArray) -> pa.DictionaryArray
     return encoded.combine_chunks() if isinstance(encoded, pa.ChunkedArray) else encoded
 
 
-def _lookup_codes(column: pa.Array | pa.ChunkedArray, values: tuple[str, ...]) -> np.ndarray:
-    """Codes (positions in `values`) of a column via its dictionary; INVALID for misses and nulls. A text
+def _lookup_codes(column: pa.Array | pa.ChunkedArray, values: tuple[str, ...], invalid: int = INVALID,
+                  dtype: type = np.int64) -> np.ndarray:
+    """Codes (positions in `values`) of a column via its dictionary; `invalid` for misses and nulls. A text
     dictionary is matched as bytes against the values' UTF-8 in one vectorised lookup (text that is not valid
-    UTF-8 equals no value); any other dictionary value by its text form (`_as_text`)."""
+    UTF-8 equals no value); any other dictionary value by its text form (`_as_text`). The records' codes are then
+    read through that lookup in one pass (`_encoding.codes`)."""
     encoded = dictionary_encoded(column)
     if is_text(encoded.dictionary.type):
         found = pc.index_in(text_as_bytes(encoded.dictionary), value_set=_utf8_values(values))
-        lut = np.append(found.fill_null(INVALID).to_numpy(zero_copy_only=False).astype(np.int64), INVALID)
+        lut = found.fill_null(INVALID).to_numpy(zero_copy_only=False).astype(np.int32)
     else:
         table = {v: i for i, v in enumerate(values)}
-        lut = np.array([table.get(_as_text(v), INVALID) for v in dictionary_values(encoded.dictionary)] + [INVALID],
-                       dtype=np.int64)
-    indices = encoded.indices.fill_null(len(encoded.dictionary))
-    return lut[indices.to_numpy(zero_copy_only=False)]
+        lut = np.array([table.get(_as_text(v), INVALID) for v in dictionary_values(encoded.dictionary)],
+                       dtype=np.int32)
+    if lut.size == 0:  # no dictionary value: every record is null
+        return np.full(len(encoded), invalid, dtype=dtype)
+    return _kernel_codes(encoded.indices, 0, lut.size - 1, LOOKUP, lut, invalid, dtype)
+
+
+IDENTITY, CLAMP, LOOKUP, EDGES = range(4)
+"""`_encoding.codes`'s modes: value - minimum; clamped, minus minimum; through a lookup; by searching bin edges."""
+
+
+def _kernel_codes(column: pa.Array | pa.ChunkedArray, minimum: int, maximum: int, mode: int,
+                  table: np.ndarray | None, invalid: int, dtype: type) -> np.ndarray:
+    """Codes of a column's values (`_encoding.codes`), chunk by chunk, straight from the Arrow buffers; a
+    column of a type the kernel does not read is first made int32, int64 or float64 as numpy would make it."""
+    out = np.empty(len(column), dtype=dtype)
+    position = 0
+    for chunk in column.chunks if isinstance(column, pa.ChunkedArray) else [column]:
+        n = len(chunk)
+        values, kind = _kernel_values(chunk)
+        if values is None:
+            out[position:position + n] = invalid
+        elif n:
+            validity, data = values.buffers()[:2]
+            _encoding.codes(data, kind, values.offset, n, validity, values.offset, minimum, maximum, mode, table,
+                            invalid, out[position:position + n])
+        position += n
+    return out
+
+
+_WIDENED = {pa.int8(): pa.int32(), pa.int16(): pa.int32(), pa.uint8(): pa.int32(), pa.uint16(): pa.int32(),
+            pa.uint32(): pa.int64(), pa.float16(): pa.float64(), pa.float32(): pa.float64()}
+_KINDS = {pa.int32(): "i", pa.int64(): "q", pa.float64(): "d"}
+
+
+def _kernel_values(chunk: pa.Array) -> tuple[pa.Array | None, str]:
+    """A chunk as an array the kernel reads (int32, int64 or float64, with its validity) and its kind; None for
+    a column of nulls. Narrower integers and floats are widened exactly; uint64 becomes float64 as numpy's
+    unchecked cast makes it; any other type (text, a dictionary, booleans) is parsed (`_integer_values`)."""
+    kind = chunk.type
+    if pa.types.is_null(kind):
+        return None, ""
+    if kind in _WIDENED:
+        chunk = chunk.cast(_WIDENED[kind])
+    elif kind == pa.uint64():
+        chunk = chunk.cast(pa.float64(), safe=False)
+    elif kind not in _KINDS:
+        chunk = pa.array(_integer_values(chunk), type=pa.float64())
+    return chunk, _KINDS[chunk.type]
 
 
 @functools.lru_cache(maxsize=64)
@@ -128,17 +176,17 @@ class ColumnEncoder:
         return self.domain.source if isinstance(self.domain, MeasureDomain) else self.domain.name
 
     def encode(self, column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+        """Each value's code, in `code_dtype(domain.size)`: an invalid value's is INVALID (policy `drop`), the
+        `other` cell's (policy `other`) or a measure's invalid code."""
         domain = self.domain
-        if isinstance(domain, MeasureDomain):
-            return self._encode_measure(_integer_values(column), domain)
+        dtype = code_dtype(domain.size)
+        if isinstance(domain, MeasureDomain):  # value - lower after clamping to [lower, upper]
+            return _kernel_codes(column, domain.lower, domain.upper, CLAMP, None, domain.invalid_code, dtype)
+        invalid = domain.size - 1 if domain.policy == "other" else INVALID
         if isinstance(domain, IntegerDomain):
-            codes = self._encode_integer(_integer_values(column), domain)
-        else:
-            codes = _lookup_codes(column, self._values())
-        if domain.policy == "other":
-            other = domain.size - 1
-            codes = np.where(codes == INVALID, other, codes)
-        return codes
+            mode, table = _integer_rule(domain, len(column))
+            return _kernel_codes(column, domain.minimum, domain.maximum, mode, table, invalid, dtype)
+        return _lookup_codes(column, self._values(), invalid, dtype)
 
     def _values(self) -> tuple[str, ...]:
         """The domain's values in code order (a categorical's values, a geography's leaves)."""
@@ -148,25 +196,23 @@ class ColumnEncoder:
         assert isinstance(domain, GeographyDomain)
         return tuple(domain.leaves)
 
-    @staticmethod
-    def _encode_measure(values: np.ndarray, domain: MeasureDomain) -> np.ndarray:
-        """value - lower after clamping to [lower, upper]; invalid_code for null/NaN/non-integers (kept rows)."""
-        valid = np.isfinite(values)
-        clamped = np.clip(np.where(valid, values, domain.lower), domain.lower, domain.upper)
-        return np.where(valid, clamped.astype(np.int64) - domain.lower, domain.invalid_code)
 
-    @staticmethod
-    def _encode_integer(values: np.ndarray, domain: IntegerDomain) -> np.ndarray:
-        valid = np.isfinite(values) & (values >= domain.minimum) & (values <= domain.maximum)
-        safe = np.where(valid, values, domain.minimum).astype(np.int64)
-        if domain.edges and domain.maximum - domain.minimum < min(values.size, LOOKUP_VALUES):  # bins from a table
-            span = np.arange(domain.minimum, domain.maximum + 1, dtype=np.int64)
-            codes = (np.searchsorted(np.asarray(domain.edges), span, side="right") - 1)[safe - domain.minimum]
-        elif domain.edges:
-            codes = np.searchsorted(np.asarray(domain.edges), safe, side="right") - 1
-        else:
-            codes = safe - domain.minimum
-        return np.where(valid, codes, INVALID)
+def _integer_rule(domain: IntegerDomain, rows: int) -> tuple[int, np.ndarray | None]:
+    """How an integer column's values become codes: value - minimum without bins; with bins, each value's bin
+    read from a table over the range when the batch holds more values than the range (at most LOOKUP_VALUES),
+    else searched among the edges. The same codes either way."""
+    if not domain.edges:
+        return IDENTITY, None
+    if domain.maximum - domain.minimum < min(rows, LOOKUP_VALUES):
+        return LOOKUP, _bin_lookup(domain.edges, domain.minimum, domain.maximum)
+    return EDGES, np.asarray(domain.edges, dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=64)
+def _bin_lookup(edges: tuple[int, ...], minimum: int, maximum: int) -> np.ndarray:
+    """Each value's bin over [minimum, maximum] (int32; -1 below the first edge), made once per domain."""
+    span = np.arange(minimum, maximum + 1, dtype=np.int64)
+    return (np.searchsorted(np.asarray(edges, dtype=np.int64), span, side="right") - 1).astype(np.int32)
 
 
 def encode_batch(batch: pa.RecordBatch | pa.Table, encoders: dict[str, ColumnEncoder]) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -205,13 +251,20 @@ def encoded_table(batch: pa.RecordBatch | pa.Table, encoders: dict[str, ColumnEn
     codes, keep = encode_batch(batch, encoders)
     if unit:
         keep &= pc.is_valid(batch.column(unit)).to_numpy(zero_copy_only=False)
+    every = bool(keep.all())  # usually: no filtering copy
     mask = pa.array(keep)
-    data = {c: pa.array(codes[c].astype(code_dtype(encoders[c].domain.size))).filter(mask) for c in encoders}
+    data = {c: _kept(pa.array(codes[c].astype(code_dtype(encoders[c].domain.size), copy=False)), mask, every)
+            for c in encoders}
     if not encoders:
         data[ROWS] = pa.array(np.zeros(int(keep.sum()), dtype=np.int8))
     if unit:
-        data[UNIT] = canonical_units(batch.column(unit).filter(mask))
+        data[UNIT] = canonical_units(_kept(batch.column(unit), mask, every))
     return pa.table(data)
+
+
+def _kept(column: pa.Array | pa.ChunkedArray, mask: pa.Array, every: bool) -> pa.Array | pa.ChunkedArray:
+    """The column's values where `mask` holds (`every`: it holds everywhere, the column itself)."""
+    return column if every else column.filter(mask)
 
 
 def canonical_units(units: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:

@@ -130,7 +130,7 @@ def write_table(plan: Plan, root: Path, table: TablePlan, published: np.ndarray,
     its noisy measurements in measurements/, each part's label columns made once for both."""
     entries = []
     for part, measured in zip(table_parts(plan, table, TABLES_DIR, layout),
-                              table_parts(plan, table, MEASUREMENTS_DIR, layout)):
+                              table_parts(plan, table, MEASUREMENTS_DIR, layout), strict=True):
         rows = slice(part.start, part.stop)
         labels = row_labels(plan, table.dims, table.quantiles, part.start, part.stop)
         values = table_values(table, published[rows], table.value_name, None if variance is None else variance[rows])

@@ -496,9 +496,10 @@ def test_a_dictionary_column_is_coded_through_its_lookup_with_nulls_and_misses()
 
 
 @pytest.mark.parametrize("case", ["kind", "offset", "short values", "output length", "output width", "bounds",
-                                  "bounds past 2^53", "mode", "lookup length", "lookup without mode",
-                                  "edges not ascending", "no edges", "short validity", "code too wide",
-                                  "invalid too wide"])
+                                  "bounds past 2^53", "bound one past 2^53", "mode", "lookup length",
+                                  "lookup without mode", "edges not ascending", "no edges", "short validity",
+                                  "code too wide", "invalid too wide", "int64 lookup", "float edges",
+                                  "float output", "unsigned output"])
 def test_the_encoding_kernel_refuses_inconsistent_arguments(case):
     """Each inconsistent argument (public: the domain and the buffers' shapes) raises ValueError naming no value."""
     values, out = np.arange(10, dtype=np.int64), np.empty(10, dtype=np.int8)
@@ -512,7 +513,12 @@ def test_the_encoding_kernel_refuses_inconsistent_arguments(case):
                "edges not ascending": dict(mode=encode.EDGES, table=np.array([0, 5, 5], np.int64)),
                "no edges": dict(mode=encode.EDGES, table=np.zeros(0, np.int64)),
                "short validity": dict(validity=b"\xff", validity_offset=0),
-               "code too wide": dict(maximum=200), "invalid too wide": dict(invalid=128)}
+               "code too wide": dict(maximum=200), "invalid too wide": dict(invalid=128),
+               "bound one past 2^53": dict(minimum=2**53 + 1, maximum=2**53 + 1),
+               "int64 lookup": dict(mode=encode.LOOKUP, table=np.zeros(21, np.int64)),
+               "float edges": dict(mode=encode.EDGES, table=np.array([0.0, 5.0])),
+               "float output": dict(out=np.empty(10, np.float64)),
+               "unsigned output": dict(out=np.empty(10, np.uint8))}
     args.update(changes[case])
     with pytest.raises(ValueError) as raised:
         _encoding.codes(*args.values())
@@ -534,7 +540,8 @@ def test_a_looked_up_column_is_the_lookup_of_every_code(dtype, out_dtype):
 
 
 @pytest.mark.parametrize("case", ["negative code", "code past the lookup", "value past the output",
-                                  "negative value", "wrong length", "empty lookup", "wide codes"])
+                                  "negative value", "wrong length", "empty lookup", "wide codes", "int64 lookup",
+                                  "float output", "two-dimensional codes"])
 def test_a_looked_up_code_outside_its_domain_is_refused_naming_no_value(case):
     codes, lookup, out = np.array([0, 1, 2], np.int16), np.array([0, 5, 9], np.int32), np.empty(3, np.int8)
     if case == "negative code":
@@ -549,11 +556,45 @@ def test_a_looked_up_code_outside_its_domain_is_refused_naming_no_value(case):
         out = np.empty(4, np.int8)
     elif case == "empty lookup":
         lookup = np.zeros(0, np.int32)
+    elif case == "int64 lookup":
+        lookup = lookup.astype(np.int64)
+    elif case == "float output":
+        out = np.empty(3, np.float32)
+    elif case == "two-dimensional codes":
+        codes = np.zeros((3, 2), np.int8)
     else:
         codes = codes.astype(np.int64)
     with pytest.raises(ValueError) as raised:
         _counting.looked_up(codes, lookup, 3, out)
     assert str(raised.value).startswith("looked_up: ") and "300" not in str(raised.value)
+
+
+def test_a_shared_lookup_s_column_not_one_code_per_record_is_refused():
+    """A column read through a shared lookup is refused as `_counted` refuses it, not read as wider codes."""
+    from dprelease.transforms.aggregate import bounded_counts
+
+    lookup = np.array([0, 1, 1, 0] + [0] * 300)
+    layouts = [TableLayout("a", ("geo",), (lookup,), (2,)), TableLayout("b", ("geo",), (lookup,), (2,))]
+    for column in (np.array([[1, 0], [2, 0], [3, 0], [0, 0]], np.int8), np.array([1, 0, 2, 0, 3, 0, 0, 0], np.int8)):
+        with pytest.raises(ValueError, match="not one code for each of its 4 records"):
+            bounded_counts(layouts, {"geo": column}, 4, [304], None, 1, b"k" * 32)
+
+
+def test_misaligned_and_empty_columns_are_coded_as_numpy_codes_them():
+    """An Arrow array over a buffer at an odd address (legal in Arrow) is read correctly; an empty column of any
+    type gives no codes (an empty chunked date or decimal column could not be dictionary-encoded)."""
+    import datetime
+    import decimal
+
+    data = pa.py_buffer(np.arange(11, dtype=np.int64).tobytes())
+    column = pa.Array.from_buffers(pa.int64(), 10, [None, data.slice(3, 80)])
+    domain = IntegerDomain("x", 0, 2**40, None, "drop")
+    assert ColumnEncoder(domain).encode(column).tolist() == _numpy_integer_codes(_numpy_values(column), domain).tolist()
+    category = CategoricalDomain("d", ("2020-01-01", "1.5"), "other")
+    for empty in (pa.chunked_array([], pa.date32()), pa.chunked_array([], pa.decimal128(5, 2)),
+                  pa.array([datetime.date(2020, 1, 1)]).slice(0, 0), pa.array([decimal.Decimal("1.5")]).slice(1)):
+        assert ColumnEncoder(category).encode(empty).tolist() == []
+        assert ColumnEncoder(domain).encode(empty).tolist() == []
 
 
 def test_tables_sharing_a_lookup_count_what_each_counts_through_it():

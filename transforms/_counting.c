@@ -14,6 +14,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 #define MAX_COLUMNS 32
 #define SMALL_TABLE 4096 /* cells of a table counted in four interleaved copies */
@@ -325,18 +326,48 @@ LOOK_UP(look_up_int8, int8_t)
 LOOK_UP(look_up_int16, int16_t)
 LOOK_UP(look_up_int32, int32_t)
 
+/* A C-contiguous buffer of `object` whose items are signed integers of 1, 2 or 4 bytes (`itemsize` of them when
+ * not 0), aligned to their size; 0 with a Python error otherwise. */
+static int open_codes(PyObject *object, Py_buffer *view, int writable, Py_ssize_t itemsize)
+{
+    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return 0;
+    const char *format = view->format == NULL ? "B" : view->format;
+    if (format[0] != '\0' && strchr("@=<>!", format[0]) != NULL)
+        format++;
+    Py_ssize_t size = view->itemsize;
+    if (strlen(format) != 1 || strchr("bhil", format[0]) == NULL ||
+        (itemsize ? size != itemsize : size != 1 && size != 2 && size != 4) ||
+        (uintptr_t)view->buf % (uintptr_t)size != 0) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "looked_up: codes, lookup and output must be signed integers of 1, 2 or 4 "
+                                          "bytes (the lookup 4), aligned");
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *py_looked_up(PyObject *self, PyObject *args)
 {
+    PyObject *codes_object, *lookup_object, *out_object;
     Py_buffer codes, lookup, out;
     Py_ssize_t rows;
-    if (!PyArg_ParseTuple(args, "y*y*nw*", &codes, &lookup, &rows, &out))
+    if (!PyArg_ParseTuple(args, "OOnO", &codes_object, &lookup_object, &rows, &out_object))
         return NULL;
+    if (!open_codes(codes_object, &codes, 0, 0))
+        return NULL;
+    if (!open_codes(lookup_object, &lookup, 0, 4)) {
+        PyBuffer_Release(&codes);
+        return NULL;
+    }
+    if (!open_codes(out_object, &out, 1, 0)) {
+        PyBuffer_Release(&codes);
+        PyBuffer_Release(&lookup);
+        return NULL;
+    }
     PyObject *result = NULL;
-    Py_ssize_t width = rows > 0 ? codes.len / rows : 1, out_width = rows > 0 ? out.len / rows : 1;
-    Py_ssize_t n = lookup.len / (Py_ssize_t)sizeof(int32_t);
-    if (rows < 0 || (width != 1 && width != 2 && width != 4) || codes.len != rows * width ||
-        (out_width != 1 && out_width != 2 && out_width != 4) || out.len != rows * out_width ||
-        lookup.len % (Py_ssize_t)sizeof(int32_t) != 0 || n < 1 || n > INT32_MAX) {
+    Py_ssize_t width = codes.itemsize, out_width = out.itemsize, n = lookup.len / (Py_ssize_t)sizeof(int32_t);
+    if (rows < 0 || codes.len != rows * width || out.len != rows * out_width || n < 1 || n > INT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "looked_up: the codes, lookup or output have the wrong length");
         goto done;
     }

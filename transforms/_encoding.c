@@ -14,9 +14,10 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define BLOCK 4096 /* values coded into int64 before they are stored in the output's width */
-#define EXACT_LIMIT 9007199254740992.0 /* 2^53: every integer of this magnitude or less is a float64 */
+#define EXACT_BOUND (1LL << 53) /* every integer of this magnitude or less is a float64 */
 #define INTEGRAL_ALL 4503599627370496.0 /* 2^52: every float64 of this magnitude or more is an integer */
 
 enum { IDENTITY, CLAMP, LOOKUP, EDGES };
@@ -73,24 +74,26 @@ static inline int float_is_value(double value)
     return value == (double)(int64_t)value;
 }
 
-#define CODE_LOOP(mode, is_float)                                                                             \
+#define CODE_LOOP(mode, type, is_float)                                                                             \
     for (Py_ssize_t r = 0; r < n; r++) {                                                                      \
-        double value = (double)values[r];                                                                     \
+        type raw;                                                                                             \
+        memcpy(&raw, (const char *)values + r * sizeof(type), sizeof(type)); /* any alignment */             \
+        double value = (double)raw;                                                                           \
         int valid = (bits == NULL || bit_set(bits, bit0 + r)) && (!(is_float) || float_is_value(value));      \
         code[r] = valid ? code_of(value, &domain, mode) : domain.invalid;                                     \
     }                                                                                                         \
     break;
 
 #define CODE_BLOCK(name, type, is_float)                                                                      \
-    static void name(const type *restrict values, const uint8_t *bits, int64_t bit0, Py_ssize_t n,           \
+    static void name(const void *values, const uint8_t *bits, int64_t bit0, Py_ssize_t n,           \
                      const domain_t *d, int64_t *restrict code)                                               \
     {                                                                                                         \
         const domain_t domain = *d;                                                                           \
         switch (domain.mode) {                                                                                \
-        case IDENTITY: CODE_LOOP(IDENTITY, is_float)                                                          \
-        case CLAMP: CODE_LOOP(CLAMP, is_float)                                                                \
-        case LOOKUP: CODE_LOOP(LOOKUP, is_float)                                                              \
-        default: CODE_LOOP(EDGES, is_float)                                                                   \
+        case IDENTITY: CODE_LOOP(IDENTITY, type, is_float)                                                          \
+        case CLAMP: CODE_LOOP(CLAMP, type, is_float)                                                                \
+        case LOOKUP: CODE_LOOP(LOOKUP, type, is_float)                                                              \
+        default: CODE_LOOP(EDGES, type, is_float)                                                                   \
         }                                                                                                     \
     }
 CODE_BLOCK(code_int32, int32_t, 0)
@@ -125,11 +128,11 @@ static void encode(const char *values, int kind, Py_ssize_t n, const uint8_t *bi
     for (Py_ssize_t start = 0; start < n; start += BLOCK) {
         Py_ssize_t m = n - start < BLOCK ? n - start : BLOCK;
         if (kind == 'i')
-            code_int32((const int32_t *)values + start, bits, bit0 + start, m, d, code);
+            code_int32(values + start * 4, bits, bit0 + start, m, d, code);
         else if (kind == 'q')
-            code_int64((const int64_t *)values + start, bits, bit0 + start, m, d, code);
+            code_int64(values + start * 8, bits, bit0 + start, m, d, code);
         else
-            code_float64((const double *)values + start, bits, bit0 + start, m, d, code);
+            code_float64(values + start * 8, bits, bit0 + start, m, d, code);
         store(code, m, out + start * width, width);
     }
 }
@@ -140,29 +143,51 @@ static int fits(int64_t code, Py_ssize_t width)
     return code >= -1 && code <= top;
 }
 
+/* A C-contiguous buffer of `object` whose items are signed integers of `itemsize` bytes (0: of 1, 2, 4 or 8),
+ * aligned to their size; 0 with a Python error naming `what` otherwise. */
+static int open_items(PyObject *object, Py_buffer *view, int writable, Py_ssize_t itemsize, const char *what)
+{
+    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return 0;
+    const char *format = view->format == NULL ? "B" : view->format;
+    if (strchr("@=<>!", format[0]) != NULL && format[0] != '\0')
+        format++;
+    Py_ssize_t size = view->itemsize;
+    if (strlen(format) != 1 || strchr("bhilq", format[0]) == NULL ||
+        (itemsize ? size != itemsize : size != 1 && size != 2 && size != 4 && size != 8) ||
+        (uintptr_t)view->buf % (uintptr_t)size != 0) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_ValueError, "codes: %s must be signed integers of the right size, aligned", what);
+        return 0;
+    }
+    return 1;
+}
+
 /* codes(values, kind, offset, n, validity, validity_offset, minimum, maximum, mode, table, invalid, out) */
 static PyObject *py_codes(PyObject *self, PyObject *args)
 {
-    Py_buffer values, out, validity = {0}, table = {0};
-    PyObject *validity_object, *table_object;
+    Py_buffer values, out = {0}, validity = {0}, table = {0};
+    PyObject *validity_object, *table_object, *out_object;
     int kind, mode;
     Py_ssize_t offset, n, validity_offset;
     long long minimum, maximum, invalid;
-    if (!PyArg_ParseTuple(args, "y*CnnOnLLiOLw*", &values, &kind, &offset, &n, &validity_object, &validity_offset,
-                          &minimum, &maximum, &mode, &table_object, &invalid, &out))
+    if (!PyArg_ParseTuple(args, "y*CnnOnLLiOLO", &values, &kind, &offset, &n, &validity_object, &validity_offset,
+                          &minimum, &maximum, &mode, &table_object, &invalid, &out_object))
         return NULL;
     PyObject *result = NULL;
-    int has_validity = 0, has_table = 0;
+    int has_validity = 0, has_table = 0, has_out = 0;
     Py_ssize_t item = kind == 'i' ? 4 : 8;
-    Py_ssize_t width = n > 0 ? out.len / n : 1;
+    if (!open_items(out_object, &out, 1, 0, "the output"))
+        goto done;
+    has_out = 1;
+    Py_ssize_t width = out.itemsize;
     if ((kind != 'i' && kind != 'q' && kind != 'd') || offset < 0 || n < 0 ||
         offset > PY_SSIZE_T_MAX / item - n || values.len < (offset + n) * item ||
         (width != 1 && width != 2 && width != 4 && width != 8) || out.len != n * width) {
         PyErr_SetString(PyExc_ValueError, "codes: the values or the output have the wrong kind or length");
         goto done;
     }
-    if (mode < IDENTITY || mode > EDGES || minimum > maximum || fabs((double)minimum) > EXACT_LIMIT ||
-        fabs((double)maximum) > EXACT_LIMIT) {
+    if (mode < IDENTITY || mode > EDGES || minimum > maximum || minimum < -EXACT_BOUND || maximum > EXACT_BOUND) {
         PyErr_SetString(PyExc_ValueError, "codes: the domain's bounds or mode are out of range");
         goto done;
     }
@@ -183,7 +208,7 @@ static PyObject *py_codes(PyObject *self, PyObject *args)
     domain_t d = {mode, minimum, invalid, (double)minimum, (double)maximum, NULL, NULL, 0};
     int64_t top = mode == CLAMP || mode == IDENTITY ? maximum - minimum : -1;
     if (table_object != Py_None) {
-        if (PyObject_GetBuffer(table_object, &table, PyBUF_SIMPLE) < 0)
+        if (!open_items(table_object, &table, 0, mode == LOOKUP ? 4 : 8, mode == LOOKUP ? "a lookup" : "edges"))
             goto done;
         has_table = 1;
         if (mode == LOOKUP) {
@@ -223,7 +248,8 @@ done:
     if (has_table)
         PyBuffer_Release(&table);
     PyBuffer_Release(&values);
-    PyBuffer_Release(&out);
+    if (has_out)
+        PyBuffer_Release(&out);
     return result;
 }
 

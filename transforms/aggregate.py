@@ -202,15 +202,20 @@ def shared_lookups(layouts: list[TableLayout], codes: dict[str, np.ndarray],
         for column, lookup in zip(layout.columns, layout.lookups):
             key = (column, id(lookup))
             if lookup is not None and uses[key] > 1 and key not in shared and column in codes:
-                shared[key] = (f"{column}@lookup-{len(shared)}", _looked_up(codes[column], lookup, rows))
+                name = f"{column}@lookup-{len(shared)}"  # '@' is in no spec column's name nor in a measure's
+                if name in codes:
+                    raise ValueError(f"a code column is named {name!r}, the name of a looked-up column")
+                shared[key] = (name, _looked_up(column, codes[column], lookup, rows))
     if not shared:
         return layouts, codes
     codes = {**codes, **{name: values for name, values in shared.values()}}
     return [_reading_shared(layout, shared) for layout in layouts], codes
 
 
-def _looked_up(values: np.ndarray, lookup: np.ndarray, rows: int) -> np.ndarray:
+def _looked_up(column: str, values: np.ndarray, lookup: np.ndarray, rows: int) -> np.ndarray:
     """lookup[values] in the narrowest code type that holds the lookup's codes (checked in the C kernel)."""
+    if np.ndim(values) != 1 or len(values) != rows:
+        raise ValueError(f"column {column}: a code column is not one code for each of its {rows} records")
     lookup = np.ascontiguousarray(lookup, dtype=np.int32)
     top = int(lookup.max()) if lookup.size else 0
     out = np.empty(rows, dtype=np.int8 if top <= 127 else np.int16 if top <= 32767 else np.int32)

@@ -64,6 +64,8 @@ def _lookup_codes(column: pa.Array | pa.ChunkedArray, values: tuple[str, ...], i
     dictionary is matched as bytes against the values' UTF-8 in one vectorised lookup (text that is not valid
     UTF-8 equals no value); any other dictionary value by its text form (`_as_text`). The records' codes are then
     read through that lookup in one pass (`_encoding.codes`)."""
+    if len(column) == 0:  # (an empty chunked column of some types cannot be dictionary-encoded)
+        return np.empty(0, dtype=dtype)
     encoded = dictionary_encoded(column)
     if is_text(encoded.dictionary.type):
         found = pc.index_in(text_as_bytes(encoded.dictionary), value_set=_utf8_values(values))
@@ -212,7 +214,9 @@ def _integer_rule(domain: IntegerDomain, rows: int) -> tuple[int, np.ndarray | N
 def _bin_lookup(edges: tuple[int, ...], minimum: int, maximum: int) -> np.ndarray:
     """Each value's bin over [minimum, maximum] (int32; -1 below the first edge), made once per domain."""
     span = np.arange(minimum, maximum + 1, dtype=np.int64)
-    return (np.searchsorted(np.asarray(edges, dtype=np.int64), span, side="right") - 1).astype(np.int32)
+    lookup = (np.searchsorted(np.asarray(edges, dtype=np.int64), span, side="right") - 1).astype(np.int32)
+    lookup.flags.writeable = False  # shared by every batch
+    return lookup
 
 
 def encode_batch(batch: pa.RecordBatch | pa.Table, encoders: dict[str, ColumnEncoder]) -> tuple[dict[str, np.ndarray], np.ndarray]:

@@ -603,3 +603,39 @@ def test_the_watch_kills_only_the_runs_marked_workers_when_the_launcher_is_kille
         for pid in (marked, other):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_sparse_counts_are_summed_exactly_however_they_are_combined(monkeypatch):
+    """A table's sparse counts summed by the combine (inputs gathered and summed in batches, accumulators merged)
+    and by `dense_parts` (a range's parts, distinct ascending cells or repeated in any order): every cell's exact
+    int64 sum, counts past 2^53 included (a float64 sum rounds them)."""
+    from dprelease.transforms import beam as beam_transforms
+    from dprelease.transforms.release_values import dense_parts
+
+    monkeypatch.setattr(beam_transforms, "COMPACT_ENTRIES", 50)
+    rng = np.random.default_rng(8)
+    parts = []
+    for i in range(40):
+        cells = np.unique(rng.integers(0, 300, rng.integers(0, 60)))
+        parts.append((cells, rng.integers(0, 2**55, cells.size) + (2**53 if i % 3 == 0 else 0)))
+    expected = {}
+    for cells, counts in parts:
+        for cell, count in zip(cells.tolist(), counts.tolist()):
+            expected[cell] = expected.get(cell, 0) + count
+    combine = beam_transforms._SumSparseCounts()
+    accumulators = []
+    for chunk in (parts[:13], parts[13:14], parts[14:]):
+        accumulator = combine.create_accumulator()
+        for part in chunk:
+            accumulator = combine.add_input(accumulator, part)
+        accumulators.append(accumulator)
+    cells, counts = combine.extract_output(combine.merge_accumulators(accumulators))
+    assert cells.tolist() == sorted(expected) and counts.tolist() == [expected[c] for c in sorted(expected)]
+    repeated = [(np.concatenate([c[::-1], c[:3]]), np.concatenate([n[::-1], n[:3]])) for c, n in parts[:5]]
+    for given in (parts, repeated):
+        sums = {}
+        for cells, counts in given:
+            for cell, count in zip(cells.tolist(), counts.tolist()):
+                sums[cell] = sums.get(cell, 0) + count
+        dense = dense_parts(100, 250, [(c[(c >= 100) & (c < 250)], n[(c >= 100) & (c < 250)]) for c, n in given])
+        assert dense.tolist() == [sums.get(cell, 0) for cell in range(100, 250)]

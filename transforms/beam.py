@@ -12,7 +12,8 @@ rows. The steps, composable in any Beam pipeline:
                                           bounding kernel (a unit's records all meet in one shard)
     CountCells(layouts)                   bounded tables -> (table, (cells, counts)): a combine of
                                           sparse per-batch measurement vectors (counts, sums, unit
-                                          counts, quantile buckets)
+                                          counts, quantile buckets); combined=False: not summed (AddNoise
+                                          and ScoreCandidates sum each range's parts where it is released)
     Histogram / Marginals / Hierarchy     CountCells for the tables of one query of a plan
     AddNoise(releases, key)               (table, counts) -> (table, start, released int64 vector) for
                                           every range of every table's public cell domain, empty
@@ -217,29 +218,55 @@ class ReadKeptRecords(beam.PTransform):
                 | "ReadKept" >> beam.FlatMap(read).with_output_types(Any))
 
 
+COMPACT_ENTRIES = 1 << 18
+"""Entries a table's sparse-count accumulator gathers (and at least 4x its last sum's) before it sums them."""
+
+
+def summed_counts(cells: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct cells, ascending; each one's counts summed): exact in int64, wrapping as numpy's sums do."""
+    order = np.argsort(cells, kind="stable")
+    cells, counts = np.asarray(cells, dtype=np.int64)[order], np.asarray(counts, dtype=np.int64)[order]
+    if cells.size == 0:
+        return cells, counts
+    starts = np.flatnonzero(np.concatenate([[True], cells[1:] != cells[:-1]]))
+    return cells[starts], np.add.reduceat(counts, starts)
+
+
 class _SumSparseCounts(beam.CombineFn):
-    """Sums (cells, counts) pairs of one table; the result is sparse and sorted by cell."""
+    """Sums (cells, counts) pairs of one table; the result is sparse and sorted by cell. The accumulator gathers
+    pairs and sums them once they pass COMPACT_ENTRIES entries and four times the last sum's (and at the end):
+    a sum per input made the work grow with inputs x table size."""
 
     def create_accumulator(self):
-        return (np.empty(0, np.int64), np.empty(0, np.int64))
+        return [[], 0, 0]  # pairs, their entries, the entries of the last sum
 
     @staticmethod
-    def _reduce(cells: np.ndarray, counts: np.ndarray):
-        unique, inverse = np.unique(cells, return_inverse=True)
-        return unique, np.bincount(inverse, weights=counts, minlength=unique.size).astype(np.int64)
+    def _compacted(accumulator):
+        pairs, _, _ = accumulator
+        if len(pairs) > 1:
+            pairs[:] = [summed_counts(np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs]))]
+        entries = len(pairs[0][0]) if pairs else 0
+        return [pairs, entries, entries]
 
     def add_input(self, accumulator, element):
-        return self._reduce(np.concatenate([accumulator[0], element[0]]), np.concatenate([accumulator[1], element[1]]))
+        pairs, entries, last = accumulator
+        pairs.append(element)
+        entries += len(element[0])
+        if entries > max(COMPACT_ENTRIES, 4 * last):
+            return self._compacted([pairs, entries, last])
+        return [pairs, entries, last]
 
     def merge_accumulators(self, accumulators):
-        parts = list(accumulators)
-        return self._reduce(np.concatenate([a[0] for a in parts]), np.concatenate([a[1] for a in parts]))
+        pairs = [pair for accumulator in accumulators for pair in accumulator[0]]
+        return self._compacted([pairs, 0, 0])
 
     def extract_output(self, accumulator):
-        return accumulator
+        pairs = self._compacted(accumulator)[0]
+        return pairs[0] if pairs else (np.empty(0, np.int64), np.empty(0, np.int64))
 
     add_input = public_failures("sum counts", add_input)
     merge_accumulators = public_failures("sum counts", merge_accumulators)
+    extract_output = public_failures("sum counts", extract_output)
 
 
 class CountCells(beam.PTransform):
@@ -248,9 +275,12 @@ class CountCells(beam.PTransform):
     kept), combined across batches. AddNoise supplies the empty tables and cells. A bounded table holds
     every record of its units (one shard), so distinct units are counted exactly."""
 
-    def __init__(self, layouts: list[TableLayout]):
+    def __init__(self, layouts: list[TableLayout], combined: bool = True):
+        """`combined=False`: each bounded table's (table, (cells, counts)) as it comes, not summed per table (for
+        a step that sums them anyway, such as AddNoise's ranges: one shuffle fewer)."""
         super().__init__()
         self.layouts = list(layouts)
+        self.combined = combined
 
     def expand(self, bounded):
         layouts = self.layouts
@@ -266,8 +296,8 @@ class CountCells(beam.PTransform):
                 yield layout.name, (cells, counts[cells])
 
         counted = beam.FlatMap(public_failures("count", sparse_counts)).with_output_types(tuple[str, Any])
-        return (bounded | "SparseCounts" >> counted
-                | "SumCounts" >> beam.CombinePerKey(_SumSparseCounts()))
+        counts = bounded | "SparseCounts" >> counted
+        return counts | "SumCounts" >> beam.CombinePerKey(_SumSparseCounts()) if self.combined else counts
 
 
 class _QueryCounts(CountCells):
@@ -375,16 +405,21 @@ class GroupRanges(beam.PTransform):
 
     def expand(self, counts):
         steps = self.steps
+        starts_none = np.empty(0, dtype=np.int64)
         ranges = [((name, start), None) for name, n_measured in sorted(self.measured.items())
                   for start in range(0, n_measured, steps[name])]
 
         def split(element):
             name, (cells, values) = element
+            cells, values = np.asarray(cells, dtype=np.int64), np.asarray(values)
+            if np.any(cells[1:] < cells[:-1]):  # (CountCells' cells come ascending)
+                order = np.argsort(cells, kind="stable")
+                cells, values = cells[order], values[order]
             step = steps[name]
             first = cells // step
-            for r in np.unique(first):
-                mine = first == r
-                yield (name, int(r) * step), (cells[mine], values[mine])
+            starts = np.flatnonzero(np.concatenate([[True], first[1:] != first[:-1]])) if cells.size else starts_none
+            for begin, end in zip(starts, [*starts[1:], cells.size]):
+                yield (name, int(first[begin]) * step), (cells[begin:end], values[begin:end])
 
         ranged = beam.FlatMap(public_failures("split ranges", split)).with_output_types(tuple[tuple[str, int], Any])
         return ((counts | "SplitRanges" >> ranged,

@@ -1,7 +1,8 @@
 """The Beam engine: the release pipeline as Beam transforms over column batches.
 
     input files -> ReadInputBatches -> EncodeRecords -> BoundContributions (shard by unit)
-    -> CountCells (combine of sparse count vectors) -> AddNoise (per public cell range, in workers)
+    -> CountCells (sparse count vectors) -> AddNoise (each public cell range's parts summed and released in
+       the workers)
     -> WriteNoisyRanges (one .npy per range) -> the driver assembles, post-processes and publishes
        with the engine-neutral code, as the other engines do.
 
@@ -653,7 +654,8 @@ class BeamEngine(Engine):
         """Input files -> (table, output start, released values) for every range of every table."""
         from dprelease.transforms.beam import AddNoise, CountCells
 
-        counts = self._bounded(pipeline, plan, source, key) | "Count" >> CountCells([t.layout for t in plan.tables])
+        counts = (self._bounded(pipeline, plan, source, key)  # each range's parts summed where its noise is drawn
+                  | "Count" >> CountCells([t.layout for t in plan.tables], combined=False))
         return counts | "AddNoise" >> AddNoise.from_plan(plan, self._key_input(pipeline, key), steps=steps)
 
     def _bounded(self, pipeline, plan: Plan, source: InputSource, key: ReleaseKey):
@@ -759,7 +761,7 @@ class BeamEngine(Engine):
 
         def release_one_way(pipeline, directory: str) -> None:
             (self._kept_records(pipeline)
-             | "Count" >> CountCells([t.layout for t in one_way])
+             | "Count" >> CountCells([t.layout for t in one_way], combined=False)
              | "AddNoise" >> AddNoise.from_plan(one_way_plan, self._key_input(pipeline, key))
              | "Write" >> WriteNoisyRanges(directory, {t.name: i for i, t in enumerate(one_way)}))
 
@@ -773,7 +775,7 @@ class BeamEngine(Engine):
 
         def score(pipeline, directory: str) -> None:
             (self._kept_records(pipeline)
-             | "Count" >> CountCells([t.layout for t in candidates])
+             | "Count" >> CountCells([t.layout for t in candidates], combined=False)
              | "Score" >> scorer
              | "Write" >> beam_write_scores(directory))
 

@@ -99,20 +99,37 @@ def key_argument(key):
     return beam.pvalue.AsSingleton(key) if isinstance(key, beam.pvalue.PCollection) else key
 
 
-def _split_by_shard(table: pa.Table, shards: int, key: ReleaseKey) -> Iterable[tuple[int, pa.Table]]:
-    """(shard, rows of that shard), the shard a keyed hash of the unit (`unit_shards`, `shard_pieces`): each
-    part a compact copy (a slice would pickle its parent's whole buffers)."""
+def _split_by_shard(table: pa.Table, shards: int, key: ReleaseKey) -> Iterable[tuple[int, bytes]]:
+    """(shard, rows of that shard as a zstd-compressed Arrow IPC stream: `shuffled`), the shard a keyed hash of
+    the unit (`unit_shards`, `shard_pieces`); the runner's shuffle moves a third of the bytes a pickled table
+    takes."""
     if UNIT not in table.column_names:
         raise ValueError("BoundContributions: the encoded records carry no privacy unit (privacy_unit: null); "
                          "build it with unit=False, or with BoundContributions.from_plan")
     for s, piece in shard_pieces(table, unit_shards(table.column(UNIT), shards, shard_salt(key)), shards):
-        yield s, piece.combine_chunks()
+        yield s, shuffled(piece)
 
 
-def _bound_shard(tables: Iterable[pa.Table], columns: list[str], sizes: list[int], k: int,
+SHUFFLE_COMPRESSION = pa.ipc.IpcWriteOptions(compression="zstd")
+
+
+def shuffled(table: pa.Table) -> bytes:
+    """A table as the bytes a shuffle moves: an Arrow IPC stream, its buffers zstd-compressed (`unshuffled`)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema, options=SHUFFLE_COMPRESSION) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def unshuffled(data: bytes) -> pa.Table:
+    return pa.ipc.open_stream(data).read_all()
+
+
+def _bound_shard(pieces: Iterable[bytes], columns: list[str], sizes: list[int], k: int,
                  key: ReleaseKey) -> pa.Table:
-    """All records of a shard's units, bounded to k per unit by the bounding kernel."""
-    table = pa.concat_tables(list(tables)).combine_chunks()
+    """All records of a shard's units (its pieces from `_split_by_shard`), bounded to k per unit by the bounding
+    kernel."""
+    table = pa.concat_tables([unshuffled(piece) for piece in pieces]).combine_chunks()
     keys = record_keys([table.column(c).to_numpy() for c in columns], sizes, table.num_rows)
     keep = bound_contributions(table.column(UNIT), keys, k, key.derive("dprelease/bound"))
     return table.filter(pa.array(keep))

@@ -151,6 +151,9 @@ class TreeVariances(Mapping):
     def __len__(self) -> int:
         return len(self.tree.tables)
 
+    def __contains__(self, name: object) -> bool:  # (Mapping's computes the whole table to answer)
+        return name in self.tree.tables
+
     def cells(self, name: str, start: int, stop: int) -> np.ndarray:
         """Variances of cells [start, stop) of table `name`, in the table's cell order."""
         level = self.tree.level_of(name)

@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -261,13 +262,21 @@ def estimate_record(summary: VarianceSummary, exact: bool) -> dict:
             "note": ESTIMATE_NOTE}
 
 
+def table_summary(plan: Plan, table, layout, cells: Callable[[int, int], np.ndarray]) -> VarianceSummary:
+    """A count table's summary over the parts its published file is in (`cells(start, stop)`: the variances of
+    cells [start, stop))."""
+    from .layout import TABLES_DIR, table_parts
+
+    return VarianceSummary.merged([VarianceSummary.of(cells(p.start, p.stop), [(0, p.stop - p.start)])
+                                   for p in table_parts(plan, table, TABLES_DIR, layout)])
+
+
 def variance_summaries(plan: Plan, estimate: EstimateVariances, layout=None) -> dict[str, VarianceSummary]:
     """Each count table's summary from its per-cell variances, over the parts its published file is in."""
-    from .layout import TABLES_DIR, Layout, table_parts
+    from .layout import Layout
 
     layout = layout or Layout()
-    return {t.name: VarianceSummary.merged([VarianceSummary.of(estimate.cells(t.name, p.start, p.stop), [(0, p.stop - p.start)])
-                                            for p in table_parts(plan, t, TABLES_DIR, layout)])
+    return {t.name: table_summary(plan, t, layout, lambda start, stop, name=t.name: estimate.cells(name, start, stop))
             for t in plan.tables if t.name in estimate.per_cell}
 
 

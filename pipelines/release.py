@@ -33,7 +33,7 @@ from dprelease.transforms.domains import dimension_labels
 
 from .debiased import debiased_parts, debiased_tables, write_debiased
 from .housekeeping import leftover_tag
-from .manifest import build_manifest, domain_file_names, dump_manifest, sha256_file
+from .manifest import VarianceSummary, build_manifest, domain_file_names, dump_manifest, sha256_file, table_summary
 from .plan import MeanOutput, Plan, TablePlan
 from .layout import MEASUREMENTS_DIR, TABLES_DIR, Layout, Part, mean_parts, table_parts
 from .postprocessing import EstimateVariances, estimate_variances, mean_values
@@ -248,14 +248,20 @@ def stage_release(
         estimate = estimate_variances(plan)
         jobs = sorted(plan.tables, key=lambda table: -table.n_outputs)  # the largest first: the threads end together
 
-        def write(table: TablePlan) -> list[dict]:
-            return write_table(plan, staging, table, published[table.name], noisy[table.name], layout,
-                               estimate.per_cell.get(table.name))
+        def write(table: TablePlan) -> tuple[list[dict], VarianceSummary | None]:
+            """The table's files, and (a count table) the manifest's summary of the variances it wrote."""
+            variance = estimate.per_cell.get(table.name)
+            written = write_table(plan, staging, table, published[table.name], noisy[table.name], layout, variance)
+            return written, None if variance is None else table_summary(plan, table, layout,
+                                                                        lambda start, stop: variance[start:stop])
 
         entries: list[dict] = []
+        summaries: dict[str, VarianceSummary] = {}
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            for i, written in enumerate(pool.map(write, jobs)):
+            for i, (table, (written, summary)) in enumerate(zip(jobs, pool.map(write, jobs))):
                 entries += written
+                if summary is not None:
+                    summaries[table.name] = summary
                 progress("write", i + 1, len(jobs))
         for mean in plan.means:
             entries += write_mean(plan, staging, mean, noisy, layout)
@@ -263,7 +269,8 @@ def stage_release(
             entries += write_debiased(plan, staging, debiased, noisy[debiased.table.name], layout)
         return finish_release(plan, staging, entries, engine=engine, key_id=key_id, created_at=created_at,
                               invocation=invocation, ledger=ledger, sign_key=sign_key,
-                              input_validation=input_validation, estimate=estimate, layout=layout)
+                              input_validation=input_validation, estimate=estimate, layout=layout,
+                              summaries=summaries)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -631,6 +631,15 @@ def test_sparse_counts_are_summed_exactly_however_they_are_combined(monkeypatch)
         accumulators.append(accumulator)
     cells, counts = combine.extract_output(combine.merge_accumulators(accumulators))
     assert cells.tolist() == sorted(expected) and counts.tolist() == [expected[c] for c in sorted(expected)]
+    many = combine.create_accumulator()
+    for _ in range(100_000):  # small and empty parts: summed as they come, not gathered (nor shuffled) raw
+        many = combine.add_input(many, (np.arange(1), np.ones(1, np.int64)))
+        many = combine.add_input(many, (np.empty(0, np.int64), np.empty(0, np.int64)))
+    assert len(many[0]) <= beam_transforms.COMPACT_PAIRS + 1
+    assert len(combine.get_accumulator_coder().encode(combine.compact(many))) < 2000
+    assert [v.tolist() for v in combine.extract_output(many)] == [[0], [100_000]]
+    lone = combine.add_input(combine.create_accumulator(), (np.array([5, 1, 5]), np.array([1, 2, 3], np.int32)))
+    assert [v.tolist() for v in combine.extract_output(lone)] == [[1, 5], [2, 4]]
     repeated = [(np.concatenate([c[::-1], c[:3]]), np.concatenate([n[::-1], n[:3]])) for c, n in parts[:5]]
     for given in (parts, repeated):
         sums = {}

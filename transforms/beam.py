@@ -110,13 +110,12 @@ def _split_by_shard(table: pa.Table, shards: int, key: ReleaseKey) -> Iterable[t
         yield s, shuffled(piece)
 
 
-SHUFFLE_COMPRESSION = pa.ipc.IpcWriteOptions(compression="zstd")
-
-
 def shuffled(table: pa.Table) -> bytes:
-    """A table as the bytes a shuffle moves: an Arrow IPC stream, its buffers zstd-compressed (`unshuffled`)."""
+    """A table as the bytes a shuffle moves: an Arrow IPC stream, its buffers zstd-compressed where this pyarrow
+    has zstd (`unshuffled` reads either)."""
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema, options=SHUFFLE_COMPRESSION) as writer:
+    options = pa.ipc.IpcWriteOptions(compression="zstd" if pa.Codec.is_available("zstd") else None)
+    with pa.ipc.new_stream(sink, table.schema, options=options) as writer:
         writer.write_table(table)
     return sink.getvalue().to_pybytes()
 
@@ -237,6 +236,8 @@ class ReadKeptRecords(beam.PTransform):
 
 COMPACT_ENTRIES = 1 << 18
 """Entries a table's sparse-count accumulator gathers (and at least 4x its last sum's) before it sums them."""
+COMPACT_PAIRS = 256
+"""Pairs it gathers before it sums those since its last sum among themselves (many small parts)."""
 
 
 def summed_counts(cells: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -259,19 +260,31 @@ class _SumSparseCounts(beam.CombineFn):
 
     @staticmethod
     def _compacted(accumulator):
+        """Every pair summed into one (a lone pair too, unless its cells are distinct and ascending)."""
         pairs, _, _ = accumulator
-        if len(pairs) > 1:
+        if len(pairs) > 1 or (pairs and np.any(np.diff(pairs[0][0]) <= 0)):
             pairs[:] = [summed_counts(np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs]))]
         entries = len(pairs[0][0]) if pairs else 0
         return [pairs, entries, entries]
 
     def add_input(self, accumulator, element):
         pairs, entries, last = accumulator
+        if len(element[0]) == 0:  # a table with no record in a batch
+            return accumulator
         pairs.append(element)
         entries += len(element[0])
         if entries > max(COMPACT_ENTRIES, 4 * last):
             return self._compacted([pairs, entries, last])
+        if len(pairs) > COMPACT_PAIRS:  # many small parts: those since the last sum summed among themselves
+            pending = pairs[1:] if last else pairs
+            summed = summed_counts(np.concatenate([p[0] for p in pending]), np.concatenate([p[1] for p in pending]))
+            pairs[:] = (pairs[:1] if last else []) + [summed]
+            entries = last + len(summed[0])
         return [pairs, entries, last]
+
+    def compact(self, accumulator):
+        """Summed before it crosses a shuffle (Beam compacts a lifted combine's accumulators)."""
+        return self._compacted(accumulator)
 
     def merge_accumulators(self, accumulators):
         pairs = [pair for accumulator in accumulators for pair in accumulator[0]]
@@ -282,6 +295,7 @@ class _SumSparseCounts(beam.CombineFn):
         return pairs[0] if pairs else (np.empty(0, np.int64), np.empty(0, np.int64))
 
     add_input = public_failures("sum counts", add_input)
+    compact = public_failures("sum counts", compact)
     merge_accumulators = public_failures("sum counts", merge_accumulators)
     extract_output = public_failures("sum counts", extract_output)
 

@@ -109,9 +109,9 @@ def _select_range(key, release: TableRelease, start: int, stop: int, measured: n
 
 def dense_parts(start: int, stop: int, parts: Iterable[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
     """Entries [start, stop) of a measurement given as sparse parts (each `(cells, counts)`: absolute indices and
-    their counts; repeats, within and across parts, summed; every other entry is 0), added part by part: memory
-    holds the range and one part, however many workers counted in it. Shared by the engines that release ranges
-    in workers."""
+    their counts; repeats, within and across parts, summed; every other entry is 0), added part by part: beyond
+    the range, memory holds one part at a time on a runner that streams grouped values (the DirectRunner hands
+    them all at once). Shared by the engines that release ranges in workers."""
     measured = np.zeros(stop - start, dtype=np.int64)
     for cells, counts in parts:
         offsets = np.asarray(cells, dtype=np.int64) - start

@@ -432,9 +432,35 @@ def check_every_file(files: list[str], fmt: str, plan: Plan, columns: list[str],
             problems.append(f"input file {path}: cannot be read as {fmt} ({type(error).__name__})")
             continue
         problems += schema_problems(path, schemas[path], plan)
+    problems += unit_kind_problems(schemas, plan.spec.privacy_unit)
     if problems:
         raise InputSchemaError(problems)
     return schemas
+
+
+def unit_kind(kind: pa.DataType) -> str:
+    """The one type a unit column of `kind` is read as (`encode.canonical_units`): text, uint64, int64 or null."""
+    value = value_type(kind)
+    if is_text(value) or pa.types.is_binary(value) or pa.types.is_large_binary(value):
+        return "text"
+    if pa.types.is_integer(value):
+        return "uint64" if value == pa.uint64() else "int64"
+    return str(value)
+
+
+def unit_kind_problems(schemas: dict[str, pa.Schema], unit: str | None) -> list[str]:
+    """A problem when the files' privacy-unit columns are not all read as one type (text, a signed integer or
+    narrower unsigned one, uint64; or of type null: a file without any unit): their records could not be grouped
+    together. Public: from the schemas alone."""
+    kinds: dict[str, str] = {}
+    for path, schema in schemas.items():
+        if unit and unit in schema.names:
+            kinds.setdefault(unit_kind(schema.field(unit).type), path)
+    if len(kinds) < 2:
+        return []
+    shown_kinds = ", ".join(f"{kind} in {path}" for kind, path in kinds.items())
+    return [f"privacy_unit {unit!r}: the input files hold it as different kinds of value ({shown_kinds}); every "
+            "file must hold it as text, as integers that fit int64, or as uint64"]
 
 
 def open_input(plan: Plan, base_dir: Path, override: str | None = None) -> InputSource:

@@ -115,6 +115,47 @@ def test_a_float_unit_column_is_refused_at_the_schema_check(case, tmp_path):
     assert not (tmp_path / "k.key").exists()
 
 
+def _two_file_case(tmp_path: Path, first: pa.DataType, second: pa.DataType, name: str) -> Path:
+    """The 10 persons of `_rows` in two Parquet files, their unit ids typed `first` in one and `second` in the
+    other (persons 2 and 7 with two records each, one in each file)."""
+    spec = write_case(tmp_path / name, small_spec(input={"path": "data"}, contribution={"max_records_per_unit": 1}))
+    (spec.parent / "data").mkdir()
+    rows = pa.table(_rows(10))
+    rows = rows.set_column(0, "pid", pa.array([0, 1, 2, 3, 4, 5, 6, 7, 2, 7]))
+    for label, kind, part in (("a", first, rows.slice(0, 5)), ("b", second, rows.slice(5))):
+        pq.write_table(part.set_column(0, "pid", part.column("pid").cast(kind)), spec.parent / "data" / f"{label}.parquet")
+    return spec
+
+
+def test_units_typed_differently_per_file_are_grouped_as_one_type(tmp_path):
+    """int32 ids in one file and uint32 in another are one unit per value (bounded together: the release is the
+    one of int64 ids in both, same key); text in one and integers in another, or uint64 and int64, cannot be
+    grouped: refused at the schema check (exit 2), naming the unit and each kind, before any key is made."""
+    from dprelease.pipelines.engines.base import no_progress
+    from dprelease.pipelines.engines.embedded import EmbeddedEngine
+    from dprelease.pipelines.plan import build_plan
+    from dprelease.pipelines.source import open_input
+    from dprelease.pipelines.spec import load_spec
+    from dprelease.transforms.csprng import ReleaseKey
+
+    key, counts = ReleaseKey.generate(), []
+    for first, second in ((pa.int32(), pa.uint32()), (pa.int64(), pa.int64())):
+        spec, base = load_spec(_two_file_case(tmp_path, first, second, f"{first}-{second}"))
+        plan = build_plan(spec, base)
+        counts.append(EmbeddedEngine(workers=1).true_counts(plan, open_input(plan, base), key, no_progress))
+    assert counts[0].keys() == counts[1].keys()
+    assert all(counts[0][name].tolist() == counts[1][name].tolist() for name in counts[0])
+    assert int(counts[0]["pop.nation"][0]) == 8  # 10 records, 8 units, one record kept per unit
+    ran = cli("run", _two_file_case(tmp_path, pa.int32(), pa.uint32(), "run"), "--no-ledger", "--key-file",
+              tmp_path / "k.key", "--out", tmp_path / "out")
+    assert ran.returncode == 0, ran.stderr
+    for first, second, kinds in ((pa.string(), pa.int64(), "text in"), (pa.uint64(), pa.int64(), "uint64 in")):
+        spec = _two_file_case(tmp_path, first, second, f"refused-{first}")
+        ran = cli("run", spec, "--no-ledger", "--key-file", tmp_path / f"{first}.key")
+        assert ran.returncode == 2 and "privacy_unit 'pid'" in ran.stderr and kinds in ran.stderr, ran.stderr
+        assert not (tmp_path / f"{first}.key").exists()
+
+
 # ---- 13. names become file names: restricted, and joined paths checked -----------------------------------------------
 
 def test_a_column_name_that_leaves_the_release_is_refused(tmp_path):

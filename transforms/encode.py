@@ -273,13 +273,15 @@ def _kept(column: pa.Array | pa.ChunkedArray, mask: pa.Array, every: bool) -> pa
 
 def canonical_units(units: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
     """A unit column in one type per kind of value, however each file stores it: a dictionary's values, text and
-    binary as large_binary (the bytes `bound.unit_fingerprints` hashes, never decoded), integers as int64 (uint64 when
-    unsigned). Grouping, fingerprints and shards are those of the values, so records of one unit stored as a
-    dictionary in one file and as text in another are spilled, shuffled and bounded together."""
+    binary as large_binary (the bytes `bound.unit_fingerprints` hashes, never decoded), integers as int64 (uint64
+    for a uint64 column only: every narrower integer fits int64, with the same value bits). Grouping, fingerprints
+    and shards are those of the values, so records of one unit stored as a dictionary in one file and as text in
+    another, or as int32 in one and uint32 in another, are spilled, shuffled and bounded together
+    (`source.unit_kind_problems` refuses files whose units no one type holds)."""
     if pa.types.is_dictionary(units.type):
         units = units.cast(units.type.value_type)
     if is_text(units.type) or pa.types.is_binary(units.type):
         return units.cast(pa.large_binary())
     if pa.types.is_integer(units.type):
-        return units.cast(pa.uint64() if pa.types.is_unsigned_integer(units.type) else pa.int64())
+        return units.cast(pa.uint64() if units.type == pa.uint64() else pa.int64())
     return units

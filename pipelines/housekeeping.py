@@ -268,6 +268,24 @@ def shielded():
                     raise Terminated(128 + deferred)
 
 
+@contextmanager
+def shielded_temporary_directory(prefix: str):
+    """A private (0700) temporary directory, its path yielded, removed as the block ends on every path: made and
+    removed under `shielded`, so a terminating signal arriving as it is made (between the mkdir and the clean-up's
+    registration) or as it is removed (after its finalizer is detached) is deferred instead of leaving it."""
+    import tempfile
+
+    directory = None
+    try:
+        with shielded():
+            directory = tempfile.TemporaryDirectory(prefix=prefix)
+        yield directory.name
+    finally:
+        if directory is not None:
+            with shielded():
+                directory.cleanup()
+
+
 def raise_if_terminated() -> None:
     """Raise `Terminated` if this process's SIGTERM (or SIGHUP) was handled but its exception never arrived. A handler
     runs between any two bytecodes of the main thread, callbacks whose exceptions Python prints and drops included

@@ -655,7 +655,7 @@ def test_a_shard_piece_crosses_the_shuffle_unchanged():
     piece, come back equal (schema included)."""
     import pyarrow as pa
 
-    from dprelease.transforms.beam import shuffled, unshuffled
+    from dprelease.transforms.bound import shuffled, unshuffled
 
     pieces = [pa.table({"a": pa.array([1, 2, 3], pa.int8()), "g": pa.array([7, 0, 44626], pa.int32()),
                         "__unit__": pa.array([b"x", b"\xff", b""], pa.large_binary())}),

@@ -43,7 +43,8 @@ import numpy as np
 import pyarrow as pa
 
 from .aggregate import TableLayout
-from .bound import bound_contributions, dense_unit_ids, record_keys, shard_pieces, shard_salt, unit_shards
+from .bound import (bound_contributions, dense_unit_ids, record_keys, shard_pieces, shard_salt, shuffled,
+                    unit_shards, unshuffled)
 from .csprng import ReleaseKey
 from .encode import UNIT, ColumnEncoder, encoded_table
 from .release_values import TableRelease, dense_parts, release_range
@@ -108,20 +109,6 @@ def _split_by_shard(table: pa.Table, shards: int, key: ReleaseKey) -> Iterable[t
                          "build it with unit=False, or with BoundContributions.from_plan")
     for s, piece in shard_pieces(table, unit_shards(table.column(UNIT), shards, shard_salt(key)), shards):
         yield s, shuffled(piece)
-
-
-def shuffled(table: pa.Table) -> bytes:
-    """A table as the bytes a shuffle moves: an Arrow IPC stream, its buffers zstd-compressed where this pyarrow
-    has zstd (`unshuffled` reads either)."""
-    sink = pa.BufferOutputStream()
-    options = pa.ipc.IpcWriteOptions(compression="zstd" if pa.Codec.is_available("zstd") else None)
-    with pa.ipc.new_stream(sink, table.schema, options=options) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
-
-
-def unshuffled(data: bytes) -> pa.Table:
-    return pa.ipc.open_stream(data).read_all()
 
 
 def _bound_shard(pieces: Iterable[bytes], columns: list[str], sizes: list[int], k: int,

@@ -24,7 +24,7 @@ from dprelease.transforms.encode import UNIT, ColumnEncoder, encoded_table
 from dprelease.transforms.release_values import release_table
 from dprelease.transforms.samplers import table_noise
 
-from ..housekeeping import leftover_tag
+from ..housekeeping import leftover_tag, shielded_temporary_directory
 from ..plan import Plan
 from ..source import FileReader, InputSource, ReadTask
 from .base import Engine, ProgressHook, kept_records_signature, no_progress
@@ -190,7 +190,7 @@ class EmbeddedEngine(Engine):
         subkey = key.derive("dprelease/bound")
         # a 0700 directory, removed on every exit path (SIGTERM too, see run.py); a later run of the
         # release removes one left by SIGKILL (its name carries the owner's process token)
-        with tempfile.TemporaryDirectory(prefix=f"{spill_prefix(plan.spec.release_id)}{leftover_tag()}") as spill_dir:
+        with shielded_temporary_directory(f"{spill_prefix(plan.spec.release_id)}{leftover_tag()}") as spill_dir:
             if partitions > 1 and self.workers > 1 and source.workers_can_read:
                 partitions = -(-partitions // self.workers) * self.workers  # every worker counts as many
                 vectors = self._counts_in_workers(plan, source, key, subkey, encoders, sizes, partitions,

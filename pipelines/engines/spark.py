@@ -2,7 +2,7 @@
 
     read and encode (mapInArrow over read tasks: pyarrow reads each task's row groups, the encoding kernel
        turns them into small integer codes, records with a null unit are dropped, and each task's records are
-       split by a keyed hash of the unit into Arrow IPC blobs, one per spill partition)
+       split by a keyed hash of the unit into zstd-compressed Arrow IPC blobs, one per spill partition)
     -> shuffle the blobs by partition (JVM: a few large binary rows, never a row per record)
     -> per partition (all records of a unit together): bound, measure (mapInArrow: the bounding and
        aggregation kernels, emitting sparse partial measurements: counts, sums, unit counts, quantile buckets)
@@ -38,7 +38,7 @@ from dprelease.accounting.errors import DPReleaseError, InputSchemaError, SpecEr
 from dprelease.accounting.redact import shown
 from dprelease.transforms.aggregate import bounded_counts, bounded_records, kept_counts
 from dprelease.transforms.csprng import ReleaseKey
-from dprelease.transforms.bound import shard_pieces, shard_salt, unit_shards
+from dprelease.transforms.bound import shard_pieces, shard_salt, shuffled, unit_shards, unshuffled
 from dprelease.transforms.encode import UNIT, ColumnEncoder, encoded_table
 from dprelease.transforms.release_values import dense_parts, release_range
 from dprelease.transforms.samplers import FAIL_FIRST_ATTEMPT_ENV
@@ -180,7 +180,7 @@ def _part_blobs(pieces: Iterator[tuple[int, pa.Table]]) -> Iterator[tuple[int, b
         while start < records.num_rows:
             reach = (ends[start - 1] if start else 0) + BLOB_BYTES
             stop = max(start + 1, int(np.searchsorted(ends, reach, side="right")))
-            yield part, _ipc_blob(records.slice(start, stop - start))
+            yield part, shuffled(records.slice(start, stop - start))
             start = stop
 
 
@@ -221,17 +221,10 @@ def _blob_batch(parts: list[int], blobs: list[bytes]) -> pa.RecordBatch:
     return pa.RecordBatch.from_pydict({"part": pa.array(parts, type=pa.int32()), "blob": pa.array(blobs, pa.binary())})
 
 
-def _ipc_blob(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
-
-
 def _blob_records(batches, columns: list[str], unit: str | None):
     """(codes of every column, records, unit values) of one partition's blobs (`_encode_shard_function`: all
     records of a unit together); None for a partition with no record."""
-    tables = [pa.ipc.open_stream(blob.as_buffer()).read_all() for batch in batches for blob in batch.column("blob")]
+    tables = [unshuffled(blob.as_buffer()) for batch in batches for blob in batch.column("blob")]
     tables = [t for t in tables if t.num_rows]
     if not tables:
         return None

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_signed_buffer.h"
+
 #define MAX_COLUMNS 32
 #define SMALL_TABLE 4096 /* cells of a table counted in four interleaved copies */
 #define BLOCK 4096       /* records whose cells are computed column by column before they are counted */
@@ -326,26 +328,8 @@ LOOK_UP(look_up_int8, int8_t)
 LOOK_UP(look_up_int16, int16_t)
 LOOK_UP(look_up_int32, int32_t)
 
-/* A C-contiguous buffer of `object` whose items are signed integers of 1, 2 or 4 bytes (`itemsize` of them when
- * not 0), aligned to their size; 0 with a Python error otherwise. */
-static int open_codes(PyObject *object, Py_buffer *view, int writable, Py_ssize_t itemsize)
-{
-    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
-        return 0;
-    const char *format = view->format == NULL ? "B" : view->format;
-    if (format[0] != '\0' && strchr("@=<>!", format[0]) != NULL)
-        format++;
-    Py_ssize_t size = view->itemsize;
-    if (strlen(format) != 1 || strchr("bhil", format[0]) == NULL ||
-        (itemsize ? size != itemsize : size != 1 && size != 2 && size != 4) ||
-        (uintptr_t)view->buf % (uintptr_t)size != 0) {
-        PyBuffer_Release(view);
-        PyErr_SetString(PyExc_ValueError, "looked_up: codes, lookup and output must be signed integers of 1, 2 or 4 "
-                                          "bytes (the lookup 4), aligned");
-        return 0;
-    }
-    return 1;
-}
+#define LOOKED_UP_TYPES                                                                                          \
+    "looked_up: codes, lookup and output must be signed integers of 1, 2 or 4 bytes (the lookup 4), aligned"
 
 static PyObject *py_looked_up(PyObject *self, PyObject *args)
 {
@@ -354,13 +338,13 @@ static PyObject *py_looked_up(PyObject *self, PyObject *args)
     Py_ssize_t rows;
     if (!PyArg_ParseTuple(args, "OOnO", &codes_object, &lookup_object, &rows, &out_object))
         return NULL;
-    if (!open_codes(codes_object, &codes, 0, 0))
+    if (!open_signed_buffer(codes_object, &codes, 0, 0, 4, LOOKED_UP_TYPES))
         return NULL;
-    if (!open_codes(lookup_object, &lookup, 0, 4)) {
+    if (!open_signed_buffer(lookup_object, &lookup, 0, 4, 4, LOOKED_UP_TYPES)) {
         PyBuffer_Release(&codes);
         return NULL;
     }
-    if (!open_codes(out_object, &out, 1, 0)) {
+    if (!open_signed_buffer(out_object, &out, 1, 0, 4, LOOKED_UP_TYPES)) {
         PyBuffer_Release(&codes);
         PyBuffer_Release(&lookup);
         return NULL;

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_signed_buffer.h"
+
 #define BLOCK 4096 /* values coded into int64 before they are stored in the output's width */
 #define EXACT_BOUND (1LL << 53) /* every integer of this magnitude or less is a float64 */
 #define INTEGRAL_ALL 4503599627370496.0 /* 2^52: every float64 of this magnitude or more is an integer */
@@ -143,26 +145,6 @@ static int fits(int64_t code, Py_ssize_t width)
     return code >= -1 && code <= top;
 }
 
-/* A C-contiguous buffer of `object` whose items are signed integers of `itemsize` bytes (0: of 1, 2, 4 or 8),
- * aligned to their size; 0 with a Python error naming `what` otherwise. */
-static int open_items(PyObject *object, Py_buffer *view, int writable, Py_ssize_t itemsize, const char *what)
-{
-    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
-        return 0;
-    const char *format = view->format == NULL ? "B" : view->format;
-    if (strchr("@=<>!", format[0]) != NULL && format[0] != '\0')
-        format++;
-    Py_ssize_t size = view->itemsize;
-    if (strlen(format) != 1 || strchr("bhilq", format[0]) == NULL ||
-        (itemsize ? size != itemsize : size != 1 && size != 2 && size != 4 && size != 8) ||
-        (uintptr_t)view->buf % (uintptr_t)size != 0) {
-        PyBuffer_Release(view);
-        PyErr_Format(PyExc_ValueError, "codes: %s must be signed integers of the right size, aligned", what);
-        return 0;
-    }
-    return 1;
-}
-
 /* codes(values, kind, offset, n, validity, validity_offset, minimum, maximum, mode, table, invalid, out) */
 static PyObject *py_codes(PyObject *self, PyObject *args)
 {
@@ -177,7 +159,8 @@ static PyObject *py_codes(PyObject *self, PyObject *args)
     PyObject *result = NULL;
     int has_validity = 0, has_table = 0, has_out = 0;
     Py_ssize_t item = kind == 'i' ? 4 : 8;
-    if (!open_items(out_object, &out, 1, 0, "the output"))
+    if (!open_signed_buffer(out_object, &out, 1, 0, 8,
+                            "codes: the output must be signed integers of the right size, aligned"))
         goto done;
     has_out = 1;
     Py_ssize_t width = out.itemsize;
@@ -208,7 +191,9 @@ static PyObject *py_codes(PyObject *self, PyObject *args)
     domain_t d = {mode, minimum, invalid, (double)minimum, (double)maximum, NULL, NULL, 0};
     int64_t top = mode == CLAMP || mode == IDENTITY ? maximum - minimum : -1;
     if (table_object != Py_None) {
-        if (!open_items(table_object, &table, 0, mode == LOOKUP ? 4 : 8, mode == LOOKUP ? "a lookup" : "edges"))
+        if (!open_signed_buffer(table_object, &table, 0, mode == LOOKUP ? 4 : 8, 8,
+                                mode == LOOKUP ? "codes: a lookup must be signed integers of the right size, aligned"
+                                               : "codes: edges must be signed integers of the right size, aligned"))
             goto done;
         has_table = 1;
         if (mode == LOOKUP) {

@@ -423,7 +423,6 @@ class GroupRanges(beam.PTransform):
 
     def expand(self, counts):
         steps = self.steps
-        starts_none = np.empty(0, dtype=np.int64)
         ranges = [((name, start), None) for name, n_measured in sorted(self.measured.items())
                   for start in range(0, n_measured, steps[name])]
 
@@ -435,7 +434,7 @@ class GroupRanges(beam.PTransform):
                 cells, values = cells[order], values[order]
             step = steps[name]
             first = cells // step
-            starts = np.flatnonzero(np.concatenate([[True], first[1:] != first[:-1]])) if cells.size else starts_none
+            starts = np.flatnonzero(np.diff(first, prepend=first[:1] - 1))  # each range's first cell (none: none)
             for begin, end in zip(starts, [*starts[1:], cells.size]):
                 yield (name, int(first[begin]) * step), (cells[begin:end], values[begin:end])
 

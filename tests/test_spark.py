@@ -442,3 +442,39 @@ def test_a_copy_job_interrupted_before_it_was_submitted_never_runs(tmp_path):
     finally:
         signal.signal(signal.SIGUSR1, previous)
         session.stop()
+
+
+SESSION_JVM_OPTIONS = """
+import pathlib, sys
+from dprelease.pipelines.engines.spark import SparkEngine
+engine = SparkEngine(master=sys.argv[1])
+spark = engine.session()
+jvm = spark.sparkContext._gateway.proc.pid
+print(spark.sparkContext.getConf().get("spark.driver.defaultJavaOptions", "unset"))
+print("TieredStopAtLevel=1" in pathlib.Path(f"/proc/{jvm}/cmdline").read_text())
+import gc, pyarrow as pa
+from dprelease.pipelines.engines.spark import _worker_function
+def probe(batches):
+    for batch in batches:
+        yield pa.record_batch({"frozen": [gc.get_freeze_count()]})
+print(min(row[0] for row in spark.range(1).mapInArrow(_worker_function("probe", probe), "frozen long").collect()) > 0)
+engine.close()
+"""
+
+
+@pytest.mark.parametrize("configured", [False, True])
+def test_a_local_session_the_engine_starts_uses_the_quick_jit_unless_the_deployment_sets_the_jvm_options(
+        tmp_path, configured):
+    """A local session the engine starts runs its JVM with the quick JIT compiler only (`LOCAL_JVM_OPTIONS`); a
+    deployment's own `spark.driver.defaultJavaOptions` in spark-defaults.conf is kept, not replaced. An executor's
+    Python worker freezes the objects it imported out of the collector's reach on its first task."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SPARK_CONF_DIR", "PYSPARK_SUBMIT_ARGS")}
+    if configured:
+        (tmp_path / "spark-defaults.conf").write_text("spark.driver.defaultJavaOptions -Dmarked.by.test=1\n")
+        env["SPARK_CONF_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", SESSION_JVM_OPTIONS, "local[1]"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    options, quick, frozen = done.stdout.split()
+    assert (options, quick) == (("-Dmarked.by.test=1", "False") if configured else ("-XX:TieredStopAtLevel=1", "True"))
+    assert frozen == "True"

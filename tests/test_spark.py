@@ -478,3 +478,26 @@ def test_a_local_session_the_engine_starts_uses_the_quick_jit_unless_the_deploym
     options, quick, frozen = done.stdout.split()
     assert (options, quick) == (("-Dmarked.by.test=1", "False") if configured else ("-XX:TieredStopAtLevel=1", "True"))
     assert frozen == "True"
+
+
+def test_the_deployments_jvm_options_are_found_without_waiting_on_a_fifo_or_reading_a_directory(tmp_path, monkeypatch):
+    """`_driver_java_options_configured` reads spark-defaults.conf only when it is a regular file (a FIFO put in
+    its place would block a plain read for ever), and finds the setting there or in PYSPARK_SUBMIT_ARGS."""
+    from dprelease.pipelines.engines.spark import _driver_java_options_configured
+
+    monkeypatch.delenv("PYSPARK_SUBMIT_ARGS", raising=False)
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))
+    defaults = tmp_path / "spark-defaults.conf"
+    assert not _driver_java_options_configured()  # none there
+    os.mkfifo(defaults)
+    assert not _driver_java_options_configured()  # returns at once: no writer is ever opened
+    defaults.unlink()
+    defaults.mkdir()
+    assert not _driver_java_options_configured()
+    defaults.rmdir()
+    defaults.write_text("spark.master local[1]\nspark.driver.defaultJavaOptions -Xss4m\n")
+    assert _driver_java_options_configured()
+    defaults.write_text("spark.master local[1]\n")
+    assert not _driver_java_options_configured()
+    monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", "--conf spark.driver.defaultJavaOptions=-Xss4m pyspark-shell")
+    assert _driver_java_options_configured()

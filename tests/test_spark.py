@@ -481,23 +481,42 @@ def test_a_local_session_the_engine_starts_uses_the_quick_jit_unless_the_deploym
 
 
 def test_the_deployments_jvm_options_are_found_without_waiting_on_a_fifo_or_reading_a_directory(tmp_path, monkeypatch):
-    """`_driver_java_options_configured` reads spark-defaults.conf only when it is a regular file (a FIFO put in
-    its place would block a plain read for ever), and finds the setting there or in PYSPARK_SUBMIT_ARGS."""
-    from dprelease.pipelines.engines.spark import _driver_java_options_configured
+    """`_jvm_options_configured` reads spark-defaults.conf only when it is a regular file (a FIFO put in its place
+    would block a plain read for ever), and finds the setting there, in PYSPARK_SUBMIT_ARGS (or a properties file
+    named there) or a tiered-compilation flag in the JVM's option variables; a file too large to search counts as
+    setting it. Only a local master's one JVM gets the quick JIT."""
+    from dprelease.pipelines.engines.spark import (SPARK_DEFAULTS_BYTES, _jvm_options_configured, _quick_jit_master,
+                                                   _spark_conf_directory)
 
-    monkeypatch.delenv("PYSPARK_SUBMIT_ARGS", raising=False)
+    for name in ("PYSPARK_SUBMIT_ARGS", "SPARK_SUBMIT_OPTS", "JAVA_TOOL_OPTIONS", "JDK_JAVA_OPTIONS"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))
     defaults = tmp_path / "spark-defaults.conf"
-    assert not _driver_java_options_configured()  # none there
+    assert not _jvm_options_configured()  # none there
     os.mkfifo(defaults)
-    assert not _driver_java_options_configured()  # returns at once: no writer is ever opened
+    assert not _jvm_options_configured()  # returns at once: no writer is ever opened
     defaults.unlink()
     defaults.mkdir()
-    assert not _driver_java_options_configured()
+    assert not _jvm_options_configured()
     defaults.rmdir()
     defaults.write_text("spark.master local[1]\nspark.driver.defaultJavaOptions -Xss4m\n")
-    assert _driver_java_options_configured()
+    assert _jvm_options_configured()
     defaults.write_text("spark.master local[1]\n")
-    assert not _driver_java_options_configured()
+    assert not _jvm_options_configured()
+    defaults.write_bytes(b"#" * SPARK_DEFAULTS_BYTES + b"\nspark.driver.defaultJavaOptions -Xss4m\n")
+    assert _jvm_options_configured()  # too large to search: counted as set, never replaced
+    defaults.write_text("spark.master local[1]\n")
+    monkeypatch.setenv("JAVA_TOOL_OPTIONS", "-XX:-TieredCompilation")
+    assert _jvm_options_configured()
+    monkeypatch.delenv("JAVA_TOOL_OPTIONS")
+    monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", "--properties-file prod.conf pyspark-shell")
+    assert _jvm_options_configured()
     monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", "--conf spark.driver.defaultJavaOptions=-Xss4m pyspark-shell")
-    assert _driver_java_options_configured()
+    assert _jvm_options_configured()
+    monkeypatch.delenv("PYSPARK_SUBMIT_ARGS")
+    import pyspark  # without SPARK_CONF_DIR or SPARK_HOME: the installed pyspark's conf/, as spark-submit reads it
+    monkeypatch.delenv("SPARK_CONF_DIR")
+    monkeypatch.setenv("SPARK_HOME", "")
+    assert _spark_conf_directory() == os.path.join(os.path.dirname(pyspark.__file__), "conf")
+    assert [_quick_jit_master(m) for m in ("local", "local[2]", "local[*]", "local-cluster[2,1,1024]", "spark://h:7077",
+                                           "yarn", None)] == [True, True, True, False, False, False, False]

@@ -136,28 +136,58 @@ def _encode_shard_function(reader, tasks: list, plan: Plan, unit: str | None, sa
 
 
 LOCAL_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
-"""JVM options of a local session this engine starts (its JVM is driver and executor at once): the quick (C1) JIT
-compiler only. The JVM moves Arrow blobs and shuffles them while the kernels run in Python; the optimising
-compiler (C2) took most of a core for the session's first seconds (the country release at 10M rows on 2 cores:
-25.0 -> 21.5 s; at 40M rows 34.7 -> 30.3 s). Not set when `spark.driver.defaultJavaOptions` is configured in
-spark-defaults.conf or PYSPARK_SUBMIT_ARGS, nor on a cluster master."""
+"""JVM options of a session this engine starts on a `local` or `local[N]` master (its JVM is driver and executor at
+once): the quick (C1) JIT compiler only. The JVM moves Arrow blobs and shuffles them while the kernels run in
+Python; the optimising compiler (C2) took most of a core for the session's first seconds (the country release at
+10M rows on 2 cores: 25.0 -> 21.5 s; at 40M rows 34.7 -> 30.3 s). Not set when the deployment may set the JVM's
+options itself (`_jvm_options_configured`), nor on any other master."""
 
 
-def _driver_java_options_configured() -> bool:
-    """Whether the deployment sets the driver's default JVM options (which a builder setting would replace)."""
-    if "spark.driver.defaultJavaOptions" in os.environ.get("PYSPARK_SUBMIT_ARGS", ""):
+def _quick_jit_master(master: str | None) -> bool:
+    """A master whose one JVM runs the executors too (`local`, `local[N]`, `local[N,F]`, `local[*]`)."""
+    return master is not None and (master == "local" or master.startswith("local["))
+
+
+def _jvm_options_configured() -> bool:
+    """Whether the deployment may set the driver JVM's options where the engine's `spark.driver.defaultJavaOptions`
+    would replace them or be weighed against them: that setting, a properties file or a tiered-compilation flag in
+    PYSPARK_SUBMIT_ARGS or the JVM's option variables, or a spark-defaults.conf (SPARK_CONF_DIR, else SPARK_HOME's
+    or the installed pyspark's conf/) that names it or is too large to search. Fails towards True: the quick JIT
+    is then left out, nothing of the deployment's is replaced."""
+    submit = os.environ.get("PYSPARK_SUBMIT_ARGS", "")
+    if "spark.driver.defaultJavaOptions" in submit or "--properties-file" in submit:
         return True
-    directory = os.environ.get("SPARK_CONF_DIR") or (os.path.join(os.environ["SPARK_HOME"], "conf")
-                                                     if "SPARK_HOME" in os.environ else None)
-    if directory is None:
-        return False
-    try:  # opened without waiting and read only if a regular file: never a FIFO or a device that could block
-        descriptor = os.open(os.path.join(directory, "spark-defaults.conf"), os.O_RDONLY | os.O_NONBLOCK)
+    if any("Tiered" in os.environ.get(name, "") for name in ("SPARK_SUBMIT_OPTS", "JAVA_TOOL_OPTIONS",
+                                                              "JDK_JAVA_OPTIONS")):
+        return True
+    return _names_driver_java_options(os.path.join(_spark_conf_directory(), "spark-defaults.conf"))
+
+
+def _spark_conf_directory() -> str:
+    """The directory spark-submit reads spark-defaults.conf from: SPARK_CONF_DIR, else SPARK_HOME/conf, else the
+    installed pyspark's (where a pip install's spark-submit finds its home)."""
+    if os.environ.get("SPARK_CONF_DIR"):
+        return os.environ["SPARK_CONF_DIR"]
+    if os.environ.get("SPARK_HOME"):
+        return os.path.join(os.environ["SPARK_HOME"], "conf")
+    import pyspark
+
+    return os.path.join(os.path.dirname(pyspark.__file__), "conf")
+
+
+def _names_driver_java_options(path: str) -> bool:
+    """Whether the file at `path` sets (or may set) `spark.driver.defaultJavaOptions`: opened without waiting and
+    read only if a regular file (a FIFO or a device in its place could block a read for ever); a file larger than
+    SPARK_DEFAULTS_BYTES counts as setting it."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return False
     try:
-        return stat.S_ISREG(os.fstat(descriptor).st_mode) and \
-            b"spark.driver.defaultJavaOptions" in os.read(descriptor, SPARK_DEFAULTS_BYTES)
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return False
+        text = os.read(descriptor, SPARK_DEFAULTS_BYTES + 1)
+        return len(text) > SPARK_DEFAULTS_BYTES or b"spark.driver.defaultJavaOptions" in text
     except OSError:
         return False
     finally:
@@ -688,7 +718,7 @@ class SparkEngine(Engine):
         master = self.master or ("local[*]" if "PYSPARK_GATEWAY_PORT" not in os.environ else None)
         if master:  # under spark-submit, which sets the master, none is given
             builder = builder.master(master)
-        if master and master.startswith("local") and not _driver_java_options_configured():
+        if _quick_jit_master(master) and not _jvm_options_configured():
             builder = builder.config("spark.driver.defaultJavaOptions", LOCAL_JVM_OPTIONS)
         _end_launched_jvm_at_exit()
         self.started_session = builder.getOrCreate()

@@ -497,9 +497,9 @@ def synthesize(release_dir: str, out: Path | None, overwrite: bool, max_records:
                   f"{printable(written.path)}", soft_wrap=True)
     console.print(f"Tabulating them reproduces exactly: {', '.join(synthetic.reproduced) or 'none'}")
     if synthetic.not_reproduced:
-        console.print("Not reproduced (tables of other queries, a hierarchy whose integers differ from those of "
-                      "the records' source, or the tables of a `select: aim` model that close cycles, which the "
-                      "records follow up to the model's fit; see the utility report): "
+        console.print("Not reproduced (tables of other queries, or a hierarchy whose integers differ from those "
+                      "of the records' source, and then a `select: aim` model's tables, which the records follow "
+                      "up to the fit of that model to the published tables; see the utility report): "
                       f"{', '.join(synthetic.not_reproduced)}")
     if synthetic.utility:
         worst = max(synthetic.utility, key=lambda row: row["l1_to_measurements_per_record"])

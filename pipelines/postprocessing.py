@@ -435,8 +435,22 @@ def _marginals(plan: Plan, query: MarginalsQuery, estimates, noisy, unit_totals,
                                 [estimates[t.name].reshape(units, rows[t.name]) for t in tables], JOINT_ITERATIONS,
                                 marginals_path(plan, query), collected)
     if joints is not None and collected:
-        joints[query.name] = (attributes, np.concatenate(collected).reshape((units,) + shape.sizes))
+        if isinstance(collected[0], list):  # a model's integer clique tables, chunk by chunk
+            joints[query.name] = ModelCliques(shape, attributes, [np.concatenate(c) for c in zip(*collected)])
+        else:
+            joints[query.name] = (attributes, np.concatenate(collected).reshape((units,) + shape.sizes))
     return {t.name: values.ravel() for t, values in zip(tables, published)}
+
+
+@dataclass(frozen=True)
+class ModelCliques:
+    """The integer tables of the maximal cliques of a `select: aim` query's model (every unit's), as its
+    post-processing made them (`joint._model_path`): each published table of the query is a margin of one of
+    them, so records drawn from them tabulate exactly to the published tables."""
+    shape: JointShape
+    attributes: list[str]
+    """The query's attributes in the joint's order (`joint_shape`): the model's attribute i is attributes[i]."""
+    tables: list[np.ndarray]
 
 
 def _unit_totals(query: MarginalsQuery, tables: list[TablePlan], estimates, unit_totals, units) -> np.ndarray:

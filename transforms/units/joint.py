@@ -246,7 +246,7 @@ def _junction_path(shape: JointShape, totals: np.ndarray, estimates: list[np.nda
     return out
 
 
-def _model_tree(shape: JointShape):
+def model_tree(shape: JointShape):
     """(The attribute names, their sizes, the junction tree of every table's attributes): a capped model's."""
     from .graphical import junction_tree
 
@@ -256,17 +256,18 @@ def _model_tree(shape: JointShape):
 
 
 def _model_path(shape: JointShape, totals: np.ndarray, estimates: list[np.ndarray],
-                converged: bool = False) -> list[np.ndarray]:
+                converged: bool = False, cliques: list | None = None) -> list[np.ndarray]:
     """The 'model' path: a `select: aim` query's 1-way tables and its chosen tables (which may close cycles) as
     the margins of one graphical model per unit (`graphical`): its junction tree fitted by weighted least squares
     to their estimates (`graphical.fit`, FIT_ITERATIONS from `graphical.measured_start`, the unit totals fixed;
     the 'converged_model' path, `converged`: until each unit's loss settles, CONVERGENCE_TOLERANCE, at most
     CONVERGENCE_LIMIT iterations), its maximal cliques' tables made
     nonnegative integers adding up exactly (`graphical.integer_tables`) and each published table summed from the
-    first clique holding it: every shared margin and total agrees exactly."""
+    first clique holding it: every shared margin and total agrees exactly. `cliques`, when given, receives the
+    integer tables of the model's maximal cliques (`model_tree`'s order and attribute names)."""
     from . import graphical
 
-    names, sizes, tree = _model_tree(shape)
+    names, sizes, tree = model_tree(shape)
     units = totals.size
     measurements = [graphical.Measurement(tuple(names[a] for a in t.axes),
                                           estimate.reshape((units,) + tuple(int(shape.sizes[a]) for a in t.axes)),
@@ -278,6 +279,8 @@ def _model_path(shape: JointShape, totals: np.ndarray, estimates: list[np.ndarra
                           graphical.CONVERGENCE_LIMIT if converged else graphical.FIT_ITERATIONS, start,
                           graphical.CONVERGENCE_TOLERANCE if converged else None)
     integers = graphical.integer_tables(tree, sizes, model.marginals(), totals)
+    if cliques is not None:
+        cliques.append(integers)
     out = []
     for t in shape.tables:
         clique = tuple(names[a] for a in sorted(t.axes))
@@ -310,11 +313,12 @@ def marginal_tables(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarra
       'model'          a `select: aim` query whose tables may close cycles: `_model_path` (manifest version 9
                        or earlier: FIT_ITERATIONS of the fit);
       'converged_model' the same, the fit run until it settles (version 10 on).
-    `joints`, when given, receives each chunk's rounded joint (path 'joint')."""
+    `joints`, when given, receives each chunk's rounded joint (path 'joint'), or the integer tables of its model's
+    maximal cliques (paths 'model' and 'converged_model': `_model_path`)."""
     totals = np.asarray(totals, dtype=np.int64)
     out = [np.empty((totals.size, shape.table_cells(t)), dtype=np.int64) for t in shape.tables]
     if path in ("model", "converged_model"):  # the fit holds about ten arrays of the model's cells
-        _, sizes, tree = _model_tree(shape)
+        _, sizes, tree = model_tree(shape)
         width = chunk_units(10 * tree.cells(sizes))
     elif path in ("tree", "junction"):
         width = chunk_units(sum(shape.table_cells(t) for t in shape.tables))
@@ -324,8 +328,9 @@ def marginal_tables(shape: JointShape, totals: np.ndarray, noisy: list[np.ndarra
         rows = slice(start, min(start + width, totals.size))
         unit_totals = totals[rows]
         if path in ("tree", "junction", "model", "converged_model"):
-            kernel = {"tree": _tree_path, "junction": _junction_path, "model": _model_path,
-                      "converged_model": functools.partial(_model_path, converged=True)}[path]
+            kernel = {"tree": _tree_path, "junction": _junction_path,
+                      "model": functools.partial(_model_path, cliques=joints),
+                      "converged_model": functools.partial(_model_path, converged=True, cliques=joints)}[path]
             for i, table in enumerate(kernel(shape, unit_totals, [e[rows] for e in estimates])):
                 out[i][rows] = table
             continue

@@ -291,7 +291,8 @@ def post_process(plan: Plan, noisy: dict[str, np.ndarray], joints: dict | None =
     """Published table values (int64) for every table of the plan. On a tree of units: the passes and the
     integer step group by group (`workers` processes run the groups of a level at once; any grouping gives
     the same values). `joints`, when given, receives each marginals query's fitted integer joint table
-    (units x attribute cells), from which `synthesize` draws records."""
+    (attributes, units x attribute cells), or a `select: aim` model's integer clique tables (`ModelCliques`), from
+    which `synthesize` draws records."""
     tree = unit_tree(plan)
     if tree is None or joints is not None:
         return integer_step(plan, least_squares_estimates(plan, noisy), noisy, joints)

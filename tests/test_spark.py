@@ -518,5 +518,8 @@ def test_the_deployments_jvm_options_are_found_without_waiting_on_a_fifo_or_read
     monkeypatch.delenv("SPARK_CONF_DIR")
     monkeypatch.setenv("SPARK_HOME", "")
     assert _spark_conf_directory() == os.path.join(os.path.dirname(pyspark.__file__), "conf")
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT", raising=False)
     assert [_quick_jit_master(m) for m in ("local", "local[2]", "local[*]", "local-cluster[2,1,1024]", "spark://h:7077",
                                            "yarn", None)] == [True, True, True, False, False, False, False]
+    monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "40000")  # under spark-submit the JVM already runs
+    assert not _quick_jit_master("local[2]")

@@ -144,8 +144,10 @@ options itself (`_jvm_options_configured`), nor on any other master."""
 
 
 def _quick_jit_master(master: str | None) -> bool:
-    """A master whose one JVM runs the executors too (`local`, `local[N]`, `local[N,F]`, `local[*]`)."""
-    return master is not None and (master == "local" or master.startswith("local["))
+    """A master whose one JVM runs the executors too (`local`, `local[N]`, `local[N,F]`, `local[*]`), and that JVM
+    not launched yet: under spark-submit (PYSPARK_GATEWAY_PORT set) it already runs, with its options."""
+    return master is not None and (master == "local" or master.startswith("local[")) \
+        and "PYSPARK_GATEWAY_PORT" not in os.environ
 
 
 def _jvm_options_configured() -> bool:

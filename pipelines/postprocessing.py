@@ -432,11 +432,12 @@ def _marginals(plan: Plan, query: MarginalsQuery, estimates, noisy, unit_totals,
     rows = {t.name: t.n_cells // units for t in tables}
     totals = _unit_totals(query, tables, estimates, unit_totals, units)
     collected: list = [] if joints is not None else None
+    path = marginals_path(plan, query)
     published = marginal_tables(shape, totals, [noisy[t.name].reshape(units, rows[t.name]) for t in tables],
                                 [estimates[t.name].reshape(units, rows[t.name]) for t in tables], JOINT_ITERATIONS,
-                                marginals_path(plan, query), collected)
+                                path, collected)
     if joints is not None and collected:
-        if isinstance(collected[0], list):  # a model's integer clique tables, chunk by chunk
+        if path in ("model", "converged_model"):  # the model's integer clique tables, chunk by chunk
             joints[query.name] = ModelCliques(shape, attributes, [np.concatenate(c) for c in zip(*collected)])
         else:
             joints[query.name] = (attributes, np.concatenate(collected).reshape((units,) + shape.sizes))

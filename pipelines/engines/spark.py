@@ -27,7 +27,6 @@ import inspect
 import itertools
 import os
 import shutil
-import stat
 import subprocess
 import threading
 import time
@@ -49,7 +48,7 @@ from dprelease.transforms.worker_errors import public_failures
 
 from ..plan import Plan
 from ..source import InputSource, value_type
-from ..storage import InputChanged
+from ..storage import InputChanged, read_regular_start
 from .base import Engine, ProgressHook, checked_scores, kept_records_signature, no_progress
 
 NOISE_RANGE_CELLS = 1 << 18
@@ -178,22 +177,11 @@ def _spark_conf_directory() -> str:
 
 
 def _names_driver_java_options(path: str) -> bool:
-    """Whether the file at `path` sets (or may set) `spark.driver.defaultJavaOptions`: opened without waiting and
-    read only if a regular file (a FIFO or a device in its place could block a read for ever); a file larger than
+    """Whether the file at `path` sets (or may set) `spark.driver.defaultJavaOptions`: read only if a regular file
+    (`storage.read_regular_start`: a FIFO or a device in its place is skipped, not waited on); a file larger than
     SPARK_DEFAULTS_BYTES counts as setting it."""
-    try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            return False
-        text = os.read(descriptor, SPARK_DEFAULTS_BYTES + 1)
-        return len(text) > SPARK_DEFAULTS_BYTES or b"spark.driver.defaultJavaOptions" in text
-    except OSError:
-        return False
-    finally:
-        os.close(descriptor)
+    text = read_regular_start(path, SPARK_DEFAULTS_BYTES + 1)
+    return text is not None and (len(text) > SPARK_DEFAULTS_BYTES or b"spark.driver.defaultJavaOptions" in text)
 
 
 SPARK_DEFAULTS_BYTES = 1 << 20

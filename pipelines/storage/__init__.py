@@ -23,7 +23,8 @@ characters).
 """
 from .counted import FileDigest, InputChanged, fingerprint_files, verified_copy
 from .local import (UnsafeFile, buffer_inside, inside, open_file, open_inside, private_directory, read_inside,
-                    read_named, read_regular, regular_directory, safe_relative, tree_entries, write_private)
+                    read_named, read_regular, read_regular_start, regular_directory, safe_relative, tree_entries,
+                    write_private)
 from .objects import (Listing, LocalCopy, PartCopier, RemoteRelease, check_remote_target, copy_checked, downloaded,
                       list_prefix, open_release, read_manifest_bytes, release_under, upload_release)
 from .staging import (STAGING_MARKER, RemoteStaging, StagedPartsLeft, check_remote_staged, new_remote_staging,
@@ -34,7 +35,7 @@ from .uris import PUBLIC_OPTIONS, Store, as_location, file_info, is_uri, list_fi
 
 __all__ = ["FileDigest", "InputChanged", "fingerprint_files", "verified_copy", "UnsafeFile", "buffer_inside",
            "inside", "open_file", "open_inside", "private_directory", "read_inside", "read_named", "read_regular",
-           "regular_directory", "safe_relative", "tree_entries", "write_private", "Listing", "LocalCopy",
+           "read_regular_start", "regular_directory", "safe_relative", "tree_entries", "write_private", "Listing", "LocalCopy",
            "PartCopier", "RemoteRelease", "check_remote_target", "copy_checked", "downloaded", "list_prefix",
            "open_release", "read_manifest_bytes", "release_under", "upload_release", "STAGING_MARKER", "RemoteStaging",
            "StagedPartsLeft",

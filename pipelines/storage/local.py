@@ -188,6 +188,23 @@ def read_named(path: Path | str, limit: int, field: str) -> bytes:
     return data
 
 
+def read_regular_start(path: Path | str, limit: int) -> bytes | None:
+    """At most `limit` bytes from the start of a configuration file the environment points at (links followed),
+    or None when it cannot be opened or is not a regular file: opened without blocking, so a FIFO or a device in
+    its place is skipped at once, never waited on or read without end."""
+    try:
+        fd = _regular_descriptor(path)
+    except OSError:
+        return None
+    if fd is None:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        try:
+            return handle.read(limit)
+        except OSError:
+            return None
+
+
 def private_directory(path: Path | str, field: str) -> Path:
     """A directory for confidential files (validation reports, reconstruction results, failure details): a new
     one is created owner-only (0700); an existing one must be a real directory (not a link), owned by this user

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from dprelease.accounting.errors import DPReleaseError, InputSchemaError, SpecError
 from dprelease.accounting.redact import shown
-from dprelease.transforms.encode import is_text
+from dprelease.transforms.encode import canonical_unit_type, is_text
 
 from .plan import Plan
 from .storage import (FileDigest, Store, fingerprint_files, is_uri, list_files, local_path, open_store,
@@ -439,13 +439,12 @@ def check_every_file(files: list[str], fmt: str, plan: Plan, columns: list[str],
 
 
 def unit_kind(kind: pa.DataType) -> str:
-    """The one type a unit column of `kind` is read as (`encode.canonical_units`): text, uint64, int64 or null."""
-    value = value_type(kind)
-    if is_text(value) or pa.types.is_binary(value) or pa.types.is_large_binary(value):
-        return "text"
-    if pa.types.is_integer(value):
-        return "uint64" if value == pa.uint64() else "int64"
-    return str(value)
+    """The one type a unit column of `kind` is read as (`encode.canonical_unit_type`), by name: text, uint64, int64,
+    or the column's own value type (null)."""
+    canonical = canonical_unit_type(kind)
+    if canonical is None:
+        return str(value_type(kind))
+    return "text" if canonical == pa.large_binary() else str(canonical)
 
 
 def unit_kind_problems(schemas: dict[str, pa.Schema], unit: str | None) -> list[str]:

@@ -280,8 +280,16 @@ def canonical_units(units: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedA
     (`source.unit_kind_problems` refuses files whose units no one type holds)."""
     if pa.types.is_dictionary(units.type):
         units = units.cast(units.type.value_type)
-    if is_text(units.type) or pa.types.is_binary(units.type):
-        return units.cast(pa.large_binary())
-    if pa.types.is_integer(units.type):
-        return units.cast(pa.uint64() if units.type == pa.uint64() else pa.int64())
-    return units
+    kind = canonical_unit_type(units.type)
+    return units if kind is None else units.cast(kind)
+
+
+def canonical_unit_type(kind: pa.DataType) -> pa.DataType | None:
+    """The type `canonical_units` reads a unit column of `kind` as (a dictionary's: its values'): large_binary for
+    text and binary, uint64 for uint64, int64 for every other integer; None for any other type (kept as it is)."""
+    value = kind.value_type if pa.types.is_dictionary(kind) else kind
+    if is_text(value) or pa.types.is_binary(value) or pa.types.is_large_binary(value):
+        return pa.large_binary()
+    if pa.types.is_integer(value):
+        return pa.uint64() if value == pa.uint64() else pa.int64()
+    return None
